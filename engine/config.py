@@ -1,0 +1,17 @@
+"""Settings of the engine process, built by the CLI from the user's flags and never mutated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    engine_addr: str  # the engine binds it; API processes connect (DEALER -> ROUTER)
+    worker_addr: str  # the engine binds it; the worker connects
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    encoder_cache_tokens: int = 8192
+    encoder_compute_budget_tokens: int = 2048
+    log_level: str = "info"

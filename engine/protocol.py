@@ -1,0 +1,241 @@
+"""Wire contract between the API, engine and worker processes.
+
+Every message is a tagged ``msgspec.Struct`` encoded with msgpack into the first ZeroMQ frame of a
+multipart message; tensors travel as the following frames, untouched (no pickle, no copies into
+msgpack). A ``TensorRef`` names the frame that holds a tensor's bytes::
+
+    frame 0            frame 1          frame 2
+    msgpack(message)   pixel bytes A    pixel bytes B ...
+       └─ MMFeature.tensors["pixel_values"] = TensorRef(dtype, shape, frame=1)
+
+    API ──AddRequest/Abort/ResetCaches/Shutdown──▶ engine ──SchedulerOutput──▶ worker
+    API ◀──EngineReady/EngineOutputs/EngineDead─── engine ◀──WorkerReady/RunnerOutput── worker
+
+This module is the only piece of ``engine`` that ``app`` and ``workers`` import. It imports neither
+torch nor numpy.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class TensorRef(msgspec.Struct, frozen=True, array_like=True):
+    """A tensor carried in frame ``frame`` of the same multipart message."""
+
+    dtype: str  # numpy dtype name, e.g. "float32"
+    shape: tuple[int, ...]
+    frame: int
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    num_top_logprobs: int | None = None  # None: no logprobs at all; 0: only the sampled token's
+
+
+class MMFeature(msgspec.Struct, frozen=True):
+    """One multimodal item placed in a prompt.
+
+    ``tensors`` is None when the item travels as a key only (the API's mirror says the engine's
+    receiver cache holds it). ``store`` tells the engine to insert the item into its receiver cache.
+    """
+
+    mm_hash: str
+    offset: int  # index of the first placeholder token in the prompt
+    num_tokens: int  # number of placeholder tokens (= encoder output positions)
+    modality: str = "image"
+    tensors: dict[str, TensorRef] | None = None
+    store: bool = False
+
+
+# ---------------------------------------------------------------- API -> engine
+
+
+class AddRequest(msgspec.Struct, frozen=True, tag="add"):
+    """A new request. ``evicted_mm_hashes`` are the receiver-cache keys the API's mirror evicted since
+    its previous message; the engine drops them before it applies ``mm_features`` in order."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    mm_features: list[MMFeature] = []
+    evicted_mm_hashes: list[str] = []
+    arrival_time: float = 0.0
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    req_ids: list[str]
+
+
+class ResetCaches(msgspec.Struct, frozen=True, tag="reset"):
+    """Empties the sender's receiver-cache partition and every freeable encoder-cache entry."""
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+    pass
+
+
+EngineInbound = AddRequest | Abort | ResetCaches | Shutdown
+
+
+# ---------------------------------------------------------------- engine -> API
+
+
+class Logprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    sampled: Logprob
+    top: list[Logprob]
+
+
+class ErrorInfo(msgspec.Struct, frozen=True):
+    message: str
+    code: str  # OpenAI error code, e.g. "context_length_exceeded"
+    http_status: int = 400
+    missing_mm_hashes: list[str] = []  # safety net: the receiver cache lacked these
+
+
+class RequestOutput(msgspec.Struct, frozen=True):
+    req_id: str
+    new_token_ids: list[int] = []
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: ErrorInfo | None = None
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    """Cumulative counters and current gauges of the engine and its workers, plus the observations
+    made since the previous stats message (for histograms)."""
+
+    counters: dict[str, float]
+    gauges: dict[str, float]
+    observations: dict[str, list[float]]
+
+
+class EngineOutputs(msgspec.Struct, frozen=True, tag="outputs"):
+    outputs: list[RequestOutput]
+    stats: EngineStats | None = None
+
+
+class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
+    epoch: str  # new for every engine start; a new epoch empties the API's mirror
+    max_model_len: int
+    max_num_batched_tokens: int
+    encoder_cache_tokens: int
+    encoder_compute_budget_tokens: int
+
+
+class EngineDead(msgspec.Struct, frozen=True, tag="dead"):
+    reason: str
+
+
+EngineOutbound = EngineOutputs | EngineReady | EngineDead
+
+
+# ---------------------------------------------------------------- engine <-> worker
+
+
+class NewRequestData(msgspec.Struct, frozen=True):
+    """Sent once, in the step a request is first scheduled."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    mm_features: list[MMFeature]  # placements only (tensors travel as EncoderInput)
+    sampling: SamplingParams
+
+
+class EncoderInput(msgspec.Struct, frozen=True):
+    mm_hash: str
+    modality: str
+    tensors: dict[str, TensorRef]
+
+
+class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
+    """One step. ``num_scheduled_tokens`` maps every request that runs this step to how many of its
+    tokens it computes; the worker samples for those whose prompt is then fully computed.
+    ``free_mm_hashes`` and ``finished_req_ids`` are dropped by the worker before it runs the step."""
+
+    step_id: int
+    new_requests: list[NewRequestData]
+    num_scheduled_tokens: dict[str, int]
+    encoder_inputs: list[EncoderInput]
+    free_mm_hashes: list[str]
+    finished_req_ids: list[str]
+
+
+class WorkerShutdown(msgspec.Struct, frozen=True, tag="wshutdown"):
+    pass
+
+
+WorkerInbound = SchedulerOutput | WorkerShutdown
+
+
+class WorkerReady(msgspec.Struct, frozen=True, tag="wready"):
+    device: str
+    dtype: str
+
+
+class RunnerOutput(msgspec.Struct, frozen=True, tag="runner"):
+    step_id: int
+    req_ids: list[str]  # requests that sampled a token this step
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    num_encoded_items: int
+    encoder_seconds: float
+    forward_seconds: float
+
+
+class WorkerError(msgspec.Struct, frozen=True, tag="werror"):
+    step_id: int
+    message: str
+
+
+WorkerOutbound = WorkerReady | RunnerOutput | WorkerError
+
+
+_encoder = msgspec.msgpack.Encoder()
+_engine_in = msgspec.msgpack.Decoder(EngineInbound)
+_engine_out = msgspec.msgpack.Decoder(EngineOutbound)
+_worker_in = msgspec.msgpack.Decoder(WorkerInbound)
+_worker_out = msgspec.msgpack.Decoder(WorkerOutbound)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_engine_inbound(buf: bytes | memoryview) -> EngineInbound:
+    return _engine_in.decode(buf)
+
+
+def decode_engine_outbound(buf: bytes | memoryview) -> EngineOutbound:
+    return _engine_out.decode(buf)
+
+
+def decode_worker_inbound(buf: bytes | memoryview) -> WorkerInbound:
+    return _worker_in.decode(buf)
+
+
+def decode_worker_outbound(buf: bytes | memoryview) -> WorkerOutbound:
+    return _worker_out.decode(buf)

@@ -1,0 +1,13 @@
+"""Settings of a worker process, built by the CLI from the user's flags and never mutated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    model: str  # local folder of the HF checkpoint
+    worker_addr: str  # the engine's address; the worker connects to it
+    device: str = "auto"  # auto: cuda (bf16) when available, else cpu (fp32)
+    log_level: str = "info"
