@@ -29,7 +29,8 @@ class FinishReason(enum.StrEnum):
 
 
 class TensorRef(msgspec.Struct, frozen=True, array_like=True):
-    """A tensor carried in frame ``frame`` of the same multipart message."""
+    """A tensor carried in frame ``frame`` of the same multipart message (frame 0 is the msgpack
+    message itself, so tensor frames are numbered from 1)."""
 
     dtype: str  # numpy dtype name, e.g. "float32"
     shape: tuple[int, ...]
@@ -79,6 +80,12 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     arrival_time: float = 0.0
 
 
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """Sent by an API process when it connects and then every few seconds: the engine's ROUTER only
+    learns a sender's identity from a message, and answers each Hello with EngineReady (whose epoch
+    tells the API whether the engine restarted and its mirror must be emptied)."""
+
+
 class Abort(msgspec.Struct, frozen=True, tag="abort"):
     req_ids: list[str]
 
@@ -91,7 +98,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
     pass
 
 
-EngineInbound = AddRequest | Abort | ResetCaches | Shutdown
+EngineInbound = Hello | AddRequest | Abort | ResetCaches | Shutdown
 
 
 # ---------------------------------------------------------------- engine -> API

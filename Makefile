@@ -1,0 +1,41 @@
+# The two commands a new user needs: `make serve` and `make test`.
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+MODEL ?= models/tiny-llava
+HOST  ?= 127.0.0.1
+PORT  ?= 8000
+
+.PHONY: setup serve test test-fast lint bench model
+
+# torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# compose-spec JSON schema for validating docker-compose.yml without a Docker engine
+	$(PY) -m pip install -q --no-deps docker-compose==1.29.2
+	touch $@
+
+setup: $(VENV)/.installed
+
+$(MODEL)/config.json: | $(VENV)/.installed
+	$(VENV)/bin/mmserve build-tiny-model --family llava --out $(MODEL)
+
+model: $(MODEL)/config.json
+
+serve: setup model
+	$(VENV)/bin/mmserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+lint: setup
+	$(VENV)/bin/ruff check app engine workers bench tests
+	$(VENV)/bin/mypy engine
+
+bench: setup model
+	$(PY) bench/bench_api_cache.py --model $(MODEL)

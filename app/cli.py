@@ -1,0 +1,87 @@
+"""``mmserve`` command line: one subcommand per role, flags generated from ``Settings`` so every knob
+is a flag (``--max-num-seqs``) and an environment variable (``MMSERVE_MAX_NUM_SEQS``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from app.settings import Settings
+from engine.config import EngineConfig
+from workers.config import WorkerConfig
+
+ROLES = {
+    "serve": "Start the API, engine and worker processes locally (Ctrl-C stops all three).",
+    "api": "Start only the HTTP API process (connects to --engine-addr).",
+    "engine": "Start only the engine process (binds --engine-addr and --worker-addr).",
+    "worker": "Start only a model worker (connects to --worker-addr).",
+}
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        default = "model's own limit" if name == "max_model_len" else field.default
+        help_text = f"{field.description} (default: {default}; env MMSERVE_{name.upper()})"
+        parser.add_argument(flag, dest=name, default=None, metavar=name.split("_")[-1].upper(), help=help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mmserve", description="OpenAI-compatible server for vision-language models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for role, help_text in ROLES.items():
+        _add_settings_flags(sub.add_parser(role, help=help_text, description=help_text))
+    tiny = sub.add_parser("build-tiny-model", help="Build a tiny random checkpoint for tests and demos.")
+    tiny.add_argument("--family", choices=["llava"], default="llava", help="Model family (default: llava).")
+    tiny.add_argument("--out", required=True, help="Output folder (created or overwritten).")
+    tiny.add_argument("--seed", type=int, default=0, help="Weight seed; same seed, same files (default: 0).")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Flags given on the command line override MMSERVE_* variables, which override defaults."""
+    given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None}
+    return Settings(**given)
+
+
+def engine_config(settings: Settings) -> EngineConfig:
+    return EngineConfig(
+        engine_addr=settings.engine_addr,
+        worker_addr=settings.worker_addr,
+        max_model_len=settings.resolved_max_model_len(),
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        encoder_cache_tokens=settings.encoder_cache_tokens,
+        encoder_compute_budget_tokens=settings.encoder_budget_tokens,
+        log_level=settings.log_level,
+    )
+
+
+def worker_config(settings: Settings) -> WorkerConfig:
+    return WorkerConfig(model=settings.model, worker_addr=settings.worker_addr, device=settings.device,
+                        log_level=settings.log_level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "build-tiny-model":
+        from workers.tiny_model import build_tiny_llava
+
+        path = build_tiny_llava(args.out, seed=args.seed)
+        print(f"mmserve: built tiny {args.family} model in {path}")
+        return 0
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        print(f"mmserve: error: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    from app import launcher
+
+    return launcher.run_role(args.command, settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

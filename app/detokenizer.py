@@ -1,0 +1,177 @@
+"""Incremental detokenization of one request's output, with stop strings.
+
+Each ``push`` decodes a small window of tokens, not the whole output (the prefix/read offsets of vLLM
+and TGI)::
+
+    token_ids:  ... | prefix_offset ........ read_offset ........ len(token_ids)
+                      └─ decoded as context ─┘└─ new text, once it decodes cleanly ─┘
+
+Text is released only once the window no longer ends in an incomplete UTF-8 sequence (decoded as
+U+FFFD), so byte-level BPE output never streams half a character. Released text then passes a second
+hold-back: while the tail could still grow into a stop string it is kept, so a stop string is never
+partly streamed. Invariants: ``read_offset`` is always at a character boundary; released text holds
+no stop string nor the start of one that could still complete, so only unreleased text is searched.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-ins for raw bytes (``Ġ`` for a space), reversed: character → byte."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(char): byte for byte, char in zip(printable, chars, strict=True)}
+
+
+class IncrementalDetokenizer:
+    """Turns the token ids of one request into text deltas, in the order the engine produces them.
+
+    ``push`` is called with each batch of new ids; ``flush`` once when the request finished without a
+    stop string (it releases held-back text). After a stop string matched, ``stopped`` is True,
+    ``stop_str`` names it, ``text`` ends right before it (or after it with ``include_stop_str``) and
+    further pushes return "".
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        skip_special_tokens: bool = True,
+        stop: list[str] | None = None,
+        include_stop_str: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in stop or [] if s]
+        self.include_stop_str = include_stop_str
+        self.stopped = False
+        self.stop_str: str | None = None
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._released: list[str] = []
+        self._pending = ""  # decoded, held back while it could be the start of a stop string
+        self._finished = False
+        self._max_stop_chars = max((len(s) for s in self.stop), default=0)
+        # The Rust tokenizer's decode skips transformers' Python wrapper: several times faster per call.
+        # (So does not apply ``clean_up_tokenization_spaces``, as in vLLM.)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode_fn = backend.decode if backend is not None else tokenizer.decode
+        self._byte_level = backend is not None and "ByteLevel" in repr(backend.decoder)
+        self._bytes_by_token: dict[int, list[int]] = {}
+
+    @property
+    def text(self) -> str:
+        """The output text released so far (held-back text excluded)."""
+        if len(self._released) > 1:
+            self._released = ["".join(self._released)]
+        return self._released[0] if self._released else ""
+
+    def push(self, token_ids: list[int]) -> str:
+        """Adds new token ids; returns the text that may be sent now (often "")."""
+        if self.stopped or self._finished:
+            return ""
+        self.token_ids.extend(token_ids)
+        return self._release(self._decode_new(final=False), final=False)
+
+    def flush(self) -> str:
+        """Called once when the request finished (EOS, length): decodes what was waiting for more bytes
+        and releases every held-back character; a stop string may still match in it."""
+        if self.stopped or self._finished:
+            return ""
+        self._finished = True
+        return self._release(self._decode_new(final=True), final=True)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._decode_fn(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _decode_new(self, *, final: bool) -> str:
+        """Text of the tokens past ``read_offset``, decoded with the preceding window as context (so
+        that decoders that strip a leading space only ever strip it from the context)."""
+        if self._read_offset == len(self.token_ids):
+            return ""
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self.token_ids[self._prefix_offset :])
+        if len(new_text) <= len(prefix_text) and not final:
+            return ""  # e.g. only special tokens, skipped
+        if new_text.endswith(_REPLACEMENT) and not final:
+            return ""  # an incomplete UTF-8 sequence (or a real U+FFFD: released with the next token)
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        return new_text[len(prefix_text) :]
+
+    def _release(self, new_text: str, *, final: bool) -> str:
+        pending = self._pending + new_text
+        if self.stop:
+            matches = [(pos, s) for s in self.stop if (pos := pending.find(s)) >= 0]
+            if matches:
+                pos, stop_str = min(matches, key=lambda match: (match[0], -len(match[1])))
+                self.stopped, self.stop_str = True, stop_str
+                return self._emit(pending[: pos + len(stop_str) if self.include_stop_str else pos], "")
+        num_held_chars = 0 if final else self._stop_prefix_chars(pending)
+        cut = len(pending) - num_held_chars
+        return self._emit(pending[:cut], pending[cut:])
+
+    def _emit(self, delta: str, pending: str) -> str:
+        self._pending = pending
+        if delta:
+            self._released.append(delta)
+        return delta
+
+    def _stop_prefix_chars(self, pending: str) -> int:
+        """Length of the longest tail of ``pending`` that is a proper prefix of a stop string."""
+        for size in range(min(self._max_stop_chars - 1, len(pending)), 0, -1):
+            tail = pending[-size:]
+            if any(s.startswith(tail) for s in self.stop):
+                return size
+        return 0
+
+    # ------------------------------------------------------------------ logprobs helpers
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The raw bytes a single token stands for (may be part of a UTF-8 character)."""
+        cached = self._bytes_by_token.get(token_id)
+        if cached is None:
+            cached = self._bytes_by_token[token_id] = self._raw_bytes(token_id)
+        return cached
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token's text for logprobs. A token that is only part of a character is written as
+        OpenAI does, ``bytes:\\xe6\\x97`` (its ``bytes`` field carries the real values)."""
+        strings = []
+        for token_id in token_ids:
+            raw = bytes(self.token_bytes(token_id))
+            try:
+                strings.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                strings.append("bytes:" + "".join(f"\\x{byte:02x}" for byte in raw))
+        return strings
+
+    def _raw_bytes(self, token_id: int) -> list[int]:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str) and token_id not in getattr(self.tokenizer, "added_tokens_decoder", {}):
+            if (match := _BYTE_FALLBACK.match(piece)) is not None:  # sentencepiece byte fallback: <0xE6>
+                return [int(match.group(1), 16)]
+            if not self._byte_level and "\u2581" in piece:  # sentencepiece's word mark "▁" is a space
+                return list(piece.replace("\u2581", " ").encode("utf-8"))
+            alphabet = _byte_level_alphabet()
+            if self._byte_level and all(char in alphabet for char in piece):
+                return [alphabet[char] for char in piece]
+        return list(self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8"))

@@ -1,0 +1,168 @@
+"""The API's side of the API⇄engine pipe, and the owner of the IPC mirror.
+
+    API (DEALER, identity=client_id, connect) ──[AddRequest | Abort | ResetCaches | Hello, frames]──▶ engine
+                                              ◀──[EngineReady | EngineOutputs | EngineDead]────────
+
+Sending is synchronous and never blocks (unbounded send queue), so a request's mirror decisions and
+the hand-off of its message happen in one step with no ``await`` between: socket order is decision
+order (DESIGN §2, mirror invariant point 2). A reader task routes outputs to per-request queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from app.ipc_mirror import IpcMirror
+from app.metrics import ApiMetrics
+from engine.protocol import (
+    Abort,
+    AddRequest,
+    EngineDead,
+    EngineOutputs,
+    EngineReady,
+    Hello,
+    RequestOutput,
+    ResetCaches,
+    Shutdown,
+    decode_engine_outbound,
+    encode,
+)
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 2.0
+HEARTBEAT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class EngineGone:
+    """Put on a request's queue when the engine died or restarted with the request in flight."""
+
+    reason: str
+
+
+class EngineClient:
+    def __init__(self, engine_addr: str, ipc_cache_bytes: int, metrics: ApiMetrics) -> None:
+        self.engine_addr = engine_addr
+        self.client_id = f"api-{uuid.uuid4().hex[:12]}".encode()
+        self.mirror = IpcMirror(ipc_cache_bytes)
+        self.metrics = metrics
+        self.ready: EngineReady | None = None
+        self.ready_event = asyncio.Event()
+        self._queues: dict[str, asyncio.Queue[RequestOutput | EngineGone]] = {}
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, self.client_id)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # unbounded: a send never blocks nor drops
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_ready_time = 0.0
+
+    async def start(self) -> None:
+        self._sock.connect(self.engine_addr)
+        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._heartbeat_loop())]
+
+    async def close(self, *, shutdown_engine: bool = False) -> None:
+        if shutdown_engine:
+            self._send(Shutdown())
+            await asyncio.sleep(0.05)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    @property
+    def is_ready(self) -> bool:
+        loop_time = asyncio.get_running_loop().time()
+        return self.ready is not None and loop_time - self._last_ready_time < HEARTBEAT_TIMEOUT_S
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self.ready_event.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ sending (synchronous)
+
+    def _send(self, msg: AddRequest | Abort | ResetCaches | Hello | Shutdown,
+              frames: Sequence[memoryview] = ()) -> None:
+        self._sock.send_multipart([encode(msg), *frames], flags=zmq.NOBLOCK, copy=False)
+
+    def add_request(self, msg: AddRequest, frames: Sequence[memoryview]) -> asyncio.Queue[RequestOutput | EngineGone]:
+        """Registers the request's output queue and hands the message to the socket. Called in the
+        same synchronous step as ``IpcMirror.record_request`` for this message."""
+        queue: asyncio.Queue[RequestOutput | EngineGone] = asyncio.Queue()
+        self._queues[msg.req_id] = queue
+        self._send(msg, frames)
+        return queue
+
+    def release(self, req_id: str, *, abort: bool) -> None:
+        """Called when the API is done with a request; aborts it in the engine if still running."""
+        if self._queues.pop(req_id, None) is not None and abort:
+            self._send(Abort([req_id]))
+
+    def reset_caches(self) -> None:
+        """Empties the mirror and, in the same socket order, the engine's partition for this client."""
+        self.mirror.reset()
+        self._send(ResetCaches())
+
+    # ------------------------------------------------------------------ receiving
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            self._send(Hello())
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def _read_loop(self) -> None:
+        while True:
+            parts = await self._sock.recv_multipart()
+            try:
+                msg = decode_engine_outbound(parts[0])
+            except Exception:
+                log.exception("undecodable message from the engine")
+                continue
+            match msg:
+                case EngineOutputs():
+                    if msg.stats is not None:
+                        self.metrics.apply_engine_stats(msg.stats)
+                    for output in msg.outputs:
+                        queue = self._queues.get(output.req_id)
+                        if queue is not None:
+                            queue.put_nowait(output)
+                case EngineReady():
+                    self._on_ready(msg)
+                case EngineDead():
+                    log.error("engine died: %s", msg.reason)
+                    self.ready = None
+                    self.ready_event.clear()
+                    self._fail_in_flight(f"the engine stopped: {msg.reason}")
+
+    def _on_ready(self, msg: EngineReady) -> None:
+        self._last_ready_time = asyncio.get_running_loop().time()
+        if self.ready is not None and self.ready.epoch == msg.epoch:
+            return
+        if self.ready is not None:
+            log.warning("engine restarted (epoch %s -> %s): emptying the IPC mirror", self.ready.epoch, msg.epoch)
+            self._fail_in_flight("the engine restarted")
+        # A new engine has an empty receiver cache: the mirror must not claim anything.
+        self.mirror.reset()
+        self.ready = msg
+        self.ready_event.set()
+
+    def _fail_in_flight(self, reason: str) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(EngineGone(reason))
+

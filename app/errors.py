@@ -1,0 +1,68 @@
+"""Typed errors of the API process.
+
+Code inside the API raises these; one place (the HTTP layer) maps them to the OpenAI error envelope
+``{"error": {"message", "type", "param", "code"}}`` with ``http_status``. Nothing here knows about FastAPI.
+"""
+
+from __future__ import annotations
+
+
+class MMServeError(Exception):
+    """Base of every error that reaches the client with an OpenAI-shaped body."""
+
+    http_status: int = 500
+    err_type: str = "server_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, param={self.param!r}, code={self.code!r})"
+
+
+class InvalidRequestError(MMServeError):
+    """The request is malformed or asks for something this server cannot do (400)."""
+
+    http_status = 400
+    err_type = "invalid_request_error"
+
+
+class MediaError(InvalidRequestError):
+    """An image could not be fetched, decoded or accepted (400, never a 500).
+
+    Codes: ``invalid_image_url`` (bad scheme or data URL), ``image_fetch_failed`` (HTTP error, timeout,
+    connection refused), ``image_too_large`` (encoded bytes or pixels over the limit), ``invalid_image``
+    (bytes that do not decode as an image).
+    """
+
+    default_code = "invalid_image"
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this server does not serve (404, as OpenAI answers)."""
+
+    http_status = 404
+    default_code = "model_not_found"
+
+    def __init__(self, message: str, *, param: str | None = "model", code: str | None = None) -> None:
+        super().__init__(message, param=param, code=code)
+
+
+class ContextLengthError(InvalidRequestError):
+    """Prompt plus requested output does not fit the model's context (400)."""
+
+    default_code = "context_length_exceeded"
+
+    def __init__(self, message: str, *, param: str | None = "messages", code: str | None = None) -> None:
+        super().__init__(message, param=param, code=code)
+
+
+class EngineUnavailableError(MMServeError):
+    """The engine is not ready, died or was restarted under the request (503)."""
+
+    http_status = 503
+    err_type = "server_error"

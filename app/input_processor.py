@@ -1,0 +1,179 @@
+"""From an OpenAI chat request to an ``AddRequest`` on the wire: fetch and hash images, skip the HF
+processor on cache hits, and let the IPC mirror decide which items cross as tensors.
+
+    prepare()  fetch + decode + hash every image (concurrently), render the chat template
+    resolve()  per image: processor cache → mirror lookup (pins on hit) → HF processor only if both miss
+    submit()   ONE synchronous step: mirror.record_request → AddRequest + frames → socket → unpin
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import PIL.Image
+
+from app.engine_client import EngineClient, EngineGone
+from app.hashing import mm_hash
+from app.ipc_mirror import MirrorDecision
+from app.media import decode_image, load_image_bytes
+from app.metrics import ApiMetrics
+from app.mm_processing import MMProcessor, ProcessedItem
+from app.processor_cache import ProcessorCache
+from app.settings import Settings
+from engine.protocol import AddRequest, MMFeature, RequestOutput, SamplingParams, TensorRef
+
+
+@dataclass
+class ImageInput:
+    mm_hash: str
+    image: PIL.Image.Image
+    param: str  # where the image sits in the request, for error messages
+    item: ProcessedItem | None = None  # processed tensors, when this API process has them
+    num_tokens: int | None = None
+    pinned: bool = False  # found in the mirror and pinned until the request is sent
+
+
+@dataclass
+class PreparedRequest:
+    prompt: str
+    images: list[ImageInput]
+    mm_processor_kwargs: dict[str, Any]
+    prompt_token_ids: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+
+
+def normalise_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """OpenAI messages → chat-template messages with ``{"type": "image"}`` parts, plus the image URLs
+    in prompt order with their request locations."""
+    rendered: list[dict[str, Any]] = []
+    urls: list[tuple[str, str]] = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if content is None or isinstance(content, str):
+            rendered.append({"role": message.role, "content": content or ""})
+            continue
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(content):
+            if part.type == "text":
+                parts.append({"type": "text", "text": part.text})
+            else:
+                parts.append({"type": "image"})
+                urls.append((part.image_url.url, f"messages[{i}].content[{j}].image_url.url"))
+        rendered.append({"role": message.role, "content": parts})
+    return rendered, urls
+
+
+def tensor_frames(item: ProcessedItem, first_frame: int) -> tuple[dict[str, TensorRef], list[memoryview]]:
+    """Zero-copy views of an item's tensors, numbered from ``first_frame``."""
+    refs: dict[str, TensorRef] = {}
+    frames: list[memoryview] = []
+    for name, tensor in item.tensors.items():
+        array = tensor.contiguous().numpy()
+        refs[name] = TensorRef(str(array.dtype), tuple(array.shape), first_frame + len(frames))
+        frames.append(memoryview(array).cast("B"))
+    return refs, frames
+
+
+class InputProcessor:
+    def __init__(self, settings: Settings, mm_processor: MMProcessor, processor_cache: ProcessorCache,
+                 engine: EngineClient, metrics: ApiMetrics, http: httpx.AsyncClient) -> None:
+        self.settings = settings
+        self.mm_processor = mm_processor
+        self.processor_cache = processor_cache
+        self.engine = engine
+        self.metrics = metrics
+        self.http = http
+
+    async def prepare(self, messages: list[Any], mm_processor_kwargs: dict[str, Any]) -> PreparedRequest:
+        rendered, urls = normalise_messages(messages)
+        options = self.mm_processor.hash_options(mm_processor_kwargs)
+        images = await asyncio.gather(*(self._load(url, param, options) for url, param in urls))
+        prompt = self.mm_processor.render_prompt(rendered)
+        return PreparedRequest(prompt, list(images), mm_processor_kwargs)
+
+    async def _load(self, url: str, param: str, options: dict[str, Any]) -> ImageInput:
+        start = time.perf_counter()
+        s = self.settings
+        data = await load_image_bytes(url, client=self.http, timeout_s=s.fetch_timeout_s,
+                                      max_bytes=s.max_image_bytes, param=param)
+        image = await asyncio.to_thread(decode_image, data, param=param)
+        self.metrics.fetch_seconds.observe(time.perf_counter() - start)
+        self.metrics.mm_items.inc()
+        digest = mm_hash(model_id=self.mm_processor.model_id, modality="image", data=data, options=options)
+        return ImageInput(mm_hash=digest, image=image, param=param)
+
+    async def resolve(self, prepared: PreparedRequest) -> None:
+        """Makes every image's size known and its tensors available unless the engine holds it."""
+        for image in prepared.images:
+            if image.item is None:
+                self.metrics.processor_cache_queries.inc()
+                image.item = self.processor_cache.get(image.mm_hash)
+                if image.item is not None:
+                    self.metrics.processor_cache_hits.inc()
+            if not image.pinned:
+                self.metrics.ipc_cache_queries.inc()
+                entry = self.engine.mirror.lookup_and_pin(image.mm_hash)
+                if entry is not None:
+                    self.metrics.ipc_cache_hits.inc()
+                    image.pinned, image.num_tokens = True, entry.num_tokens
+            if image.item is None and not image.pinned:
+                image.item = await self._process(image, prepared.mm_processor_kwargs)
+            if image.item is not None:
+                image.num_tokens = image.item.num_tokens
+        num_tokens = [image.num_tokens for image in prepared.images]
+        assert all(n is not None for n in num_tokens)
+        prepared.prompt_token_ids, prepared.offsets = self.mm_processor.tokenize(
+            prepared.prompt, [n for n in num_tokens if n is not None]
+        )
+
+    async def _process(self, image: ImageInput, kwargs: dict[str, Any]) -> ProcessedItem:
+        start = time.perf_counter()
+        item = await asyncio.to_thread(self.mm_processor.process_image, image.image, kwargs)
+        self.metrics.processor_seconds.observe(time.perf_counter() - start)
+        self.processor_cache.put(image.mm_hash, item)
+        return item
+
+    def release_pins(self, prepared: PreparedRequest) -> None:
+        for image in prepared.images:
+            if image.pinned:
+                self.engine.mirror.unpin(image.mm_hash)
+                image.pinned = False
+
+    def submit(self, prepared: PreparedRequest, req_id: str, sampling: SamplingParams,
+               arrival_time: float) -> asyncio.Queue[RequestOutput | EngineGone] | None:
+        """Decides what crosses the pipe and sends it, in one synchronous step (no ``await``).
+
+        Returns None, sending nothing, when an image found in the mirror during ``resolve`` has since
+        been dropped from it (engine restart, reset): the caller resolves again and retries."""
+        mirror = self.engine.mirror
+        if any(i.item is None and i.mm_hash not in mirror for i in prepared.images):
+            self.release_pins(prepared)
+            return None
+        decisions, evicted = mirror.record_request(
+            [(i.mm_hash, i.item.num_bytes if i.item else 0, i.num_tokens or 0) for i in prepared.images]
+        )
+        features: list[MMFeature] = []
+        frames: list[memoryview] = []
+        payload_bytes = 0
+        for image, offset, decision in zip(prepared.images, prepared.offsets, decisions, strict=True):
+            assert image.num_tokens is not None
+            payload_bytes += len(image.mm_hash)
+            if decision is MirrorDecision.HIT:
+                features.append(MMFeature(image.mm_hash, offset, image.num_tokens))
+                continue
+            assert image.item is not None, "a mirror miss always has its tensors"
+            refs, item_frames = tensor_frames(image.item, first_frame=1 + len(frames))
+            frames.extend(item_frames)
+            payload_bytes += sum(f.nbytes for f in item_frames)
+            features.append(MMFeature(image.mm_hash, offset, image.num_tokens, tensors=refs,
+                                      store=decision is MirrorDecision.STORE))
+        msg = AddRequest(req_id=req_id, prompt_token_ids=prepared.prompt_token_ids, sampling=sampling,
+                         mm_features=features, evicted_mm_hashes=evicted, arrival_time=arrival_time)
+        queue = self.engine.add_request(msg, frames)
+        self.release_pins(prepared)
+        self.metrics.ipc_payload_bytes.inc(payload_bytes)
+        return queue

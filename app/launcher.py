@@ -1,0 +1,126 @@
+"""Starts mmserve's processes: one role (``api``/``engine``/``worker``) or all three (``serve``).
+The only module that knows all three entry points."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from app.settings import Settings
+
+log = logging.getLogger("mmserve")
+
+
+def run_role(role: str, settings: Settings) -> int:
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if role != "engine" and not Path(settings.model).is_dir():
+        print(f"mmserve: error: model folder {settings.model!r} does not exist "
+              "(build one with `mmserve build-tiny-model --out DIR`)", file=sys.stderr)
+        return 2
+    if role == "serve":
+        return serve(settings)
+    from app.cli import engine_config, worker_config
+
+    if role == "engine":
+        from engine.engine_main import run_engine
+
+        run_engine(engine_config(settings))
+    elif role == "worker":
+        from workers.worker_main import run_worker
+
+        run_worker(worker_config(settings))
+    else:
+        run_api(settings, owns_engine=False)
+    return 0
+
+
+def run_api(settings: Settings, *, owns_engine: bool) -> None:
+    from app.server import create_app
+
+    app = create_app(settings, shutdown_engine_on_exit=owns_engine)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                timeout_graceful_shutdown=5)
+
+
+def _child_main(role: str, settings: Settings) -> None:
+    """Entry of a child started by ``serve``: dies with its parent, then runs its role."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    sys.exit(run_role(role, settings))
+
+
+def _private_addresses(settings: Settings) -> Settings:
+    """``serve`` uses fresh ipc:// paths unless addresses were set, so two servers never collide."""
+    explicit = settings.model_fields_set
+    folder = tempfile.mkdtemp(prefix="mmserve-")
+    update = {}
+    if "engine_addr" not in explicit:
+        update["engine_addr"] = f"ipc://{folder}/engine.sock"
+    if "worker_addr" not in explicit:
+        update["worker_addr"] = f"ipc://{folder}/worker.sock"
+    return Settings(**{**settings.model_dump(exclude_unset=True), **update})
+
+
+def serve(settings: Settings) -> int:
+    settings = _private_addresses(settings)
+    ctx = multiprocessing.get_context("spawn")
+    children = [
+        ctx.Process(target=_child_main, args=(role, settings), name=f"mmserve-{role}", daemon=False)
+        for role in ("engine", "worker")
+    ]
+    for child in children:
+        child.start()
+    stop = threading.Event()
+    threading.Thread(target=_announce_when_ready, args=(settings, stop), daemon=True).start()
+    threading.Thread(target=_watch_children, args=(children, stop), daemon=True).start()
+    try:
+        run_api(settings, owns_engine=True)
+    finally:
+        stop.set()
+        _stop_children(children)
+    return 0
+
+
+def _announce_when_ready(settings: Settings, stop: threading.Event) -> None:
+    url = f"http://{settings.host}:{settings.port}"
+    while not stop.wait(0.2):
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                print(f"mmserve: serving model {settings.model_name!r} ({settings.model}) at {url}/v1 "
+                      "- press Ctrl-C to stop", flush=True)
+                return
+        except httpx.HTTPError:
+            continue
+
+
+def _watch_children(children: list[multiprocessing.process.BaseProcess], stop: threading.Event) -> None:
+    """If the engine or worker dies, the API cannot serve: stop it (uvicorn exits on SIGTERM)."""
+    while not stop.wait(0.5):
+        dead = [c for c in children if not c.is_alive()]
+        if dead:
+            log.error("%s exited (code %s); stopping", dead[0].name, dead[0].exitcode)
+            signal.raise_signal(signal.SIGTERM)
+            return
+
+
+def _stop_children(children: list[multiprocessing.process.BaseProcess]) -> None:
+    deadline = time.monotonic() + 5.0
+    for child in children:
+        child.join(max(0.0, deadline - time.monotonic()))
+    for child in children:
+        if child.is_alive():
+            child.terminate()
+            child.join(2.0)
+        if child.is_alive():
+            child.kill()
+            child.join()

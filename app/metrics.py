@@ -1,0 +1,97 @@
+"""Prometheus metrics of the API process, including the engine's and workers' figures, which arrive
+in ``EngineStats`` messages (DESIGN §5). One registry per app, no import-time singletons."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.protocol import EngineStats
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+# engine-side counter/gauge names (without prefix) and their help texts
+ENGINE_COUNTERS = {
+    "encoder_cache_queries_total": "Encoder-cache lookups (items).",
+    "encoder_cache_hits_total": "Encoder-cache lookups that found the item already encoded.",
+    "encoder_runs_total": "Items run through the vision encoder.",
+    "engine_steps_total": "Engine steps run on the worker.",
+    "mm_ipc_cache_resends_total": "Items the receiver cache lacked although the mirror said cached (should be 0).",
+}
+ENGINE_GAUGES = {
+    "encoder_cache_usage_tokens": "Encoder-cache space in use (embeddings), freeable entries included.",
+    "encoder_cache_capacity_tokens": "Encoder-cache capacity (embeddings).",
+    "num_requests_running": "Requests running in the engine.",
+    "num_requests_waiting": "Requests waiting in the engine.",
+}
+
+
+class _EngineCollector(Collector):
+    def __init__(self, metrics: ApiMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        counters, gauges = self._metrics.engine_counters, self._metrics.engine_gauges
+        for name, help_text in ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(f"mmserve_{name.removesuffix('_total')}", help_text, value=counters.get(name, 0.0))
+        for name, help_text in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(f"mmserve_{name}", help_text, value=gauges.get(name, 0.0))
+
+
+class ApiMetrics:
+    def __init__(self) -> None:
+        disable_created_metrics()  # the *_created series only add noise to every counter
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"mmserve_{name}", doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"mmserve_{name}", doc, buckets=buckets, registry=r)
+
+        self.mm_items = counter("mm_items", "Multimodal items (images) received.")
+        self.processor_cache_queries = counter("mm_processor_cache_queries", "Processor-cache lookups (items).")
+        self.processor_cache_hits = counter("mm_processor_cache_hits", "Processor-cache hits (items).")
+        self.ipc_cache_queries = counter("mm_ipc_cache_queries", "IPC-mirror lookups (items).")
+        self.ipc_cache_hits = counter("mm_ipc_cache_hits", "IPC-mirror hits: item sent as a key only.")
+        self.ipc_payload_bytes = counter("mm_ipc_payload_bytes", "Multimodal bytes sent API->engine, keys included.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.request_success = counter("request_success", "Finished requests.", ("finish_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.e2e_latency = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.fetch_seconds = histogram("mm_fetch_seconds", "Time to fetch and decode one image.")
+        self.processor_seconds = histogram("mm_processor_seconds", "HF processor time for one image.")
+        self.encoder_seconds = histogram("encoder_seconds", "Vision-encoder time of one engine step.")
+        self.requests_per_step = histogram(
+            "num_requests_per_step", "Requests batched together in one engine step.", BATCH_BUCKETS
+        )
+        self.batched_tokens_per_step = histogram(
+            "num_batched_tokens_per_step", "Tokens computed in one engine step.",
+            (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384),
+        )
+        self.engine_counters: dict[str, float] = {}
+        self.engine_gauges: dict[str, float] = {}
+        self.registry.register(_EngineCollector(self))
+        self._engine_histograms = {
+            "encoder_seconds": self.encoder_seconds,
+            "num_requests_per_step": self.requests_per_step,
+            "num_batched_tokens_per_step": self.batched_tokens_per_step,
+        }
+
+    def apply_engine_stats(self, stats: EngineStats) -> None:
+        self.engine_counters = stats.counters
+        self.engine_gauges = stats.gauges
+        for name, values in stats.observations.items():
+            histogram = self._engine_histograms.get(name)
+            if histogram is not None:
+                for value in values:
+                    histogram.observe(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,18 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from app.schemas import ChatCompletionRequest
+from app.state import State
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, state: State
+) -> JSONResponse | StreamingResponse:
+    return await state.chat.create(body, request)

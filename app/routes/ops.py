@@ -1,0 +1,24 @@
+"""GET /health and GET /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from app.state import State
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: State) -> JSONResponse:
+    """200 once the engine (and its worker) answered; 503 while it is starting or gone."""
+    if state.engine.is_ready:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "engine not ready"}, status_code=503)
+
+
+@router.get("/metrics")
+async def metrics(state: State) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

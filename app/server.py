@@ -1,0 +1,52 @@
+"""The API process's app factory. The lifespan owns the engine client, the HTTP client used to fetch
+images, the HF processor and the caches; nothing runs at import time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+
+from app.chat_service import ChatService
+from app.engine_client import EngineClient
+from app.error_handlers import install_error_handlers
+from app.input_processor import InputProcessor
+from app.metrics import ApiMetrics
+from app.mm_processing import MMProcessor
+from app.processor_cache import ProcessorCache
+from app.routes import chat, models, ops
+from app.settings import Settings
+from app.state import ApiState
+
+log = logging.getLogger("mmserve.api")
+
+
+def create_app(settings: Settings, *, shutdown_engine_on_exit: bool = False) -> FastAPI:
+    """``shutdown_engine_on_exit``: the API owns the engine (``mmserve serve``) and tells it to stop."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        metrics = ApiMetrics()
+        max_model_len = settings.resolved_max_model_len()
+        mm_processor = MMProcessor(settings.model)
+        engine = EngineClient(settings.engine_addr, settings.ipc_cache_bytes, metrics)
+        http = httpx.AsyncClient(follow_redirects=True)
+        inputs = InputProcessor(settings, mm_processor, ProcessorCache(settings.processor_cache_bytes),
+                                engine, metrics, http)
+        chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics)
+        app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, http)
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.close(shutdown_engine=shutdown_engine_on_exit)
+            await http.aclose()
+
+    app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    for router in (chat.router, models.router, ops.router):
+        app.include_router(router)
+    return app

@@ -1,0 +1,179 @@
+"""The engine: admits requests (resolving their multimodal items through the receiver cache), runs one
+scheduler step at a time on the worker, and turns results into per-client outputs. No socket IO here:
+``handle`` takes decoded messages, ``step`` calls the executor, the caller publishes what they return.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Protocol
+
+from engine.protocol import (
+    Abort,
+    AddRequest,
+    EncoderInput,
+    EngineStats,
+    ErrorInfo,
+    FinishReason,
+    MMFeature,
+    NewRequestData,
+    RequestOutput,
+    ResetCaches,
+    RunnerOutput,
+    SchedulerOutput,
+    TensorRef,
+)
+from engine.receiver_cache import ReceiverCachePartitions
+from engine.request import MMItem, Request
+from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.stats import EngineMetrics
+
+log = logging.getLogger(__name__)
+
+Outputs = dict[bytes, list[RequestOutput]]  # client identity -> its outputs of this step
+
+
+class Executor(Protocol):
+    def execute(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> RunnerOutput: ...
+
+
+def item_from_wire(feature: MMFeature, frames: Sequence[memoryview]) -> MMItem:
+    """The engine-side item for a feature that carries tensors (frames of the same message)."""
+    assert feature.tensors is not None
+    return MMItem(
+        modality=feature.modality,
+        num_tokens=feature.num_tokens,
+        dtypes_shapes={name: (ref.dtype, ref.shape) for name, ref in feature.tensors.items()},
+        buffers={name: frames[ref.frame] for name, ref in feature.tensors.items()},
+    )
+
+
+class EngineCore:
+    def __init__(self, scheduler_config: SchedulerConfig, executor: Executor) -> None:
+        self.epoch = uuid.uuid4().hex
+        self.scheduler = Scheduler(scheduler_config)
+        self.executor = executor
+        self.receiver_caches: ReceiverCachePartitions[MMItem] = ReceiverCachePartitions()
+        self.metrics = EngineMetrics()
+
+    # ------------------------------------------------------------------ inbox
+
+    def add_request(self, client: bytes, msg: AddRequest, frames: Sequence[memoryview]) -> Outputs:
+        """Applies the API's mirror decisions first (evictions, then inserts and touches in feature
+        order), before anything that could reject the request, so the receiver cache stays identical
+        to the sender's mirror whatever happens to the request."""
+        cache = self.receiver_caches.for_sender(client)
+        features = [
+            (
+                f.mm_hash,
+                item_from_wire(f, frames) if f.tensors is not None else None,
+                sum(frames[r.frame].nbytes for r in f.tensors.values()) if f.tensors else 0,
+                f.store,
+            )
+            for f in msg.mm_features
+        ]
+        items, missing = cache.apply(msg.evicted_mm_hashes, features)
+        if missing:
+            self.metrics.count("mm_ipc_cache_resends_total", len(missing))
+            return self._reject(client, msg.req_id, "multimodal items missing from the receiver cache",
+                                "mm_cache_miss", missing=missing)
+        error = self.scheduler.admission_error(
+            len(msg.prompt_token_ids), msg.sampling.max_tokens, [f.num_tokens for f in msg.mm_features]
+        )
+        if error is not None:
+            code = "context_length_exceeded" if "context length" in error else "invalid_request_error"
+            return self._reject(client, msg.req_id, error, code)
+        mm_items = {f.mm_hash: item for f, item in zip(msg.mm_features, items, strict=True) if item}
+        self.scheduler.add_request(
+            Request(
+                req_id=msg.req_id,
+                client=client,
+                prompt_token_ids=msg.prompt_token_ids,
+                sampling=msg.sampling,
+                mm_features=[MMFeature(f.mm_hash, f.offset, f.num_tokens, f.modality) for f in msg.mm_features],
+                mm_items=mm_items,
+                arrival_time=msg.arrival_time or time.time(),
+            )
+        )
+        return {}
+
+    def _reject(self, client: bytes, req_id: str, message: str, code: str,
+                missing: list[str] | None = None) -> Outputs:
+        error = ErrorInfo(message=message, code=code, missing_mm_hashes=missing or [])
+        return {client: [RequestOutput(req_id, finish_reason=FinishReason.ABORT, error=error)]}
+
+    def abort(self, client: bytes, msg: Abort) -> Outputs:
+        for req_id in msg.req_ids:
+            request = self.scheduler.requests.get(req_id)
+            if request is not None and request.client == client:
+                self.scheduler.abort(req_id)
+        return {}
+
+    def reset_caches(self, client: bytes, msg: ResetCaches) -> Outputs:
+        self.receiver_caches.for_sender(client).clear()
+        self.scheduler.reset_encoder_cache()
+        return {}
+
+    # ------------------------------------------------------------------ step
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> Outputs:
+        """One engine step: schedule → execute on the worker → postprocess."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty and not plan.free_mm_hashes and not plan.finished_req_ids:
+            return {}
+        sched, frames = to_scheduler_output(plan)
+        runner_output = self.executor.execute(sched, frames)
+        result = self.scheduler.postprocess(plan, runner_output)
+        self.metrics.record_step(plan, runner_output)
+
+        outputs: Outputs = defaultdict(list)
+        finished = {r.req_id: r for r in result.finished}
+        logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=True))
+        for req_id, token_ids in result.new_token_ids.items():
+            request = finished.get(req_id) or self.scheduler.requests[req_id]
+            entry = logprobs.get(req_id)
+            outputs[request.client].append(
+                RequestOutput(
+                    req_id=req_id,
+                    new_token_ids=token_ids,
+                    logprobs=[entry] if entry is not None else None,
+                    finish_reason=request.finish_reason,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                )
+            )
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return self.metrics.snapshot(self.scheduler)
+
+
+def to_scheduler_output(plan: StepPlan) -> tuple[SchedulerOutput, list[memoryview]]:
+    """The wire form of a plan and its tensor frames (numbered from 1: frame 0 is the message)."""
+    frames: list[memoryview] = []
+    encoder_inputs = []
+    for mm_hash, item in plan.encoder_items:
+        refs = {}
+        for name, (dtype, shape) in item.dtypes_shapes.items():
+            refs[name] = TensorRef(dtype, shape, len(frames) + 1)
+            frames.append(item.buffers[name])
+        encoder_inputs.append(EncoderInput(mm_hash, item.modality, refs))
+    new_requests = [
+        NewRequestData(r.req_id, r.prompt_token_ids, r.mm_features, r.sampling) for r in plan.new_requests
+    ]
+    sched = SchedulerOutput(
+        step_id=plan.step_id,
+        new_requests=new_requests,
+        num_scheduled_tokens=plan.num_scheduled_tokens,
+        encoder_inputs=encoder_inputs,
+        free_mm_hashes=plan.free_mm_hashes,
+        finished_req_ids=plan.finished_req_ids,
+    )
+    return sched, frames

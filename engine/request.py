@@ -1,0 +1,59 @@
+"""Engine-side state of one request (plain Python, no tensors)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.protocol import FinishReason, MMFeature, SamplingParams
+
+
+@dataclass(frozen=True)
+class MMItem:
+    """A processed multimodal item held by the engine: tensor metadata plus the raw frame buffers
+    exactly as they arrived from the API (forwarded to the worker without copying)."""
+
+    modality: str
+    num_tokens: int
+    dtypes_shapes: dict[str, tuple[str, tuple[int, ...]]]
+    buffers: dict[str, memoryview]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(buf.nbytes for buf in self.buffers.values())
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    req_id: str
+    client: bytes  # identity of the API process that sent it
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    mm_features: list[MMFeature]  # placements (tensors stripped)
+    mm_items: dict[str, MMItem]  # mm_hash -> item, resolved at admission
+    arrival_time: float
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # mm_hashes whose encoder-cache entry this request currently uses (acquired, not yet released)
+    encoder_hashes_in_use: set[str] = field(default_factory=set)
+    sent_to_worker: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

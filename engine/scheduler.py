@@ -1,0 +1,238 @@
+"""Continuous-batching scheduler: decides, each step, how many tokens every request computes and which
+multimodal items the encoder runs on. Policy only: no sockets, no tensors.
+
+A step is ``schedule()`` → the worker runs it → ``postprocess(runner_output)``. Requests join (from
+``waiting``) and leave (finished, aborted) between steps; all running requests advance together.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.encoder_cache_manager import EncoderCacheManager
+from engine.protocol import FinishReason, RunnerOutput
+from engine.request import MMItem, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    encoder_cache_tokens: int
+    encoder_compute_budget_tokens: int
+
+
+@dataclass
+class StepPlan:
+    """What one step runs. Turned into a wire ``SchedulerOutput`` by the engine core."""
+
+    step_id: int
+    new_requests: list[Request]
+    num_scheduled_tokens: dict[str, int]
+    encoder_items: list[tuple[str, MMItem]]  # (mm_hash, item) to encode this step, each once
+    free_mm_hashes: list[str]
+    finished_req_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class StepResult:
+    """Outcome of ``postprocess``: new tokens per request and which requests finished."""
+
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    finished: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.encoder_cache = EncoderCacheManager(config.encoder_cache_tokens)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._step_id = 0
+        # finished since the last plan; the worker drops their state at the start of the next step
+        self._finished_req_ids: list[str] = []
+
+    # ------------------------------------------------------------------ admission
+
+    def admission_error(self, prompt_len: int, max_tokens: int, mm_sizes: list[int]) -> str | None:
+        """Why a request can never run (checked before it is queued), or None."""
+        if prompt_len + max_tokens > self.config.max_model_len:
+            return (
+                f"This model's maximum context length is {self.config.max_model_len} tokens. However, "
+                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+                f"{max_tokens} in the completion)."
+            )
+        item_budget = self.config.encoder_compute_budget_tokens
+        if self.encoder_cache.enabled:
+            item_budget = min(item_budget, self.config.encoder_cache_tokens)
+        for num_tokens in mm_sizes:
+            if num_tokens > item_budget:
+                return (
+                    f"A multimodal item needs {num_tokens} encoder tokens, more than the encoder cache "
+                    f"({self.config.encoder_cache_tokens}) or per-step compute budget "
+                    f"({self.config.encoder_compute_budget_tokens}) allows."
+                )
+        return None
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def abort(self, req_id: str) -> Request | None:
+        request = self.requests.get(req_id)
+        if request is None or request.is_finished:
+            return None
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        return request
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ------------------------------------------------------------------ scheduling
+
+    def schedule(self) -> StepPlan:
+        """Called once per step: running requests first (oldest first), then waiting ones in FCFS
+        order while the token budget and ``max_num_seqs`` allow."""
+        token_budget = self.config.max_num_batched_tokens
+        encoder_budget = self.config.encoder_compute_budget_tokens
+        num_scheduled: dict[str, int] = {}
+        encoder_items: dict[str, MMItem] = {}
+
+        for request in self.running:
+            if token_budget <= 0:
+                break
+            num_tokens, encoder_budget = self._fit(request, token_budget, encoder_budget, encoder_items)
+            if num_tokens > 0:
+                num_scheduled[request.req_id] = num_tokens
+                token_budget -= num_tokens
+
+        new_requests: list[Request] = []
+        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_tokens, encoder_budget = self._fit(request, token_budget, encoder_budget, encoder_items)
+            if num_tokens == 0:
+                break  # head of line cannot start yet (its first image does not fit); keep FCFS
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.req_id] = num_tokens
+            token_budget -= num_tokens
+            if not request.sent_to_worker:
+                request.sent_to_worker = True
+                new_requests.append(request)
+
+        self._step_id += 1
+        finished, self._finished_req_ids = self._finished_req_ids, []
+        return StepPlan(
+            step_id=self._step_id,
+            new_requests=new_requests,
+            num_scheduled_tokens=num_scheduled,
+            encoder_items=list(encoder_items.items()),
+            free_mm_hashes=self.encoder_cache.take_evicted(),
+            finished_req_ids=finished,
+        )
+
+    def _fit(
+        self, request: Request, token_budget: int, encoder_budget: int, encoder_items: dict[str, MMItem]
+    ) -> tuple[int, int]:
+        """How many of ``request``'s next tokens can run this step, acquiring encoder-cache entries for
+        the items they cover. An item is encoded whole, in the step that first needs it; if it cannot
+        be (compute budget or cache space), the chunk stops right before it."""
+        start = request.num_computed_tokens
+        num_tokens = min(request.num_tokens - start, token_budget)
+        for feature in request.mm_features:
+            begin, end = feature.offset, feature.offset + feature.num_tokens
+            if end <= start or begin >= start + num_tokens:
+                continue  # not covered by this chunk
+            mm_hash = feature.mm_hash
+            if mm_hash in request.encoder_hashes_in_use:
+                continue
+            if self.encoder_cache.lookup(mm_hash, request.req_id):
+                request.encoder_hashes_in_use.add(mm_hash)
+                continue
+            if feature.num_tokens <= encoder_budget and self.encoder_cache.can_allocate(feature.num_tokens):
+                self.encoder_cache.allocate(mm_hash, feature.num_tokens, request.req_id)
+                request.encoder_hashes_in_use.add(mm_hash)
+                encoder_items[mm_hash] = request.mm_items[mm_hash]
+                encoder_budget -= feature.num_tokens
+                continue
+            num_tokens = max(0, begin - start)
+            break
+        return num_tokens, encoder_budget
+
+    # ------------------------------------------------------------------ after the worker ran
+
+    def postprocess(self, plan: StepPlan, output: RunnerOutput) -> StepResult:
+        """Called once per step with the worker's result: advances computed tokens, appends sampled
+        tokens, releases encoder entries whose placeholder range is fully computed, finishes requests."""
+        result = StepResult()
+        for req_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            request.num_computed_tokens += num_tokens
+            for feature in request.mm_features:
+                done = request.num_computed_tokens >= feature.offset + feature.num_tokens
+                if done and feature.mm_hash in request.encoder_hashes_in_use:
+                    request.encoder_hashes_in_use.discard(feature.mm_hash)
+                    self.encoder_cache.release(req_id, feature.mm_hash)
+        for req_id, token_id in zip(output.req_ids, output.sampled_token_ids, strict=True):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            request.output_token_ids.append(token_id)
+            result.new_token_ids[req_id] = [token_id]
+            reason = self._stop_reason(request, token_id)
+            if reason is not None:
+                self._finish(request, reason)
+                result.finished.append(request)
+        return result
+
+    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.sampling
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in params.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in params.stop_token_ids:
+                return FinishReason.STOP
+        if num_output >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        """Releases everything the request held; its worker state is dropped in the next step."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        if request in self.running:
+            self.running.remove(request)
+        self.encoder_cache.release_all(request.req_id)
+        request.encoder_hashes_in_use.clear()
+        if request.sent_to_worker:
+            self._finished_req_ids.append(request.req_id)
+        del self.requests[request.req_id]
+
+    def reset_encoder_cache(self) -> None:
+        self.encoder_cache.reset()

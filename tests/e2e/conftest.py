@@ -1,0 +1,118 @@
+"""Fixtures of the end-to-end tier: real processes on the tiny model, and transformers' own
+``generate`` on the same checkpoint as the correctness oracle."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from transformers import AutoProcessor, GenerationConfig, LlavaForConditionalGeneration
+
+from tests.e2e.server import Server, start_serve
+
+
+def make_image(seed: int, size: tuple[int, int] = (320, 240)) -> PIL.Image.Image:
+    """A deterministic image: smooth colour blobs plus noise, different for every seed."""
+    rng = np.random.default_rng(seed)
+    low = rng.integers(0, 256, size=(6, 8, 3), dtype=np.uint8)
+    image = PIL.Image.fromarray(low).resize(size, PIL.Image.Resampling.BILINEAR)
+    noise = rng.integers(-20, 20, size=(size[1], size[0], 3))
+    return PIL.Image.fromarray(np.clip(np.asarray(image, dtype=np.int32) + noise, 0, 255).astype(np.uint8))
+
+
+def png_bytes(image: PIL.Image.Image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(image: PIL.Image.Image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+def user_message(text: str, *images: PIL.Image.Image) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
+    parts.append({"type": "text", "text": text})
+    return {"role": "user", "content": parts}
+
+
+@dataclass
+class Oracle:
+    """Greedy decoding by transformers' ``generate`` on the checkpoint the server serves."""
+
+    processor: Any
+    model: LlavaForConditionalGeneration
+
+    def greedy(self, text: str, images: list[PIL.Image.Image], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        """Token ids and per-step log-probabilities, EOS ignored (like the server's ``ignore_eos``)."""
+        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        prompt = self.processor.apply_chat_template([{"role": "user", "content": parts}],
+                                                    add_generation_prompt=True, tokenize=False)
+        inputs = self.processor(text=prompt, images=images or None, return_tensors="pt")
+        config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
+                                  pad_token_id=self.processor.tokenizer.pad_token_id)
+        with torch.inference_mode():
+            out = self.model.generate(**inputs, generation_config=config, output_scores=True,
+                                      return_dict_in_generate=True)
+        ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+        logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)
+        return ids, logprobs
+
+
+@pytest.fixture(scope="session")
+def oracle(tiny_model_dir: Path) -> Oracle:
+    processor = AutoProcessor.from_pretrained(tiny_model_dir)
+    model = LlavaForConditionalGeneration.from_pretrained(tiny_model_dir).eval()
+    return Oracle(processor, model)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One ``mmserve serve`` with every cache on, shared by the e2e tests that only send requests."""
+    srv = start_serve(tiny_model_dir, tmp_path_factory.mktemp("serve"), "--max-model-len", "2048", "--fetch-timeout-s", "2")
+    try:
+        yield srv
+    finally:
+        srv.process.interrupt()
+
+
+@pytest.fixture(scope="session")
+def image_http_server() -> Iterator[str]:
+    """A loopback HTTP server: /imgN.png is ``make_image(N)`` as PNG; /slow.png answers after 5 s."""
+    import http.server
+    import threading
+    import time
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            if self.path == "/slow.png":
+                time.sleep(5)
+            name = self.path.removeprefix("/img").removesuffix(".png")
+            if not name.isdigit():
+                self.send_error(404)
+                return
+            body = png_bytes(make_image(int(name)))
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()

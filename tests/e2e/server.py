@@ -1,0 +1,135 @@
+"""Starts real mmserve processes on a free loopback port for end-to-end tests, and stops them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def descendants(pid: int) -> list[int]:
+    """All live descendant pids of ``pid`` (from /proc)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*/children"):
+            for child in task.read_text().split():
+                found.append(int(child))
+                todo.append(int(child))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@dataclass
+class ServerProcess:
+    """One process started with ``python -m app.cli ROLE ...``; its output goes to ``log_path``."""
+
+    args: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> ServerProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", *self.args], cwd=REPO, env=env, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def interrupt(self, timeout_s: float = 30.0) -> int:
+        """Ctrl-C: SIGINT to the whole process group, as a terminal does."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@dataclass
+class Server:
+    """``mmserve serve`` on a free port."""
+
+    process: ServerProcess
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(f"{self.base_url}/metrics").text)
+
+
+def wait_healthy(base_url: str, process: ServerProcess, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.proc is not None
+        if process.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {process.proc.returncode}:\n{process.log()[-4000:]}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server not healthy after {timeout_s}s:\n{process.log()[-4000:]}")
+
+
+def start_serve(model_dir: Path, log_dir: Path, *flags: str) -> Server:
+    port = free_port()
+    process = ServerProcess(["serve", "--model", str(model_dir), "--port", str(port), *flags],
+                            log_dir / f"serve-{port}.log").start()
+    server = Server(process, port)
+    try:
+        wait_healthy(server.base_url, process)
+    except BaseException:
+        process.kill()
+        raise
+    return server
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text → {"name{labels}": value} (samples only)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values

@@ -1,0 +1,121 @@
+"""Bad input gets a clear OpenAI-style error (never a 500 or a hang) and disturbs neither the requests
+in flight nor the caches."""
+
+from __future__ import annotations
+
+import base64
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import make_image, user_message
+from tests.e2e.server import Server, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def post(server: Server, body: Any = None, *, content: bytes | None = None) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, content=content,
+                      headers={"Content-Type": "application/json"}, timeout=60)
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "text", "text": "look"},
+                                        {"type": "image_url", "image_url": {"url": url}}]}
+
+
+def assert_error(resp: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    if code is not None:
+        assert error["code"] == code, error
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def test_malformed_json(server: Server) -> None:
+    error = assert_error(post(server, content=b'{"model": "tiny-llava", "messages": ['), 400)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_schema_errors_name_the_param(server: Server) -> None:
+    assert_error(post(server, {"model": "tiny-llava"}), 400, param="messages")
+    bad_part = {"model": "tiny-llava", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    error = assert_error(post(server, bad_part), 400)
+    assert error["param"].startswith("messages[0].content[0]")
+    assert_error(post(server, {"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}],
+                               "temperature": 7}), 400, param="temperature")
+
+
+def test_unknown_model(server: Server) -> None:
+    body = {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}
+    assert_error(post(server, body), 404, code="model_not_found", param="model")
+
+
+def test_undecodable_image_names_the_part(server: Server) -> None:
+    url = "data:image/png;base64," + base64.b64encode(b"this is not a png at all").decode()
+    error = assert_error(post(server, {"model": "tiny-llava", "messages": [image_part(url)]}), 400)
+    assert error["param"] == "messages[0].content[1].image_url.url"
+
+
+def test_data_url_that_is_not_base64(server: Server) -> None:
+    error = assert_error(post(server, {"model": "tiny-llava",
+                                       "messages": [image_part("data:image/png;base64,@@not base64@@")]}), 400)
+    assert error["param"] == "messages[0].content[1].image_url.url"
+
+
+def test_unreachable_url_is_a_client_error(server: Server) -> None:
+    url = f"http://127.0.0.1:{free_port()}/nothing-listens-here.png"
+    resp = post(server, {"model": "tiny-llava", "messages": [image_part(url)]})
+    assert 400 <= resp.status_code < 500
+    assert_error(resp, resp.status_code, param="messages[0].content[1].image_url.url")
+
+
+def test_fetch_timeout_is_a_client_error(server: Server, image_http_server: str) -> None:
+    resp = post(server, {"model": "tiny-llava", "messages": [image_part(image_http_server + "/slow.png")]})
+    assert 400 <= resp.status_code < 500, resp.text
+    assert_error(resp, resp.status_code)
+
+
+def test_prompt_longer_than_max_model_len(server: Server) -> None:
+    text = " ".join(f"word{i}" for i in range(3000))
+    body = {"model": "tiny-llava", "messages": [{"role": "user", "content": text}]}
+    assert_error(post(server, body), 400, code="context_length_exceeded")
+    body = {"model": "tiny-llava", "messages": [user_message("hi", make_image(500))], "max_tokens": 5000}
+    assert_error(post(server, body), 400, code="context_length_exceeded")
+
+
+def test_bad_input_disturbs_neither_requests_nor_caches(server: Server, image_http_server: str) -> None:
+    image = make_image(501)
+    good = {"model": "tiny-llava", "messages": [user_message("Steady?", image)], "max_tokens": 48,
+            "temperature": 0, "ignore_eos": True}
+    expected = post(server, good).json()["choices"][0]["message"]["content"]
+    result: dict[str, Any] = {}
+
+    def run_good() -> None:
+        result["response"] = post(server, good)
+
+    thread = threading.Thread(target=run_good)
+    thread.start()
+    bad_bodies = [
+        {"model": "tiny-llava", "messages": [image_part("data:image/png;base64,!!!")]},
+        {"model": "tiny-llava", "messages": [image_part(f"http://127.0.0.1:{free_port()}/x.png")]},
+        {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+        {"model": "tiny-llava", "messages": [user_message("hi", image)], "max_tokens": 99999},
+    ]
+    for body in bad_bodies:
+        assert 400 <= post(server, body).status_code < 500
+    thread.join(120)
+    assert result["response"].status_code == 200
+    assert result["response"].json()["choices"][0]["message"]["content"] == expected
+    before = server.metrics()
+    assert post(server, good).json()["choices"][0]["message"]["content"] == expected
+    after = server.metrics()
+    assert after["mmserve_mm_ipc_cache_hits_total"] - before["mmserve_mm_ipc_cache_hits_total"] == 1
+    assert after["mmserve_encoder_runs_total"] == before["mmserve_encoder_runs_total"]
+    assert after.get("mmserve_mm_ipc_cache_resends_total", 0) == 0

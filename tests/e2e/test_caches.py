@@ -1,0 +1,105 @@
+"""The three multimodal caches: answers never change, and a repeated image is served from all three."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import make_image, user_message
+from tests.e2e.server import Server, start_serve
+
+pytestmark = pytest.mark.slow
+
+
+def chat(server: Server, messages: list[dict], max_tokens: int = 12) -> str:
+    body = {"model": "tiny-llava", "messages": messages, "temperature": 0, "max_tokens": max_tokens,
+            "ignore_eos": True}
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["choices"][0]["message"]["content"])
+
+
+def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+@pytest.fixture(scope="module")
+def uncached_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_serve(tiny_model_dir, tmp_path_factory.mktemp("uncached"), "--max-model-len", "2048",
+                      "--mm-processor-cache-gb", "0", "--mm-ipc-cache-gb", "0", "--encoder-cache-tokens", "0")
+    try:
+        yield srv
+    finally:
+        srv.process.interrupt()
+
+
+def test_same_answers_with_all_caches_on_and_off(server: Server, uncached_server: Server) -> None:
+    a, b, c = make_image(100), make_image(101, (640, 480)), make_image(102, (100, 300))
+    sequence = [
+        [user_message("First look.", a)],
+        [user_message("Both of them.", a, b)],
+        [user_message("Again the first.", a)],
+        [user_message("Another pair.", c, b)],
+        [user_message("Twice the same.", c, c)],
+        [user_message("A conversation.", b), {"role": "assistant", "content": "a picture"},
+         user_message("And now?", a)],
+        [user_message("Back to the second.", b)],
+    ]
+    cached = [chat(server, messages) for messages in sequence]
+    uncached = [chat(uncached_server, messages) for messages in sequence]
+    assert cached == uncached
+    assert len(set(cached)) >= 5  # the requests really differ
+    metrics = uncached_server.metrics()
+    assert metrics["mmserve_mm_processor_cache_hits_total"] == 0
+    assert metrics["mmserve_mm_ipc_cache_hits_total"] == 0
+    assert metrics["mmserve_mm_items_total"] == 11
+    # every item is encoded for its request; only the image sent twice in one request is shared
+    assert metrics["mmserve_encoder_runs_total"] == 10
+
+
+def test_repeated_image_hits_every_cache(server: Server) -> None:
+    image = make_image(200, (1024, 768))
+    first = server.metrics()
+    answer = chat(server, [user_message("What is this?", image)])
+    middle = server.metrics()
+    assert delta(first, middle, "mmserve_encoder_runs_total") == 1
+    assert delta(first, middle, "mmserve_mm_ipc_payload_bytes_total") > 1_000_000  # pixel tensors crossed
+    again = chat(server, [user_message("What is this?", image)])
+    last = server.metrics()
+    assert again == answer
+    assert delta(middle, last, "mmserve_mm_items_total") == 1
+    assert delta(middle, last, "mmserve_mm_processor_cache_hits_total") == 1
+    assert delta(middle, last, "mmserve_mm_ipc_cache_hits_total") == 1
+    assert delta(middle, last, "mmserve_mm_ipc_payload_bytes_total") < 1024  # only the key crossed
+    assert delta(middle, last, "mmserve_encoder_cache_hits_total") == 1
+    assert delta(middle, last, "mmserve_encoder_runs_total") == 0
+    assert last.get("mmserve_mm_ipc_cache_resends_total", 0) == 0
+
+
+def test_same_bytes_by_url_and_data_url_share_a_hash(server: Server, image_http_server: str) -> None:
+    image = make_image(201)
+    by_data = chat(server, [user_message("Which?", image)])
+    before = server.metrics()
+    url = image_http_server + "/img201.png"
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "Which?"}]}]
+    assert chat(server, messages) == by_data
+    after = server.metrics()
+    assert delta(before, after, "mmserve_mm_ipc_cache_hits_total") == 1
+    assert delta(before, after, "mmserve_encoder_runs_total") == 0
+
+
+def test_mm_processor_kwargs_change_the_hash(server: Server) -> None:
+    image = make_image(202)
+    chat(server, [user_message("Kw.", image)])
+    before = server.metrics()
+    body = {"model": "tiny-llava", "messages": [user_message("Kw.", image)], "max_tokens": 4,
+            "mm_processor_kwargs": {"do_normalize": False}}
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    after = server.metrics()
+    assert delta(before, after, "mmserve_mm_processor_cache_hits_total") == 0
+    assert delta(before, after, "mmserve_encoder_runs_total") == 1

@@ -1,0 +1,85 @@
+"""Continuous batching under concurrent streaming load, and aborts when clients go away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import make_image, user_message
+from tests.e2e.server import Server
+
+pytestmark = pytest.mark.slow
+
+
+def request_body(i: int, stream: bool) -> dict:
+    images = [make_image(400 + i % 5)] if i % 4 else []  # a quarter text-only, images repeat
+    if i % 7 == 3:
+        images.append(make_image(450 + i))  # some carry a second, unique image
+    return {"model": "tiny-llava", "messages": [user_message(f"Request {i % 3}.", *images)], "max_tokens": 12,
+            "temperature": 0, "ignore_eos": True, "stream": stream,
+            **({"stream_options": {"include_usage": True}} if stream else {})}
+
+
+async def stream_one(client: httpx.AsyncClient, body: dict) -> tuple[str, dict]:
+    text, usage = "", {}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200, await resp.aread()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            assert "error" not in chunk, chunk
+            if chunk["choices"]:
+                text += chunk["choices"][0]["delta"].get("content") or ""
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return text, usage
+
+
+def test_sixteen_concurrent_streams_are_batched(server: Server) -> None:
+    expected = []
+    for i in range(16):
+        resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=request_body(i, False), timeout=120)
+        assert resp.status_code == 200, resp.text
+        expected.append(resp.json()["choices"][0]["message"]["content"])
+    before = server.metrics()
+
+    async def run_all() -> list[tuple[str, dict]]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
+            return await asyncio.gather(*(stream_one(client, request_body(i, True)) for i in range(16)))
+
+    results = asyncio.run(run_all())
+    assert [text for text, _ in results] == expected
+    assert all(usage["completion_tokens"] == 12 for _, usage in results)
+    after = server.metrics()
+    steps = after["mmserve_num_requests_per_step_count"] - before["mmserve_num_requests_per_step_count"]
+    single = (after['mmserve_num_requests_per_step_bucket{le="1.0"}']
+              - before['mmserve_num_requests_per_step_bucket{le="1.0"}'])
+    batched_8_plus = steps - (after['mmserve_num_requests_per_step_bucket{le="4.0"}']
+                              - before['mmserve_num_requests_per_step_bucket{le="4.0"}'])
+    assert steps > 0 and single < steps
+    assert batched_8_plus > 0, "some steps ran more than four requests together"
+
+
+def test_client_disconnect_aborts_the_request(server: Server) -> None:
+    body = {"model": "tiny-llava", "messages": [user_message("Go on forever.", make_image(499))],
+            "max_tokens": 1400, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.base_url, timeout=60) as client, \
+            client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        received = [line for line, _ in zip(lines, range(4), strict=False)]
+        assert any(line.startswith("data: ") for line in received)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        metrics = server.metrics()
+        if metrics.get("mmserve_num_requests_running", 1) == 0:
+            break
+        time.sleep(0.2)
+    assert metrics["mmserve_num_requests_running"] == 0
+    steps = metrics["mmserve_engine_steps_total"]
+    time.sleep(1.0)
+    assert server.metrics()["mmserve_engine_steps_total"] == steps, "the engine stopped working on it"

@@ -1,0 +1,75 @@
+"""Process lifecycle: Ctrl-C stops all three processes; the docker-compose topology (one role per
+process, ZeroMQ over TCP, configuration from each service's environment) serves requests."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.e2e.conftest import make_image, user_message
+from tests.e2e.server import REPO, ServerProcess, alive, descendants, free_port, start_serve, wait_healthy
+
+pytestmark = pytest.mark.slow
+
+
+def test_ctrl_c_stops_every_process(tiny_model_dir: Path, tmp_path: Path) -> None:
+    server = start_serve(tiny_model_dir, tmp_path)
+    assert server.process.proc is not None
+    children = descendants(server.process.proc.pid)
+    assert len(children) >= 2, "engine and worker run as processes of their own"
+    assert "serving model 'tiny-llava'" in server.process.log()
+    server.process.interrupt()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if alive(pid)], server.process.log()[-3000:]
+
+
+def compose_services() -> dict[str, dict]:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"]
+
+
+def test_compose_topology_as_processes(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Each compose service's command, with its environment, as a local process; container host names
+    become loopback and the model volume becomes the tiny model folder."""
+    services = compose_services()
+    engine_port, worker_port, http_port = free_port(), free_port(), free_port()
+    rewrite = {
+        "tcp://0.0.0.0:5555": f"tcp://127.0.0.1:{engine_port}", "tcp://engine:5555": f"tcp://127.0.0.1:{engine_port}",
+        "tcp://0.0.0.0:5556": f"tcp://127.0.0.1:{worker_port}", "tcp://engine:5556": f"tcp://127.0.0.1:{worker_port}",
+        "/models/tiny-llava": str(tiny_model_dir), "0.0.0.0": "127.0.0.1", "8000": str(http_port),
+    }
+    processes: dict[str, ServerProcess] = {}
+    try:
+        for role in ("engine", "worker", "api"):
+            service = services[role]
+            assert service["command"] == ["mmserve", role]
+            env = {k: rewrite.get(str(v), str(v)) for k, v in service["environment"].items()}
+            processes[role] = ServerProcess([role], tmp_path / f"{role}.log", env=env).start()
+        base_url = f"http://127.0.0.1:{http_port}"
+        wait_healthy(base_url, processes["api"])
+        image = make_image(300)
+        body = {"model": "tiny-llava", "messages": [user_message("Over TCP?", image)], "max_tokens": 8,
+                "temperature": 0, "ignore_eos": True}
+        answers = []
+        for _ in range(2):
+            resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+            assert resp.status_code == 200, resp.text
+            answers.append(resp.json()["choices"][0]["message"]["content"])
+        assert answers[0] == answers[1]
+        metrics = httpx.get(f"{base_url}/metrics").text
+        assert "mmserve_mm_ipc_cache_hits_total 1.0" in metrics
+        assert "mmserve_encoder_cache_hits_total 1.0" in metrics
+    finally:
+        for role in ("api", "engine", "worker"):
+            if role in processes:
+                try:
+                    processes[role].interrupt(timeout_s=20)
+                except Exception:
+                    processes[role].kill()
+    for role, process in processes.items():
+        assert process.proc is not None and process.proc.poll() is not None, role

@@ -1,0 +1,172 @@
+"""MMProcessor on the tiny checkpoint: the split steps give exactly what the HF processor gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoProcessor
+
+from app.errors import InvalidRequestError
+from app.hashing import mm_hash
+from app.mm_processing import MMProcessor
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def mm(tiny_model_dir: Path) -> MMProcessor:
+    return MMProcessor.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir: Path) -> Any:
+    return AutoProcessor.from_pretrained(tiny_model_dir)
+
+
+def make_image(seed: int, size: tuple[int, int]) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8))
+
+
+IMAGES = [make_image(0, (320, 240)), make_image(1, (200, 410))]
+
+ONE_IMAGE = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+TWO_IMAGES = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image"}]},
+    {"role": "assistant", "content": "The first one is noisy."},
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "and this one?"}]},
+]
+
+
+def test_identity(mm: MMProcessor, hf: Any, tiny_model_dir: Path) -> None:
+    assert mm.image_token_id == hf.image_token_id == hf.tokenizer.convert_tokens_to_ids("<image>")
+    assert mm.tokenizer.eos_token_id in mm.eos_token_ids
+    assert mm.model_id.startswith("llava:")
+    assert MMProcessor(tiny_model_dir).model_id == mm.model_id  # stable across loads
+
+
+@pytest.mark.parametrize(("messages", "num_images"), [(ONE_IMAGE, 1), (TWO_IMAGES, 2)])
+def test_render_and_tokenize_equal_the_hf_processor(
+    mm: MMProcessor, hf: Any, messages: list[dict[str, Any]], num_images: int
+) -> None:
+    images = IMAGES[:num_images]
+    prompt = mm.render_prompt(messages)
+    assert prompt == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt.count("<image>") == num_images and prompt.endswith("ASSISTANT:")
+
+    items = [mm.process_image(image, {}) for image in images]
+    token_ids, offsets = mm.tokenize(prompt, [item.num_tokens for item in items])
+
+    expected = hf(text=prompt, images=images, return_tensors="pt")
+    assert token_ids == expected.input_ids[0].tolist()
+    assert torch.equal(torch.cat([item.tensors["pixel_values"] for item in items]), expected.pixel_values)
+    image_positions = [i for i, token in enumerate(token_ids) if token == mm.image_token_id]
+    assert image_positions == [
+        o + k for o, item in zip(offsets, items, strict=True) for k in range(item.num_tokens)
+    ]
+    assert offsets[0] > 0 and token_ids[offsets[0] - 1] != mm.image_token_id
+
+
+def test_string_content_renders_like_a_text_part(mm: MMProcessor) -> None:
+    as_string = mm.render_prompt([{"role": "user", "content": "Hello"}])
+    as_parts = mm.render_prompt([{"role": "user", "content": [{"type": "text", "text": "Hello"}]}])
+    assert as_string == as_parts and "<image>" not in as_string
+    token_ids, offsets = mm.tokenize(as_string, [])
+    assert offsets == [] and token_ids[0] == mm.tokenizer.bos_token_id
+
+
+def test_process_image_matches_the_hf_image_processor(mm: MMProcessor, hf: Any) -> None:
+    item = mm.process_image(IMAGES[1], {})
+    assert set(item.tensors) == {"pixel_values"}
+    assert item.tensors["pixel_values"].shape == (1, 3, 336, 336)
+    assert item.num_tokens == 576
+    assert item.num_bytes == 3 * 336 * 336 * 4
+    assert torch.equal(
+        item.tensors["pixel_values"], hf(text="<image>", images=[IMAGES[1]], return_tensors="pt").pixel_values
+    )
+    replacement = hf.replace_image_token({"pixel_values": item.tensors["pixel_values"]}, image_idx=0)
+    assert item.num_tokens == replacement.count("<image>")
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"do_normalize": False}, {"resample": 0}, {"image_mean": [0.5, 0.5, 0.5]}]
+)
+def test_kwargs_change_tensors_and_hash(mm: MMProcessor, hf: Any, kwargs: dict[str, Any]) -> None:
+    default = mm.process_image(IMAGES[0], {})
+    changed = mm.process_image(IMAGES[0], kwargs)
+    assert not torch.equal(default.tensors["pixel_values"], changed.tensors["pixel_values"])
+    expected = hf(text="<image>", images=[IMAGES[0]], images_kwargs=kwargs, return_tensors="pt").pixel_values
+    assert torch.equal(changed.tensors["pixel_values"], expected)
+    assert changed.num_tokens == default.num_tokens == 576
+
+    options = mm.hash_options(kwargs)
+    assert options and options != mm.hash_options({})
+
+    def digest(opts: dict[str, Any]) -> str:
+        return mm_hash(model_id=mm.model_id, modality="image", data=b"png", options=opts)
+
+    assert digest(options) != digest(mm.hash_options({}))
+
+
+def test_kwargs_equal_to_defaults_share_the_hash(mm: MMProcessor) -> None:
+    assert mm.hash_options(None) == mm.hash_options({}) == {}
+    assert mm.hash_options({"do_normalize": True, "resample": 3, "size": {"shortest_edge": 336}}) == {}
+    assert mm.hash_options({"do_normalize": False, "do_resize": True}) == {"do_normalize": False}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"not_a_kwarg": 1},
+        {"return_tensors": "np"},  # reserved: the worker relies on torch tensors
+        {"do_normalize": "yes"},
+        {"do_normalize": 1},
+        {"size": {"shortest_edge": 100_000}},  # would allocate gigabytes before the crop
+        {"crop_size": {"height": 0, "width": 336}},
+    ],
+)
+def test_invalid_kwargs_are_rejected_up_front(mm: MMProcessor, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        mm.hash_options(kwargs)
+    assert info.value.param == "mm_processor_kwargs" and info.value.http_status == 400
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"resample": 99},  # valid type, rejected by the processor itself
+        {"image_mean": [0.5, 0.5]},
+        {"crop_size": {"height": 224, "width": 224}},  # the vision tower takes 336x336 only
+        {"do_center_crop": False},
+    ],
+)
+def test_kwargs_the_processor_or_model_cannot_take(mm: MMProcessor, kwargs: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        mm.process_image(IMAGES[1], kwargs)
+    assert info.value.param == "mm_processor_kwargs"
+
+
+def test_image_count_mismatch(mm: MMProcessor) -> None:
+    prompt = mm.render_prompt(TWO_IMAGES)
+    with pytest.raises(InvalidRequestError):
+        mm.tokenize(prompt, [576])
+    with pytest.raises(InvalidRequestError):
+        mm.tokenize(prompt, [576, 576, 576])
+    # A user typing the placeholder themselves adds one more than the request carries.
+    typed = mm.render_prompt(
+        [{"role": "user", "content": [{"type": "text", "text": "<image>"}, {"type": "image"}]}]
+    )
+    with pytest.raises(InvalidRequestError):
+        mm.tokenize(typed, [576])
+
+
+def test_unsupported_content_part(mm: MMProcessor) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        mm.render_prompt([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "audio"}]}])
+    assert info.value.param == "messages[0].content[1]"

@@ -1,0 +1,169 @@
+"""IncrementalDetokenizer against a real byte-level BPE tokenizer trained here on multi-byte text."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from app.detokenizer import IncrementalDetokenizer
+
+# Mostly ASCII, so that the few merges of multi-byte text give tokens that split characters, and some
+# that straddle two ("¥æ": the end of 日 and the start of 本).
+CORPUS = ["hello world, the quick brown fox jumps over the lazy dog. plain ascii text"] * 20 + [
+    "héllo wörld 日本語 🙂",
+    "déjà vu 🚀 — 日本語のテキスト ✓ brûlée",
+    "🙂🙂🙂 emoji-only run 🙂",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>")
+
+
+TEXTS = [
+    "héllo wörld 日本語 🙂",
+    "déjà vu 🚀 — 日本語のテキスト ✓ brûlée",
+    "🙂🙂🙂 emoji-only run 🙂",
+    "plain ascii text",
+]
+
+
+def _stream(detok: IncrementalDetokenizer, ids: list[int], chunk: int = 1) -> list[str]:
+    deltas = [detok.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    if not detok.stopped:
+        deltas.append(detok.flush())
+    return deltas
+
+
+def test_corpus_really_splits_characters_across_tokens(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+    pieces = [bytes(IncrementalDetokenizer(tokenizer).token_bytes(i)) for i in ids]
+    assert any(p[0] & 0xC0 == 0x80 and p[-1] >= 0xC0 for p in pieces)  # ends one character, starts the next
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_deltas_concatenate_to_full_decode(tokenizer: PreTrainedTokenizerFast, text: str, chunk: int) -> None:
+    ids = [tokenizer.bos_token_id, *tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = _stream(detok, ids, chunk)
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert not any("\ufffd" in delta for delta in deltas)
+    assert detok.text == text
+
+
+def test_special_tokens_kept_when_asked(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = [*tokenizer.encode("héllo", add_special_tokens=False), tokenizer.eos_token_id]
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert "".join(_stream(detok, ids)) == "héllo</s>"
+
+
+def test_random_token_streams_match_full_decode(tokenizer: PreTrainedTokenizerFast) -> None:
+    rng = random.Random(0)
+    vocab_size = len(tokenizer)
+    for _ in range(50):
+        ids = [rng.randrange(vocab_size) for _ in range(rng.randrange(1, 40))]
+        detok = IncrementalDetokenizer(tokenizer)
+        deltas = _stream(detok, ids, chunk=rng.randrange(1, 4))
+        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+        # Only what the model really produced may contain U+FFFD, and then only once it is settled.
+        assert all(not d.endswith("\ufffd") for d in deltas[:-1] if d) or "\ufffd" in tokenizer.decode(ids)
+
+
+def test_incomplete_character_waits_and_flush_releases_it(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer.encode("日", add_special_tokens=False)
+    assert len(ids) > 1
+    detok = IncrementalDetokenizer(tokenizer)
+    assert detok.push(ids[:1]) == ""
+    assert detok.flush() == tokenizer.decode(ids[:1])  # the request ended: U+FFFD as in a full decode
+    assert detok.push(ids[1:]) == ""  # finished: nothing more
+
+
+@pytest.mark.parametrize("chunk", [1, 2])
+@pytest.mark.parametrize(
+    ("text", "stop", "expected"),
+    [
+        ("héllo wörld 日本語 🙂", ["wörld"], "héllo "),
+        ("héllo wörld 日本語 🙂", ["本", "wö"], "héllo "),  # the earliest match wins
+        ("héllo wörld 日本語 🙂", ["🙂"], "héllo wörld 日本語 "),
+        ("plain ascii text", ["ascii text"], "plain "),
+        ("déjà vu 🚀 — 日本語のテキスト ✓ brûlée", ["のテ"], "déjà vu 🚀 — 日本語"),
+    ],
+)
+def test_stop_string_truncates_and_is_never_streamed(
+    tokenizer: PreTrainedTokenizerFast, text: str, stop: list[str], expected: str, chunk: int
+) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=stop)
+    streamed = ""
+    for i in range(0, len(ids), chunk):
+        streamed += detok.push(ids[i : i + chunk])
+        for s in stop:  # not even a prefix of a stop string may have gone out past the expected text
+            assert not streamed.startswith(expected + s[:1])
+        if detok.stopped:
+            break
+    assert detok.stopped
+    assert detok.stop_str in stop
+    assert streamed == detok.text == expected
+    assert detok.push(ids) == "" and detok.flush() == ""
+
+
+def test_include_stop_str(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer.encode("héllo wörld 日本語", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=["wörld"], include_stop_str=True)
+    assert "".join(_stream(detok, ids)) == "héllo wörld"
+    assert detok.stopped and detok.stop_str == "wörld"
+
+
+def test_held_back_prefix_is_released_when_it_diverges(tokenizer: PreTrainedTokenizerFast) -> None:
+    detok = IncrementalDetokenizer(tokenizer, stop=["hello world!"])
+    ids = tokenizer.encode("hello world, the", add_special_tokens=False)
+    streamed = ""
+    for k, token_id in enumerate(ids):
+        streamed += detok.push([token_id])
+        if "hello world!".startswith(str(tokenizer.decode(ids[: k + 1]))):
+            assert streamed == ""  # could still become the stop string
+    assert streamed == "hello world, t"  # the "he" of "the" could start it again
+    assert not detok.stopped
+    assert detok.flush() == "he"
+
+
+def test_flush_releases_stop_prefix_at_the_end(tokenizer: PreTrainedTokenizerFast) -> None:
+    detok = IncrementalDetokenizer(tokenizer, stop=["日本語!"])
+    ids = tokenizer.encode("wörld 日本語", add_special_tokens=False)
+    streamed = "".join(detok.push([i]) for i in ids)
+    assert streamed == "wörld "
+    assert detok.flush() == "日本語"
+    assert detok.text == "wörld 日本語"
+    assert not detok.stopped
+
+
+def test_token_strings_and_bytes(tokenizer: PreTrainedTokenizerFast) -> None:
+    text = "héllo 日本語 🙂"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    assert b"".join(bytes(detok.token_bytes(i)) for i in ids) == text.encode("utf-8")
+    strings = detok.token_strings(ids)
+    assert len(strings) == len(ids)
+    for token_id, string in zip(ids, strings, strict=True):
+        raw = bytes(detok.token_bytes(token_id))
+        if string.startswith("bytes:"):
+            assert string == "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        else:
+            assert string.encode("utf-8") == raw
+    assert any(s.startswith("bytes:") for s in strings)
+    assert detok.token_strings([tokenizer.eos_token_id]) == ["</s>"]

@@ -1,0 +1,148 @@
+"""Every error leaves the API as an OpenAI envelope with the right status."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from app.error_handlers import error_response, format_loc, install_error_handlers, sse_error_event
+from app.errors import ContextLengthError, EngineUnavailableError, MediaError, ModelNotFoundError
+from app.schemas import ChatCompletionRequest
+from engine.protocol import ErrorInfo
+
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest) -> dict[str, str]:
+        errors = {
+            "missing": ModelNotFoundError("The model `missing` does not exist."),
+            "long": ContextLengthError("too long"),
+            "badimg": MediaError("The image could not be decoded.", param="messages[0].content[0]"),
+            "down": EngineUnavailableError("The engine is not ready."),
+        }
+        if body.model in errors:
+            raise errors[body.model]
+        if body.model == "boom":
+            raise RuntimeError("secret internals")
+        return {"ok": body.model}
+
+    # Starlette re-raises unhandled errors after answering; the client must not turn them into exceptions.
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def _envelope(response: Any) -> dict[str, object]:
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def _post(client: TestClient, body: object) -> Any:
+    return client.post("/v1/chat/completions", content=json.dumps(body), headers=JSON)
+
+
+def test_valid_request_passes(client: TestClient) -> None:
+    response = _post(client, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 200 and response.json() == {"ok": "tiny"}
+
+
+def test_malformed_json_is_400(client: TestClient) -> None:
+    response = client.post("/v1/chat/completions", content=b'{"model": "tiny", "messages": [', headers=JSON)
+    assert response.status_code == 400
+    error = _envelope(response)
+    assert "is not valid JSON" in str(error["message"])
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_json"
+
+
+def test_schema_error_is_400_with_param(client: TestClient) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    response = _post(client, body)
+    assert response.status_code == 400
+    error = _envelope(response)
+    assert error["param"] == "messages[0].content[0].image_url"
+    assert error["type"] == "invalid_request_error" and error["code"] == "missing"
+
+
+def test_invalid_value_names_the_field(client: TestClient) -> None:
+    response = _post(client, {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2})
+    assert response.status_code == 400
+    error = _envelope(response)
+    assert error["param"] == "n" and error["code"] == "invalid_value"
+    assert "n=2 is not supported" in str(error["message"])
+
+
+@pytest.mark.parametrize("body", [[1, 2], "text"])
+def test_non_object_body_is_400(client: TestClient, body: object) -> None:
+    response = _post(client, body)
+    assert response.status_code == 400
+    assert _envelope(response)["param"] is None
+
+
+@pytest.mark.parametrize(
+    ("model", "status", "code", "err_type"),
+    [
+        ("missing", 404, "model_not_found", "invalid_request_error"),
+        ("long", 400, "context_length_exceeded", "invalid_request_error"),
+        ("badimg", 400, "invalid_image", "invalid_request_error"),
+        ("down", 503, None, "server_error"),
+    ],
+)
+def test_mmserve_errors_keep_their_status(
+    client: TestClient, model: str, status: int, code: str | None, err_type: str
+) -> None:
+    response = _post(client, {"model": model, "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == status
+    error = _envelope(response)
+    assert (error["code"], error["type"]) == (code, err_type)
+
+
+def test_unknown_route_and_method(client: TestClient) -> None:
+    response = client.get("/v1/nope")
+    assert response.status_code == 404
+    assert "/v1/nope" in str(_envelope(response)["message"])
+    response = client.get("/v1/chat/completions")
+    assert response.status_code == 405
+    assert response.headers["allow"] == "POST"
+    _envelope(response)
+
+
+def test_unhandled_error_is_500_envelope(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.ERROR, logger="mmserve.api"):
+        response = _post(client, {"model": "boom", "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 500
+    error = _envelope(response)
+    assert error["type"] == "server_error"
+    assert "secret internals" not in str(error["message"])
+    assert any(record.exc_info for record in caplog.records)
+
+
+def test_error_response_from_engine_error_info() -> None:
+    response = error_response(ErrorInfo(message="prompt too long", code="context_length_exceeded"))
+    assert response.status_code == 400
+    assert json.loads(bytes(response.body))["error"]["code"] == "context_length_exceeded"
+
+
+def test_sse_error_event() -> None:
+    event = sse_error_event(EngineUnavailableError("The engine died."))
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    error = json.loads(event.removeprefix("data: "))["error"]
+    assert error == {"message": "The engine died.", "type": "server_error", "param": None, "code": None}
+
+
+def test_format_loc() -> None:
+    assert format_loc(("body", "messages", 0, "content", 1, "image_url", "url")) == (
+        "messages[0].content[1].image_url.url"
+    )
+    assert format_loc(("body",)) is None
+    assert format_loc(("query", "limit")) == "query.limit"

@@ -1,0 +1,93 @@
+"""Sampling math on hand-made logits: no model, no processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.protocol import SamplingParams
+from workers.sampler import SamplingRow, make_generator, sample
+
+VOCAB = 50
+EOS = 3
+
+
+def _logits(num_rows: int = 1, seed: int = 0) -> torch.Tensor:
+    return torch.randn(num_rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _row(gen: torch.Generator | None = None, num_output_tokens: int = 0, **params) -> SamplingRow:
+    sampling = SamplingParams(max_tokens=16, **params)
+    return SamplingRow(
+        sampling,
+        num_output_tokens,
+        gen or make_generator(sampling.seed, torch.device("cpu"), torch.Generator()),
+    )
+
+
+def test_greedy_is_argmax_and_top_k_1_too():
+    logits = _logits(3)
+    tokens, logprobs = sample(
+        logits, [_row(temperature=0.0), _row(temperature=1.0, top_k=1), _row(temperature=0.7, top_p=1e-6)]
+    )
+    best = logits.argmax(dim=-1).tolist()
+    assert tokens == best
+    assert logprobs == [None, None, None]
+
+
+def test_same_seed_same_tokens_regardless_of_batch():
+    logits = _logits(1) / 3  # flat enough that 20 draws differ
+    runs = []
+    for batch_size in (1, 4):
+        rows = [_row(temperature=1.0, seed=42)] + [_row(temperature=1.0) for _ in range(batch_size - 1)]
+        runs.append([sample(logits.expand(batch_size, VOCAB), rows)[0][0] for _ in range(20)])
+    assert runs[0] == runs[1]
+    assert len(set(runs[0])) > 1  # actually random
+    other_seed = _row(temperature=1.0, seed=43)
+    other = [sample(logits, [other_seed])[0][0] for _ in range(20)]
+    assert other != runs[0]
+
+
+def test_samples_follow_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2] + [0.0] * (VOCAB - 3)]))
+    row = _row(temperature=1.0, seed=0)
+    counts = torch.bincount(torch.tensor([sample(logits, [row])[0][0] for _ in range(3000)]), minlength=VOCAB)
+    assert counts[3:].sum() == 0
+    assert counts[:3].tolist() == pytest.approx([1500, 900, 600], abs=120)
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1] + [0.0] * (VOCAB - 4)]))
+    top_k = {sample(logits, [_row(temperature=1.0, top_k=2, seed=s)])[0][0] for s in range(200)}
+    assert top_k == {0, 1}
+    # 0.4 + 0.3 < 0.75: the third token is still needed to cover top_p, the fourth is not.
+    top_p = {sample(logits, [_row(temperature=1.0, top_p=0.75, seed=s)])[0][0] for s in range(300)}
+    assert top_p == {0, 1, 2}
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_met():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, EOS], logits[0, 7], logits[0, 9] = 10.0, 9.0, 8.0
+    params = {"temperature": 0.0, "min_tokens": 2, "eos_token_ids": (EOS,), "stop_token_ids": (7,)}
+    assert sample(logits, [_row(num_output_tokens=1, **params)])[0] == [9]
+    assert sample(logits, [_row(num_output_tokens=2, **params)])[0] == [EOS]
+    # The sampler does not stop anything itself: eos is just a token once min_tokens is met.
+    assert sample(logits, [_row(temperature=0.0, eos_token_ids=(EOS,))])[0] == [EOS]
+
+
+def test_logprobs_are_raw_log_softmax():
+    logits = _logits(2)
+    rows = [
+        _row(temperature=0.0, num_top_logprobs=4),
+        _row(temperature=2.0, top_k=3, seed=1, num_top_logprobs=0),
+    ]
+    tokens, logprobs = sample(logits, rows)
+    expected = torch.log_softmax(logits, dim=-1)
+    greedy = logprobs[0]
+    assert greedy.sampled.token_id == tokens[0] == greedy.top[0].token_id
+    assert greedy.sampled.logprob == pytest.approx(float(expected[0].max()))
+    assert [t.token_id for t in greedy.top] == expected[0].topk(4).indices.tolist()
+    assert [t.logprob for t in greedy.top] == sorted((t.logprob for t in greedy.top), reverse=True)
+    # Temperature and top-k change the choice, not the reported logprob.
+    assert logprobs[1].top == []
+    assert logprobs[1].sampled.logprob == pytest.approx(float(expected[1, tokens[1]]))

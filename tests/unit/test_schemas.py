@@ -1,0 +1,253 @@
+"""Request validation and response shapes, checked against the openai SDK's own types."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from openai.types import Model
+from openai.types.chat import ChatCompletion
+from openai.types.chat import ChatCompletionChunk as SdkChunk
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+from app.schemas import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatMessage,
+    ChoiceLogprobs,
+    DeltaMessage,
+    ImageURLContentPart,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TextContentPart,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+IMAGE = "data:image/png;base64,iVBORw0KGgo="
+
+
+def request(**fields: Any) -> ChatCompletionRequest:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return ChatCompletionRequest.model_validate(body)
+
+
+def error_of(**fields: Any) -> ErrorDetails:
+    with pytest.raises(ValidationError) as info:
+        request(**fields)
+    return info.value.errors()[0]
+
+
+def test_minimal_request_defaults() -> None:
+    req = request()
+    assert (req.stream, req.temperature, req.top_p, req.n, req.logprobs) == (False, 1.0, 1.0, 1, False)
+    assert req.effective_max_tokens() is None
+    assert req.num_top_logprobs() is None
+    assert req.stop is None and req.top_k is None and not req.include_usage
+
+
+def test_sdk_style_multimodal_streaming_request() -> None:
+    # What openai.chat.completions.create(..., stream=True, extra_body={...}) sends.
+    body = {
+        "model": "tiny",
+        "messages": [
+            {"role": "developer", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in"},
+                    {"type": "image_url", "image_url": {"url": IMAGE, "detail": "low"}},
+                    {"type": "image_url", "image_url": {"url": "https://example.com/cat.jpg"}},
+                ],
+            },
+            {"role": "assistant", "content": None},
+            {"role": "user", "content": "this?", "name": "alice"},
+        ],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_completion_tokens": 16,
+        "max_tokens": 99,
+        "temperature": 0,
+        "top_p": 0.9,
+        "seed": 7,
+        "stop": "\n\n",
+        "logprobs": True,
+        "top_logprobs": 3,
+        "frequency_penalty": 0,
+        "user": "u-1",
+        "tools": [],  # unknown fields are ignored
+        "top_k": 20,
+        "ignore_eos": True,
+        "min_tokens": 2,
+        "mm_processor_kwargs": {"do_resize": True},
+    }
+    req = ChatCompletionRequest.model_validate(body)
+    assert req.messages[0].role == "system"
+    parts = req.messages[1].content
+    assert isinstance(parts, list)
+    assert isinstance(parts[0], TextContentPart) and parts[0].text == "What is in"
+    assert isinstance(parts[1], ImageURLContentPart) and isinstance(parts[2], ImageURLContentPart)
+    assert parts[1].image_url.url == IMAGE and parts[2].image_url.url == "https://example.com/cat.jpg"
+    assert parts[1].image_url.detail == "low" and parts[2].image_url.detail is None
+    assert req.messages[2].content is None
+    assert req.effective_max_tokens() == 16  # max_completion_tokens wins
+    assert req.stop == ["\n\n"]
+    assert req.include_usage and req.num_top_logprobs() == 3
+    assert (req.top_k, req.ignore_eos, req.min_tokens) == (20, True, 2)
+
+
+@pytest.mark.parametrize("top_k", [-1, 0])
+def test_top_k_off_is_none(top_k: int) -> None:
+    assert request(top_k=top_k).top_k is None
+
+
+def test_explicit_nulls_mean_defaults() -> None:
+    req = request(temperature=None, top_p=None, n=None, stream=None, logprobs=None, presence_penalty=None)
+    assert (req.temperature, req.top_p, req.n, req.stream, req.logprobs) == (1.0, 1.0, 1, False, False)
+
+
+def test_logprobs_without_alternatives() -> None:
+    assert request(logprobs=True).num_top_logprobs() == 0
+    assert request(max_tokens=5).effective_max_tokens() == 5
+
+
+@pytest.mark.parametrize(
+    ("fields", "loc", "needle"),
+    [
+        ({"messages": []}, ("messages",), "at least 1"),
+        ({"n": 2}, ("n",), "n=2 is not supported"),
+        ({"temperature": 2.5}, ("temperature",), "less than or equal to 2"),
+        ({"temperature": -0.1}, ("temperature",), "greater than or equal to 0"),
+        ({"top_p": 0}, ("top_p",), "greater than 0"),
+        ({"max_tokens": 0}, ("max_tokens",), "greater than or equal to 1"),
+        ({"max_completion_tokens": 0}, ("max_completion_tokens",), "greater than or equal to 1"),
+        ({"top_logprobs": 21, "logprobs": True}, ("top_logprobs",), "less than or equal to 20"),
+        ({"top_logprobs": 2}, ("top_logprobs",), "requires logprobs"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, ("stop",), "at most 4"),
+        ({"stop": [""]}, ("stop",), "must not be empty"),
+        ({"frequency_penalty": 0.5}, ("frequency_penalty",), "not supported"),
+        ({"presence_penalty": -1}, ("presence_penalty",), "not supported"),
+        ({"top_k": -2}, ("top_k",), "top_k"),
+        ({"min_tokens": 9, "max_tokens": 8}, ("min_tokens",), "must not exceed"),
+        ({"stream_options": {"include_usage": True}}, ("stream_options",), "only allowed when stream"),
+        ({"model": None}, ("model",), "valid string"),
+    ],
+)
+def test_invalid_parameters(fields: dict[str, Any], loc: tuple[Any, ...], needle: str) -> None:
+    error = error_of(**fields)
+    assert error["loc"] == loc
+    assert needle in error["msg"]
+
+
+@pytest.mark.parametrize(
+    ("message", "loc", "needle"),
+    [
+        ({"role": "user", "content": [{"type": "image_url"}]}, (0, "content", 0, "image_url"), "required"),
+        (
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}],
+            },
+            (0, "content", 1, "image_url", "url"),
+            "required",
+        ),
+        (
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": IMAGE, "detail": "max"}}],
+            },
+            (0, "content", 0, "image_url", "detail"),
+            "'auto', 'low' or 'high'",
+        ),
+        ({"role": "user", "content": [{"type": "input_audio"}]}, (0, "content", 0, "type"), "'input_audio'"),
+        ({"role": "user", "content": ["just a string"]}, (0, "content", 0), "'text' or 'image_url'"),
+        ({"role": "user", "content": [{"type": "text"}]}, (0, "content", 0, "text"), "required"),
+        ({"role": "user", "content": 5}, (0, "content"), "string or a list"),
+        ({"role": "user"}, (0, "content"), "content is required"),
+        ({"role": "tool", "content": "x"}, (0, "role"), "not supported"),
+        ({"role": "robot", "content": "x"}, (0, "role"), "'system', 'user' or 'assistant'"),
+    ],
+)
+def test_invalid_messages(message: dict[str, Any], loc: tuple[Any, ...], needle: str) -> None:
+    error = error_of(messages=[message])
+    assert error["loc"] == ("messages", *loc)
+    assert needle in error["msg"]
+
+
+def _usage() -> Usage:
+    return Usage(
+        prompt_tokens=10,
+        completion_tokens=3,
+        total_tokens=13,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=4),
+    )
+
+
+def _logprobs() -> ChoiceLogprobs:
+    top = [TopLogprob(token="a", logprob=-0.1, bytes=[97]), TopLogprob(token="b", logprob=-2.5, bytes=[98])]
+    return ChoiceLogprobs(content=[TokenLogprob(token="a", logprob=-0.1, bytes=[97], top_logprobs=top)])
+
+
+def test_completion_parses_as_sdk_type() -> None:
+    resp = ChatCompletionResponse(
+        model="tiny",
+        choices=[
+            ChatCompletionChoice(
+                message=ChatMessage(content="héllo 🙂"), logprobs=_logprobs(), finish_reason="length"
+            )
+        ],
+        usage=_usage(),
+    )
+    wire = json.loads(resp.model_dump_json())
+    sdk = ChatCompletion.model_validate(wire)
+    assert sdk.id.startswith("chatcmpl-") and sdk.object == "chat.completion" and sdk.created > 0
+    assert sdk.choices[0].message.content == "héllo 🙂" and sdk.choices[0].message.role == "assistant"
+    assert sdk.choices[0].finish_reason == "length"
+    assert sdk.choices[0].logprobs and sdk.choices[0].logprobs.content
+    assert sdk.choices[0].logprobs.content[0].top_logprobs[1].bytes == [98]
+    assert (
+        sdk.usage and sdk.usage.prompt_tokens_details and sdk.usage.prompt_tokens_details.cached_tokens == 4
+    )
+    assert ChatCompletion.model_validate(json.loads(resp.model_dump_json(exclude_none=True))) == sdk
+
+
+def test_stream_chunks_parse_as_sdk_type() -> None:
+    def chunk(delta: DeltaMessage, **choice: Any) -> ChatCompletionChunk:
+        choices = [ChatCompletionStreamChoice(delta=delta, **choice)]
+        return ChatCompletionChunk(id="chatcmpl-1", created=1, model="tiny", choices=choices)
+
+    first = json.loads(chunk(DeltaMessage(role="assistant", content="")).model_dump_json())
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first["choices"][0]["finish_reason"] is None and first["usage"] is None
+
+    middle = json.loads(chunk(DeltaMessage(content="日本"), logprobs=_logprobs()).model_dump_json())
+    assert middle["choices"][0]["delta"] == {"content": "日本"}  # unset role is left out
+
+    last = json.loads(chunk(DeltaMessage(), finish_reason="stop").model_dump_json())
+    assert last["choices"][0]["delta"] == {}
+
+    usage = ChatCompletionChunk(id="chatcmpl-1", created=1, model="tiny", choices=[], usage=_usage())
+    for wire in (first, middle, last, json.loads(usage.model_dump_json())):
+        sdk = SdkChunk.model_validate(wire)
+        assert sdk.object == "chat.completion.chunk" and sdk.id == "chatcmpl-1"
+    assert SdkChunk.model_validate(middle).choices[0].delta.content == "日本"
+    assert SdkChunk.model_validate(last).choices[0].finish_reason == "stop"
+    sdk_usage = SdkChunk.model_validate(json.loads(usage.model_dump_json())).usage
+    assert sdk_usage is not None and sdk_usage.total_tokens == 13
+
+
+def test_model_list_parses_as_sdk_type() -> None:
+    models = ModelList(data=[ModelCard(id="tiny", root="models/tiny", max_model_len=2048)])
+    wire = json.loads(models.model_dump_json())
+    assert wire["object"] == "list"
+    card = wire["data"][0]
+    assert (card["owned_by"], card["root"], card["max_model_len"]) == ("mmserve", "models/tiny", 2048)
+    sdk = Model.model_validate(card)
+    assert (sdk.id, sdk.object, sdk.owned_by) == ("tiny", "model", "mmserve")

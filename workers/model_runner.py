@@ -1,0 +1,222 @@
+"""Executes the engine's scheduled steps: vision encoder, embedding splice, LM forward, sampling.
+
+Per step (``execute``), in this order::
+
+    drop finished requests (state + KV) and freed encoder outputs      <- scheduler's decisions
+    register new requests (sent once, in full)
+    encode all of the step's encoder inputs as ONE batch -> encoder store (by mm_hash)
+    embed every scheduled token; placeholder positions take rows of their item's encoder output
+    ONE varlen LM forward over all scheduled tokens of all requests
+    sample for requests whose prompt is fully computed; append the token to the request
+
+The worker owns no policy: what runs, what is encoded and what is dropped all come from the
+``SchedulerOutput``. It only tracks each request's tokens and how many of them are computed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import LlavaForConditionalGeneration
+
+from engine.protocol import (
+    EncoderInput,
+    MMFeature,
+    NewRequestData,
+    RunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+from workers.encoder_store import EncoderStore
+from workers.frames import Buffer, tensor_from_frame
+from workers.lm_forward import LlamaForward, SeqSpan
+from workers.sampler import SamplingRow, make_generator, sample
+
+logger = logging.getLogger(__name__)
+
+
+class StepError(ValueError):
+    """The step contradicts the worker's state (unknown request, too many tokens, bad placement)."""
+
+
+def resolve_device(name: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """ "auto" picks CUDA when available. CUDA runs in bfloat16, CPU in float32."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    return device, (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]  # prompt, then every token sampled for it
+    num_prompt_tokens: int
+    mm_features: list[MMFeature]
+    sampling: SamplingParams
+    generator: torch.Generator
+    num_computed_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, device: str = "auto"):
+        self.device, self.dtype = resolve_device(device)
+        model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=self.dtype)
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' typing of .to
+        self.config = model.config
+        language_model = model.model.language_model
+        self.embed_tokens = model.get_input_embeddings()
+        self.kv_cache = LlamaForward.make_kv_cache(language_model, self.dtype, self.device)
+        self.lm_forward = LlamaForward(language_model, model.lm_head, self.kv_cache)
+        self.encoder_store = EncoderStore()
+        self.requests: dict[str, RequestState] = {}
+        self.generator = torch.Generator(device=self.device)  # unseeded requests share it
+        self.generator.seed()
+        logger.info("loaded %s on %s (%s)", model_dir, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> RunnerOutput:
+        """Run one step. ``frames`` is the whole multipart message (indexed by ``TensorRef.frame``;
+        frame 0, the message itself, is not read)."""
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.kv_cache.free(req_id)
+        self.encoder_store.free(sched.free_mm_hashes)
+        for new in sched.new_requests:
+            self._add_request(new)
+
+        start = time.perf_counter()
+        num_encoded_items = self._encode(sched.encoder_inputs, frames)
+        if num_encoded_items and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        encoded = time.perf_counter()
+
+        req_ids, sampled_token_ids, logprobs = self._run_lm(sched.num_scheduled_tokens)
+        done = time.perf_counter()
+        return RunnerOutput(
+            step_id=sched.step_id,
+            req_ids=req_ids,
+            sampled_token_ids=sampled_token_ids,
+            logprobs=logprobs,
+            num_encoded_items=num_encoded_items,
+            encoder_seconds=encoded - start,
+            forward_seconds=done - encoded,
+        )
+
+    def _run_lm(
+        self, num_scheduled_tokens: dict[str, int]
+    ) -> tuple[list[str], list[int], list[TokenLogprobs | None]]:
+        """One forward over every scheduled token, then sampling for requests past their prompt."""
+        if not num_scheduled_tokens:
+            return [], [], []
+        spans = self._spans(num_scheduled_tokens)
+        token_ids: list[int] = []
+        req_ids: list[str] = []
+        sampling_rows: list[SamplingRow] = []
+        logits_rows: list[int] = []  # each sampling request's last scheduled token
+        for span in spans:
+            req = self.requests[span.req_id]
+            num_computed = span.num_past_tokens + span.num_new_tokens
+            token_ids.extend(req.token_ids[span.num_past_tokens : num_computed])
+            if num_computed >= req.num_prompt_tokens:
+                req_ids.append(span.req_id)
+                logits_rows.append(len(token_ids) - 1)
+                sampling_rows.append(SamplingRow(req.sampling, req.num_output_tokens, req.generator))
+        logits = self.lm_forward(self._embed(token_ids, spans), spans, logits_rows)
+        # State changes only once the forward succeeded: a failed step leaves requests as they were.
+        for span in spans:
+            self.requests[span.req_id].num_computed_tokens += span.num_new_tokens
+        sampled_token_ids, logprobs = sample(logits, sampling_rows)
+        for req_id, token_id in zip(req_ids, sampled_token_ids, strict=True):
+            self.requests[req_id].token_ids.append(token_id)
+        return req_ids, sampled_token_ids, logprobs
+
+    def _add_request(self, new: NewRequestData) -> None:
+        if new.req_id in self.requests:
+            raise StepError(f"request {new.req_id!r} is already running on this worker")
+        for feat in new.mm_features:
+            if feat.offset < 0 or feat.offset + feat.num_tokens > len(new.prompt_token_ids):
+                raise StepError(
+                    f"mm item {feat.mm_hash!r} at {feat.offset}+{feat.num_tokens} is outside the prompt"
+                )
+        self.requests[new.req_id] = RequestState(
+            req_id=new.req_id,
+            token_ids=list(new.prompt_token_ids),
+            num_prompt_tokens=len(new.prompt_token_ids),
+            mm_features=list(new.mm_features),
+            sampling=new.sampling,
+            generator=make_generator(new.sampling.seed, self.device, self.generator),
+        )
+
+    def _encode(self, inputs: list[EncoderInput], frames: Sequence[Buffer]) -> int:
+        """Vision tower + projector on all items as one batch; outputs go to the encoder store."""
+        if not inputs:
+            return 0
+        pixel_values, num_images = [], []
+        for item in inputs:
+            if item.modality != "image" or "pixel_values" not in item.tensors:
+                raise StepError(
+                    f"cannot encode {item.modality!r} item {item.mm_hash!r} with {sorted(item.tensors)}"
+                )
+            pixels = tensor_from_frame(item.tensors["pixel_values"], frames)
+            pixels = pixels.unsqueeze(0) if pixels.ndim == 3 else pixels
+            pixel_values.append(pixels)
+            num_images.append(pixels.shape[0])
+        batch = torch.cat(pixel_values).to(self.device, self.dtype)
+        out = self.model.model.get_image_features(
+            pixel_values=batch,
+            vision_feature_layer=self.config.vision_feature_layer,
+            vision_feature_select_strategy=self.config.vision_feature_select_strategy,
+        )
+        features = out.pooler_output  # one [num_tokens, text_hidden] tensor per image
+        first = 0
+        for item, count in zip(inputs, num_images, strict=True):
+            self.encoder_store.put(item.mm_hash, torch.cat(features[first : first + count]))
+            first += count
+        return len(inputs)
+
+    def _spans(self, num_scheduled_tokens: dict[str, int]) -> list[SeqSpan]:
+        spans = []
+        for req_id, num_new_tokens in num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None:
+                raise StepError(f"request {req_id!r} is scheduled but unknown to this worker")
+            num_known = len(req.token_ids) - req.num_computed_tokens
+            if not 0 < num_new_tokens <= num_known:
+                raise StepError(
+                    f"request {req_id!r} scheduled {num_new_tokens} tokens, {num_known} are computable"
+                )
+            spans.append(SeqSpan(req_id, req.num_computed_tokens, num_new_tokens))
+        return spans
+
+    def _embed(self, token_ids: list[int], spans: list[SeqSpan]) -> torch.Tensor:
+        """Token embeddings with each mm placeholder position replaced by its row of the item's
+        encoder output (what HF's LlavaModel does with masked_scatter), sliced for chunk boundaries."""
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        embeds = self.embed_tokens(ids)
+        base = 0
+        for span in spans:
+            start, end = span.num_past_tokens, span.num_past_tokens + span.num_new_tokens
+            for feat in self.requests[span.req_id].mm_features:
+                lo, hi = max(start, feat.offset), min(end, feat.offset + feat.num_tokens)
+                if lo >= hi:
+                    continue
+                output = self.encoder_store.get(feat.mm_hash)
+                if output.shape[0] != feat.num_tokens:
+                    raise StepError(
+                        f"mm item {feat.mm_hash!r} has {output.shape[0]} embeddings, "
+                        f"its placement {feat.num_tokens}"
+                    )
+                rows = output[lo - feat.offset : hi - feat.offset]
+                embeds[base + lo - start : base + hi - start] = rows.to(embeds.dtype)
+            base += span.num_new_tokens
+        return embeds
