@@ -18,7 +18,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from app.detokenizer import IncrementalDetokenizer
 from app.engine_client import EngineClient, EngineGone
 from app.error_handlers import sse_error_event
-from app.errors import ContextLengthError, EngineUnavailableError, InvalidRequestError, MMServeError, ModelNotFoundError
+from app.errors import (
+    ContextLengthError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    MMServeError,
+    ModelNotFoundError,
+)
 from app.input_processor import InputProcessor, PreparedRequest
 from app.metrics import ApiMetrics
 from app.schemas import ChatCompletionRequest
@@ -49,8 +55,14 @@ class Generation:
 
 
 class ChatService:
-    def __init__(self, model_name: str, max_model_len: int, inputs: InputProcessor, engine: EngineClient,
-                 metrics: ApiMetrics) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        inputs: InputProcessor,
+        engine: EngineClient,
+        metrics: ApiMetrics,
+    ) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.inputs = inputs
@@ -94,15 +106,15 @@ class ChatService:
             max_tokens = self.max_model_len - prompt_len
         if prompt_len >= self.max_model_len or prompt_len + max_tokens > self.max_model_len:
             raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the messages, {max_tokens} in the completion)."
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+                f"{max_tokens} in the completion)."
             )
-        top_k = body.top_k if body.top_k is not None and body.top_k > 0 else None
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=top_k,
+            top_k=body.top_k,  # the schema maps -1/0 (off) to None
             seed=body.seed,
             min_tokens=body.min_tokens or 0,
             ignore_eos=bool(body.ignore_eos),
@@ -110,8 +122,9 @@ class ChatService:
             num_top_logprobs=body.num_top_logprobs(),
         )
 
-    async def _submit(self, body: ChatCompletionRequest, prepared: PreparedRequest, req_id: str,
-                      arrival: float) -> tuple[asyncio.Queue[RequestOutput | EngineGone], RequestOutput]:
+    async def _submit(
+        self, body: ChatCompletionRequest, prepared: PreparedRequest, req_id: str, arrival: float
+    ) -> tuple[asyncio.Queue[RequestOutput | EngineGone], RequestOutput]:
         """Resolves, sends and waits for the first output; re-sends with payloads if the engine lacked an
         item the mirror claimed (the safety net, counted, normally never taken)."""
         for _attempt in range(MAX_RESENDS + 1):
@@ -141,8 +154,14 @@ class ChatService:
 
     # ------------------------------------------------------------------ outputs
 
-    async def _advance(self, gen: Generation, detok: IncrementalDetokenizer, out: RequestOutput,
-                       body: ChatCompletionRequest, arrival: float) -> str:
+    async def _advance(
+        self,
+        gen: Generation,
+        detok: IncrementalDetokenizer,
+        out: RequestOutput,
+        body: ChatCompletionRequest,
+        arrival: float,
+    ) -> str:
         """Applies one engine output; returns the new text."""
         if not gen.token_ids and out.new_token_ids:
             self.metrics.ttft.observe(time.time() - arrival)
@@ -163,15 +182,28 @@ class ChatService:
         gen.text += delta
         return delta
 
-    async def _collect(self, body: ChatCompletionRequest, gen: Generation, detok: IncrementalDetokenizer,
-                       outputs: AsyncIterator[RequestOutput], arrival: float) -> None:
+    async def _collect(
+        self,
+        body: ChatCompletionRequest,
+        gen: Generation,
+        detok: IncrementalDetokenizer,
+        outputs: AsyncIterator[RequestOutput],
+        arrival: float,
+    ) -> None:
         async for out in outputs:
             await self._advance(gen, detok, out, body, arrival)
             if gen.finish_reason is not None:
                 return
 
-    async def _stream(self, body: ChatCompletionRequest, gen: Generation, detok: IncrementalDetokenizer,
-                      outputs: AsyncIterator[RequestOutput], arrival: float, include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        body: ChatCompletionRequest,
+        gen: Generation,
+        detok: IncrementalDetokenizer,
+        outputs: AsyncIterator[RequestOutput],
+        arrival: float,
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         created = int(arrival)
         try:
             yield _sse(self._chunk(gen, created, {"role": "assistant", "content": ""}, include_usage))
@@ -180,23 +212,49 @@ class ChatService:
                 delta = await self._advance(gen, detok, out, body, arrival)
                 logprobs = {"content": gen.logprobs[num_logprobs:]} if body.logprobs else None
                 if delta or logprobs and logprobs["content"] or gen.finish_reason is not None:
-                    yield _sse(self._chunk(gen, created, {"content": delta} if delta else {}, include_usage,
-                                           logprobs=logprobs, finish_reason=gen.finish_reason))
+                    yield _sse(
+                        self._chunk(
+                            gen,
+                            created,
+                            {"content": delta} if delta else {},
+                            include_usage,
+                            logprobs=logprobs,
+                            finish_reason=gen.finish_reason,
+                        )
+                    )
                 if gen.finish_reason is not None:
                     break
             if include_usage:
-                yield _sse({"id": gen.req_id, "object": "chat.completion.chunk", "created": created,
-                            "model": self.model_name, "choices": [], "usage": _usage(gen)})
+                yield _sse(
+                    {
+                        "id": gen.req_id,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": self.model_name,
+                        "choices": [],
+                        "usage": _usage(gen),
+                    }
+                )
             yield "data: [DONE]\n\n"
         except MMServeError as exc:
             yield sse_error_event(exc)
         finally:
             self.engine.release(gen.req_id, abort=gen.finish_reason is None)
 
-    def _chunk(self, gen: Generation, created: int, delta: dict[str, Any], include_usage: bool,
-               logprobs: dict[str, Any] | None = None, finish_reason: str | None = None) -> dict[str, Any]:
+    def _chunk(
+        self,
+        gen: Generation,
+        created: int,
+        delta: dict[str, Any],
+        include_usage: bool,
+        logprobs: dict[str, Any] | None = None,
+        finish_reason: str | None = None,
+    ) -> dict[str, Any]:
         chunk: dict[str, Any] = {
-            "id": gen.req_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+            "id": gen.req_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": self.model_name,
             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
         }
         if include_usage:
@@ -205,13 +263,18 @@ class ChatService:
 
     def _completion(self, gen: Generation, arrival: float) -> dict[str, Any]:
         return {
-            "id": gen.req_id, "object": "chat.completion", "created": int(arrival), "model": self.model_name,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": gen.text},
-                "logprobs": {"content": gen.logprobs} if gen.logprobs else None,
-                "finish_reason": gen.finish_reason,
-            }],
+            "id": gen.req_id,
+            "object": "chat.completion",
+            "created": int(arrival),
+            "model": self.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": gen.text},
+                    "logprobs": {"content": gen.logprobs} if gen.logprobs else None,
+                    "finish_reason": gen.finish_reason,
+                }
+            ],
             "usage": _usage(gen),
         }
 
@@ -219,6 +282,7 @@ class ChatService:
     def _logprob_entries(out: RequestOutput, detok: IncrementalDetokenizer) -> list[dict[str, Any]]:
         entries = []
         for entry in out.logprobs or []:
+
             def one(token_id: int, logprob: float) -> dict[str, Any]:
                 token = detok.token_strings([token_id])[0]
                 return {"token": token, "logprob": logprob, "bytes": detok.token_bytes(token_id)}
@@ -229,7 +293,9 @@ class ChatService:
         return entries
 
 
-async def _chain(first: RequestOutput, queue: asyncio.Queue[RequestOutput | EngineGone]) -> AsyncIterator[RequestOutput]:
+async def _chain(
+    first: RequestOutput, queue: asyncio.Queue[RequestOutput | EngineGone]
+) -> AsyncIterator[RequestOutput]:
     yield first
     while first.finish_reason is None:
         out = await queue.get()
@@ -251,4 +317,3 @@ def _usage(gen: Generation) -> dict[str, Any]:
 
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-

@@ -26,11 +26,15 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         default = "model's own limit" if name == "max_model_len" else field.default
         help_text = f"{field.description} (default: {default}; env MMSERVE_{name.upper()})"
-        parser.add_argument(flag, dest=name, default=None, metavar=name.split("_")[-1].upper(), help=help_text)
+        parser.add_argument(
+            flag, dest=name, default=None, metavar=name.split("_")[-1].upper(), help=help_text
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmserve", description="OpenAI-compatible server for vision-language models.")
+    parser = argparse.ArgumentParser(
+        prog="mmserve", description="OpenAI-compatible server for vision-language models."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for role, help_text in ROLES.items():
         _add_settings_flags(sub.add_parser(role, help=help_text, description=help_text))
@@ -43,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Flags given on the command line override MMSERVE_* variables, which override defaults."""
-    given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None}
+    given = {
+        name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None
+    }
     return Settings(**given)
 
 
@@ -61,8 +67,12 @@ def engine_config(settings: Settings) -> EngineConfig:
 
 
 def worker_config(settings: Settings) -> WorkerConfig:
-    return WorkerConfig(model=settings.model, worker_addr=settings.worker_addr, device=settings.device,
-                        log_level=settings.log_level)
+    return WorkerConfig(
+        model=settings.model,
+        worker_addr=settings.worker_addr,
+        device=settings.device,
+        log_level=settings.log_level,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -97,11 +97,14 @@ class EngineClient:
 
     # ------------------------------------------------------------------ sending (synchronous)
 
-    def _send(self, msg: AddRequest | Abort | ResetCaches | Hello | Shutdown,
-              frames: Sequence[memoryview] = ()) -> None:
+    def _send(
+        self, msg: AddRequest | Abort | ResetCaches | Hello | Shutdown, frames: Sequence[memoryview] = ()
+    ) -> None:
         self._sock.send_multipart([encode(msg), *frames], flags=zmq.NOBLOCK, copy=False)
 
-    def add_request(self, msg: AddRequest, frames: Sequence[memoryview]) -> asyncio.Queue[RequestOutput | EngineGone]:
+    def add_request(
+        self, msg: AddRequest, frames: Sequence[memoryview]
+    ) -> asyncio.Queue[RequestOutput | EngineGone]:
         """Registers the request's output queue and hands the message to the socket. Called in the
         same synchronous step as ``IpcMirror.record_request`` for this message."""
         queue: asyncio.Queue[RequestOutput | EngineGone] = asyncio.Queue()
@@ -155,7 +158,9 @@ class EngineClient:
         if self.ready is not None and self.ready.epoch == msg.epoch:
             return
         if self.ready is not None:
-            log.warning("engine restarted (epoch %s -> %s): emptying the IPC mirror", self.ready.epoch, msg.epoch)
+            log.warning(
+                "engine restarted (epoch %s -> %s): emptying the IPC mirror", self.ready.epoch, msg.epoch
+            )
             self._fail_in_flight("the engine restarted")
         # A new engine has an empty receiver cache: the mirror must not claim anything.
         self.mirror.reset()
@@ -165,4 +170,3 @@ class EngineClient:
     def _fail_in_flight(self, reason: str) -> None:
         for queue in self._queues.values():
             queue.put_nowait(EngineGone(reason))
-

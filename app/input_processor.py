@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-import PIL.Image
 
 from app.engine_client import EngineClient, EngineGone
 from app.hashing import mm_hash
@@ -30,7 +29,7 @@ from engine.protocol import AddRequest, MMFeature, RequestOutput, SamplingParams
 @dataclass
 class ImageInput:
     mm_hash: str
-    image: PIL.Image.Image
+    data: bytes  # the original encoded bytes; decoded only if the HF processor must run
     param: str  # where the image sits in the request, for error messages
     item: ProcessedItem | None = None  # processed tensors, when this API process has them
     num_tokens: int | None = None
@@ -79,8 +78,15 @@ def tensor_frames(item: ProcessedItem, first_frame: int) -> tuple[dict[str, Tens
 
 
 class InputProcessor:
-    def __init__(self, settings: Settings, mm_processor: MMProcessor, processor_cache: ProcessorCache,
-                 engine: EngineClient, metrics: ApiMetrics, http: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        mm_processor: MMProcessor,
+        processor_cache: ProcessorCache,
+        engine: EngineClient,
+        metrics: ApiMetrics,
+        http: httpx.AsyncClient,
+    ) -> None:
         self.settings = settings
         self.mm_processor = mm_processor
         self.processor_cache = processor_cache
@@ -98,13 +104,13 @@ class InputProcessor:
     async def _load(self, url: str, param: str, options: dict[str, Any]) -> ImageInput:
         start = time.perf_counter()
         s = self.settings
-        data = await load_image_bytes(url, client=self.http, timeout_s=s.fetch_timeout_s,
-                                      max_bytes=s.max_image_bytes, param=param)
-        image = await asyncio.to_thread(decode_image, data, param=param)
+        data = await load_image_bytes(
+            url, client=self.http, timeout_s=s.fetch_timeout_s, max_bytes=s.max_image_bytes, param=param
+        )
         self.metrics.fetch_seconds.observe(time.perf_counter() - start)
         self.metrics.mm_items.inc()
         digest = mm_hash(model_id=self.mm_processor.model_id, modality="image", data=data, options=options)
-        return ImageInput(mm_hash=digest, image=image, param=param)
+        return ImageInput(mm_hash=digest, data=data, param=param)
 
     async def resolve(self, prepared: PreparedRequest) -> None:
         """Makes every image's size known and its tensors available unless the engine holds it."""
@@ -131,11 +137,17 @@ class InputProcessor:
         )
 
     async def _process(self, image: ImageInput, kwargs: dict[str, Any]) -> ProcessedItem:
+        """Decodes and processes one image. Only cache misses get here: a hit needs no pixels at all
+        (the hash is over the encoded bytes, and bytes that hit once decoded fine)."""
         start = time.perf_counter()
-        item = await asyncio.to_thread(self.mm_processor.process_image, image.image, kwargs)
+        item = await asyncio.to_thread(self._decode_and_process, image, kwargs)
         self.metrics.processor_seconds.observe(time.perf_counter() - start)
         self.processor_cache.put(image.mm_hash, item)
         return item
+
+    def _decode_and_process(self, image: ImageInput, kwargs: dict[str, Any]) -> ProcessedItem:
+        pixels = decode_image(image.data, param=image.param)
+        return self.mm_processor.process_image(pixels, kwargs)
 
     def release_pins(self, prepared: PreparedRequest) -> None:
         for image in prepared.images:
@@ -143,8 +155,9 @@ class InputProcessor:
                 self.engine.mirror.unpin(image.mm_hash)
                 image.pinned = False
 
-    def submit(self, prepared: PreparedRequest, req_id: str, sampling: SamplingParams,
-               arrival_time: float) -> asyncio.Queue[RequestOutput | EngineGone] | None:
+    def submit(
+        self, prepared: PreparedRequest, req_id: str, sampling: SamplingParams, arrival_time: float
+    ) -> asyncio.Queue[RequestOutput | EngineGone] | None:
         """Decides what crosses the pipe and sends it, in one synchronous step (no ``await``).
 
         Returns None, sending nothing, when an image found in the mirror during ``resolve`` has since
@@ -169,10 +182,23 @@ class InputProcessor:
             refs, item_frames = tensor_frames(image.item, first_frame=1 + len(frames))
             frames.extend(item_frames)
             payload_bytes += sum(f.nbytes for f in item_frames)
-            features.append(MMFeature(image.mm_hash, offset, image.num_tokens, tensors=refs,
-                                      store=decision is MirrorDecision.STORE))
-        msg = AddRequest(req_id=req_id, prompt_token_ids=prepared.prompt_token_ids, sampling=sampling,
-                         mm_features=features, evicted_mm_hashes=evicted, arrival_time=arrival_time)
+            features.append(
+                MMFeature(
+                    image.mm_hash,
+                    offset,
+                    image.num_tokens,
+                    tensors=refs,
+                    store=decision is MirrorDecision.STORE,
+                )
+            )
+        msg = AddRequest(
+            req_id=req_id,
+            prompt_token_ids=prepared.prompt_token_ids,
+            sampling=sampling,
+            mm_features=features,
+            evicted_mm_hashes=evicted,
+            arrival_time=arrival_time,
+        )
         queue = self.engine.add_request(msg, frames)
         self.release_pins(prepared)
         self.metrics.ipc_payload_bytes.inc(payload_bytes)

@@ -22,10 +22,15 @@ log = logging.getLogger("mmserve")
 
 
 def run_role(role: str, settings: Settings) -> int:
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     if role != "engine" and not Path(settings.model).is_dir():
-        print(f"mmserve: error: model folder {settings.model!r} does not exist "
-              "(build one with `mmserve build-tiny-model --out DIR`)", file=sys.stderr)
+        print(
+            f"mmserve: error: model folder {settings.model!r} does not exist "
+            "(build one with `mmserve build-tiny-model --out DIR`)",
+            file=sys.stderr,
+        )
         return 2
     if role == "serve":
         return serve(settings)
@@ -48,8 +53,9 @@ def run_api(settings: Settings, *, owns_engine: bool) -> None:
     from app.server import create_app
 
     app = create_app(settings, shutdown_engine_on_exit=owns_engine)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                timeout_graceful_shutdown=5)
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5
+    )
 
 
 def _child_main(role: str, settings: Settings) -> None:
@@ -96,8 +102,11 @@ def _announce_when_ready(settings: Settings, stop: threading.Event) -> None:
     while not stop.wait(0.2):
         try:
             if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                print(f"mmserve: serving model {settings.model_name!r} ({settings.model}) at {url}/v1 "
-                      "- press Ctrl-C to stop", flush=True)
+                print(
+                    f"mmserve: serving model {settings.model_name!r} ({settings.model}) at {url}/v1 "
+                    "- press Ctrl-C to stop",
+                    flush=True,
+                )
                 return
         except httpx.HTTPError:
             continue

@@ -20,7 +20,7 @@ ENGINE_COUNTERS = {
     "encoder_cache_hits_total": "Encoder-cache lookups that found the item already encoded.",
     "encoder_runs_total": "Items run through the vision encoder.",
     "engine_steps_total": "Engine steps run on the worker.",
-    "mm_ipc_cache_resends_total": "Items the receiver cache lacked although the mirror said cached (should be 0).",
+    "mm_ipc_cache_resends_total": "Items the receiver cache lacked though the mirror said cached (stays 0).",
 }
 ENGINE_GAUGES = {
     "encoder_cache_usage_tokens": "Encoder-cache space in use (embeddings), freeable entries included.",
@@ -37,7 +37,9 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         counters, gauges = self._metrics.engine_counters, self._metrics.engine_gauges
         for name, help_text in ENGINE_COUNTERS.items():
-            yield CounterMetricFamily(f"mmserve_{name.removesuffix('_total')}", help_text, value=counters.get(name, 0.0))
+            yield CounterMetricFamily(
+                f"mmserve_{name.removesuffix('_total')}", help_text, value=counters.get(name, 0.0)
+            )
         for name, help_text in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(f"mmserve_{name}", help_text, value=gauges.get(name, 0.0))
 
@@ -55,11 +57,15 @@ class ApiMetrics:
             return Histogram(f"mmserve_{name}", doc, buckets=buckets, registry=r)
 
         self.mm_items = counter("mm_items", "Multimodal items (images) received.")
-        self.processor_cache_queries = counter("mm_processor_cache_queries", "Processor-cache lookups (items).")
+        self.processor_cache_queries = counter(
+            "mm_processor_cache_queries", "Processor-cache lookups (items)."
+        )
         self.processor_cache_hits = counter("mm_processor_cache_hits", "Processor-cache hits (items).")
         self.ipc_cache_queries = counter("mm_ipc_cache_queries", "IPC-mirror lookups (items).")
         self.ipc_cache_hits = counter("mm_ipc_cache_hits", "IPC-mirror hits: item sent as a key only.")
-        self.ipc_payload_bytes = counter("mm_ipc_payload_bytes", "Multimodal bytes sent API->engine, keys included.")
+        self.ipc_payload_bytes = counter(
+            "mm_ipc_payload_bytes", "Multimodal bytes sent API->engine, keys included."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Finished requests.", ("finish_reason",))
@@ -72,7 +78,8 @@ class ApiMetrics:
             "num_requests_per_step", "Requests batched together in one engine step.", BATCH_BUCKETS
         )
         self.batched_tokens_per_step = histogram(
-            "num_batched_tokens_per_step", "Tokens computed in one engine step.",
+            "num_batched_tokens_per_step",
+            "Tokens computed in one engine step.",
             (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384),
         )
         self.engine_counters: dict[str, float] = {}

@@ -34,8 +34,9 @@ def create_app(settings: Settings, *, shutdown_engine_on_exit: bool = False) -> 
         mm_processor = MMProcessor(settings.model)
         engine = EngineClient(settings.engine_addr, settings.ipc_cache_bytes, metrics)
         http = httpx.AsyncClient(follow_redirects=True)
-        inputs = InputProcessor(settings, mm_processor, ProcessorCache(settings.processor_cache_bytes),
-                                engine, metrics, http)
+        inputs = InputProcessor(
+            settings, mm_processor, ProcessorCache(settings.processor_cache_bytes), engine, metrics, http
+        )
         chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics)
         app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, http)
         await engine.start()

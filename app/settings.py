@@ -43,17 +43,25 @@ class Settings(BaseSettings):
         4.0, ge=0, description="API processor cache size in GiB (processed items); 0 disables it."
     )
     mm_ipc_cache_gb: float = Field(
-        4.0, ge=0, description="IPC cache size in GiB (API key mirror = engine receiver cache); 0 disables it."
+        4.0,
+        ge=0,
+        description="IPC cache size in GiB (API key mirror = engine receiver cache); 0 disables it.",
     )
     encoder_cache_tokens: int = Field(
         8192, ge=0, description="Encoder cache space in embeddings (tokens), shared across requests."
     )
     encoder_compute_budget_tokens: int | None = Field(
-        None, ge=0, description="Embeddings the encoder may produce in one step (default: max-num-batched-tokens)."
+        None,
+        ge=0,
+        description="Embeddings the encoder may produce in one step (default: max-num-batched-tokens).",
     )
-    device: str = Field("auto", description="Worker device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
+    device: str = Field(
+        "auto", description="Worker device: auto (cuda if available, else cpu), cpu, cuda, cuda:N."
+    )
     fetch_timeout_s: float = Field(10.0, gt=0, description="Timeout for fetching an http(s) image URL.")
-    max_image_bytes: int = Field(20 * 1024 * 1024, gt=0, description="Largest image (encoded bytes) accepted.")
+    max_image_bytes: int = Field(
+        20 * 1024 * 1024, gt=0, description="Largest image (encoded bytes) accepted."
+    )
     log_level: str = Field("info", description="Log level of every process.")
 
     @field_validator("engine_addr", "worker_addr")

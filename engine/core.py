@@ -79,8 +79,13 @@ class EngineCore:
         items, missing = cache.apply(msg.evicted_mm_hashes, features)
         if missing:
             self.metrics.count("mm_ipc_cache_resends_total", len(missing))
-            return self._reject(client, msg.req_id, "multimodal items missing from the receiver cache",
-                                "mm_cache_miss", missing=missing)
+            return self._reject(
+                client,
+                msg.req_id,
+                "multimodal items missing from the receiver cache",
+                "mm_cache_miss",
+                missing=missing,
+            )
         error = self.scheduler.admission_error(
             len(msg.prompt_token_ids), msg.sampling.max_tokens, [f.num_tokens for f in msg.mm_features]
         )
@@ -94,15 +99,18 @@ class EngineCore:
                 client=client,
                 prompt_token_ids=msg.prompt_token_ids,
                 sampling=msg.sampling,
-                mm_features=[MMFeature(f.mm_hash, f.offset, f.num_tokens, f.modality) for f in msg.mm_features],
+                mm_features=[
+                    MMFeature(f.mm_hash, f.offset, f.num_tokens, f.modality) for f in msg.mm_features
+                ],
                 mm_items=mm_items,
                 arrival_time=msg.arrival_time or time.time(),
             )
         )
         return {}
 
-    def _reject(self, client: bytes, req_id: str, message: str, code: str,
-                missing: list[str] | None = None) -> Outputs:
+    def _reject(
+        self, client: bytes, req_id: str, message: str, code: str, missing: list[str] | None = None
+    ) -> Outputs:
         error = ErrorInfo(message=message, code=code, missing_mm_hashes=missing or [])
         return {client: [RequestOutput(req_id, finish_reason=FinishReason.ABORT, error=error)]}
 

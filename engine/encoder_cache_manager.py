@@ -98,7 +98,9 @@ class EncoderCacheManager:
         """Reserve room for a new entry used by ``req_id``; call after ``can_allocate`` said True."""
         assert mm_hash not in self._num_tokens, f"{mm_hash} already held"
         assert num_tokens >= 0
-        assert not self.enabled or num_tokens <= self.num_free_tokens, "allocate without room (call can_allocate)"
+        assert not self.enabled or num_tokens <= self.num_free_tokens, (
+            "allocate without room (call can_allocate)"
+        )
         self._num_tokens[mm_hash] = num_tokens
         self._users[mm_hash] = {req_id}
         self._req_entries.setdefault(req_id, {})[mm_hash] = None

@@ -1,7 +1,7 @@
 """Entry point of the engine process: drain inbox → dispatch by message type → ``step()`` → publish.
 
-    API (DEALER, connect) ──[AddRequest|Abort|ResetCaches|Hello|Shutdown, frames]──▶ engine (ROUTER, bind)
-                          ◀──[EngineReady|EngineOutputs|EngineDead]──────────────────
+API (DEALER, connect) ──[AddRequest|Abort|ResetCaches|Hello|Shutdown, frames]──▶ engine (ROUTER, bind)
+                      ◀──[EngineReady|EngineOutputs|EngineDead]──────────────────
 """
 
 from __future__ import annotations
@@ -69,8 +69,11 @@ class EngineServer:
         )
 
     def serve(self) -> None:
-        log.info("engine listening on %s, waiting for the worker on %s", self.config.engine_addr,
-                 self.config.worker_addr)
+        log.info(
+            "engine listening on %s, waiting for the worker on %s",
+            self.config.engine_addr,
+            self.config.worker_addr,
+        )
         while self.running and self.worker.poll_ready(timeout_s=0.1) is None:
             pass
         while self.running:
@@ -121,8 +124,11 @@ class EngineServer:
             # The worker's state for the running requests is unknown: fail them, keep serving others.
             log.exception("step failed")
             outputs: Outputs = {}
-            error = ErrorInfo(message=f"internal error while running the model: {exc}", code="internal_error",
-                              http_status=500)
+            error = ErrorInfo(
+                message=f"internal error while running the model: {exc}",
+                code="internal_error",
+                http_status=500,
+            )
             for request in list(self.core.scheduler.running):
                 self.core.scheduler.abort(request.req_id)
                 out = RequestOutput(request.req_id, finish_reason=FinishReason.ABORT, error=error)
@@ -149,7 +155,9 @@ class EngineServer:
 
 
 def run_engine(config: EngineConfig) -> None:
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     ctx = zmq.Context()
     server = EngineServer(config, ctx)
 

@@ -8,6 +8,7 @@ the RunnerOutput of the same step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 
@@ -53,7 +54,7 @@ class WorkerClient:
         return msg
 
     def execute(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> RunnerOutput:
-        assert self.worker_id is not None, "wait_ready() first"
+        assert self.worker_id is not None, "poll_ready() first"
         self.sock.send_multipart([self.worker_id, encode(sched), *frames], copy=False)
         if not self.sock.poll(self.step_timeout_ms):
             raise WorkerFailed(f"worker did not answer step {sched.step_id}")
@@ -67,8 +68,6 @@ class WorkerClient:
 
     def shutdown(self) -> None:
         if self.worker_id is not None:
-            try:
+            with contextlib.suppress(zmq.ZMQError):  # the worker may already be gone
                 self.sock.send_multipart([self.worker_id, encode(WorkerShutdown())], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
         self.sock.close(linger=100)

@@ -51,18 +51,26 @@ class Oracle:
     processor: Any
     model: LlavaForConditionalGeneration
 
-    def greedy(self, text: str, images: list[PIL.Image.Image], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    def greedy(
+        self, text: str, images: list[PIL.Image.Image], max_new_tokens: int
+    ) -> tuple[list[int], torch.Tensor]:
         """Token ids and per-step log-probabilities, EOS ignored (like the server's ``ignore_eos``)."""
         parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-        prompt = self.processor.apply_chat_template([{"role": "user", "content": parts}],
-                                                    add_generation_prompt=True, tokenize=False)
+        prompt = self.processor.apply_chat_template(
+            [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
+        )
         inputs = self.processor(text=prompt, images=images or None, return_tensors="pt")
-        config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None,
-                                  pad_token_id=self.processor.tokenizer.pad_token_id)
+        config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=self.processor.tokenizer.pad_token_id,
+        )
         with torch.inference_mode():
-            out = self.model.generate(**inputs, generation_config=config, output_scores=True,
-                                      return_dict_in_generate=True)
-        ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+            out = self.model.generate(
+                **inputs, generation_config=config, output_scores=True, return_dict_in_generate=True
+            )
+        ids = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
         logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)
         return ids, logprobs
 
@@ -77,7 +85,9 @@ def oracle(tiny_model_dir: Path) -> Oracle:
 @pytest.fixture(scope="session")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One ``mmserve serve`` with every cache on, shared by the e2e tests that only send requests."""
-    srv = start_serve(tiny_model_dir, tmp_path_factory.mktemp("serve"), "--max-model-len", "2048", "--fetch-timeout-s", "2")
+    srv = start_serve(
+        tiny_model_dir, tmp_path_factory.mktemp("serve"), "--max-model-len", "2048", "--fetch-timeout-s", "2"
+    )
     try:
         yield srv
     finally:

@@ -56,8 +56,12 @@ class ServerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", *self.args], cwd=REPO, env=env, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            [sys.executable, "-m", "app.cli", *self.args],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         return self
 
@@ -114,8 +118,9 @@ def wait_healthy(base_url: str, process: ServerProcess, timeout_s: float = 180.0
 
 def start_serve(model_dir: Path, log_dir: Path, *flags: str) -> Server:
     port = free_port()
-    process = ServerProcess(["serve", "--model", str(model_dir), "--port", str(port), *flags],
-                            log_dir / f"serve-{port}.log").start()
+    process = ServerProcess(
+        ["serve", "--model", str(model_dir), "--port", str(port), *flags], log_dir / f"serve-{port}.log"
+    ).start()
     server = Server(process, port)
     try:
         wait_healthy(server.base_url, process)

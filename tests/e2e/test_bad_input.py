@@ -17,16 +17,25 @@ pytestmark = pytest.mark.slow
 
 
 def post(server: Server, body: Any = None, *, content: bytes | None = None) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, content=content,
-                      headers={"Content-Type": "application/json"}, timeout=60)
+    return httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json=body,
+        content=content,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
 
 
 def image_part(url: str) -> dict[str, Any]:
-    return {"role": "user", "content": [{"type": "text", "text": "look"},
-                                        {"type": "image_url", "image_url": {"url": url}}]}
+    return {
+        "role": "user",
+        "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}}],
+    }
 
 
-def assert_error(resp: httpx.Response, status: int, code: str | None = None, param: str | None = None) -> dict:
+def assert_error(
+    resp: httpx.Response, status: int, code: str | None = None, param: str | None = None
+) -> dict:
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -48,8 +57,13 @@ def test_schema_errors_name_the_param(server: Server) -> None:
     bad_part = {"model": "tiny-llava", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
     error = assert_error(post(server, bad_part), 400)
     assert error["param"].startswith("messages[0].content[0]")
-    assert_error(post(server, {"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}],
-                               "temperature": 7}), 400, param="temperature")
+    assert_error(
+        post(
+            server, {"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "temperature": 7}
+        ),
+        400,
+        param="temperature",
+    )
 
 
 def test_unknown_model(server: Server) -> None:
@@ -64,8 +78,12 @@ def test_undecodable_image_names_the_part(server: Server) -> None:
 
 
 def test_data_url_that_is_not_base64(server: Server) -> None:
-    error = assert_error(post(server, {"model": "tiny-llava",
-                                       "messages": [image_part("data:image/png;base64,@@not base64@@")]}), 400)
+    error = assert_error(
+        post(
+            server, {"model": "tiny-llava", "messages": [image_part("data:image/png;base64,@@not base64@@")]}
+        ),
+        400,
+    )
     assert error["param"] == "messages[0].content[1].image_url.url"
 
 
@@ -92,8 +110,13 @@ def test_prompt_longer_than_max_model_len(server: Server) -> None:
 
 def test_bad_input_disturbs_neither_requests_nor_caches(server: Server, image_http_server: str) -> None:
     image = make_image(501)
-    good = {"model": "tiny-llava", "messages": [user_message("Steady?", image)], "max_tokens": 48,
-            "temperature": 0, "ignore_eos": True}
+    good = {
+        "model": "tiny-llava",
+        "messages": [user_message("Steady?", image)],
+        "max_tokens": 48,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     expected = post(server, good).json()["choices"][0]["message"]["content"]
     result: dict[str, Any] = {}
 

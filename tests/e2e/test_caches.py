@@ -15,8 +15,13 @@ pytestmark = pytest.mark.slow
 
 
 def chat(server: Server, messages: list[dict], max_tokens: int = 12) -> str:
-    body = {"model": "tiny-llava", "messages": messages, "temperature": 0, "max_tokens": max_tokens,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny-llava",
+        "messages": messages,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+    }
     resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return str(resp.json()["choices"][0]["message"]["content"])
@@ -28,8 +33,18 @@ def delta(before: dict[str, float], after: dict[str, float], name: str) -> float
 
 @pytest.fixture(scope="module")
 def uncached_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_serve(tiny_model_dir, tmp_path_factory.mktemp("uncached"), "--max-model-len", "2048",
-                      "--mm-processor-cache-gb", "0", "--mm-ipc-cache-gb", "0", "--encoder-cache-tokens", "0")
+    srv = start_serve(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("uncached"),
+        "--max-model-len",
+        "2048",
+        "--mm-processor-cache-gb",
+        "0",
+        "--mm-ipc-cache-gb",
+        "0",
+        "--encoder-cache-tokens",
+        "0",
+    )
     try:
         yield srv
     finally:
@@ -44,8 +59,11 @@ def test_same_answers_with_all_caches_on_and_off(server: Server, uncached_server
         [user_message("Again the first.", a)],
         [user_message("Another pair.", c, b)],
         [user_message("Twice the same.", c, c)],
-        [user_message("A conversation.", b), {"role": "assistant", "content": "a picture"},
-         user_message("And now?", a)],
+        [
+            user_message("A conversation.", b),
+            {"role": "assistant", "content": "a picture"},
+            user_message("And now?", a),
+        ],
         [user_message("Back to the second.", b)],
     ]
     cached = [chat(server, messages) for messages in sequence]
@@ -84,8 +102,12 @@ def test_same_bytes_by_url_and_data_url_share_a_hash(server: Server, image_http_
     by_data = chat(server, [user_message("Which?", image)])
     before = server.metrics()
     url = image_http_server + "/img201.png"
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                             {"type": "text", "text": "Which?"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Which?"}],
+        }
+    ]
     assert chat(server, messages) == by_data
     after = server.metrics()
     assert delta(before, after, "mmserve_mm_ipc_cache_hits_total") == 1
@@ -96,8 +118,12 @@ def test_mm_processor_kwargs_change_the_hash(server: Server) -> None:
     image = make_image(202)
     chat(server, [user_message("Kw.", image)])
     before = server.metrics()
-    body = {"model": "tiny-llava", "messages": [user_message("Kw.", image)], "max_tokens": 4,
-            "mm_processor_kwargs": {"do_normalize": False}}
+    body = {
+        "model": "tiny-llava",
+        "messages": [user_message("Kw.", image)],
+        "max_tokens": 4,
+        "mm_processor_kwargs": {"do_normalize": False},
+    }
     resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     after = server.metrics()

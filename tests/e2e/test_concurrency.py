@@ -19,9 +19,15 @@ def request_body(i: int, stream: bool) -> dict:
     images = [make_image(400 + i % 5)] if i % 4 else []  # a quarter text-only, images repeat
     if i % 7 == 3:
         images.append(make_image(450 + i))  # some carry a second, unique image
-    return {"model": "tiny-llava", "messages": [user_message(f"Request {i % 3}.", *images)], "max_tokens": 12,
-            "temperature": 0, "ignore_eos": True, "stream": stream,
-            **({"stream_options": {"include_usage": True}} if stream else {})}
+    return {
+        "model": "tiny-llava",
+        "messages": [user_message(f"Request {i % 3}.", *images)],
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    }
 
 
 async def stream_one(client: httpx.AsyncClient, body: dict) -> tuple[str, dict]:
@@ -57,19 +63,30 @@ def test_sixteen_concurrent_streams_are_batched(server: Server) -> None:
     assert all(usage["completion_tokens"] == 12 for _, usage in results)
     after = server.metrics()
     steps = after["mmserve_num_requests_per_step_count"] - before["mmserve_num_requests_per_step_count"]
-    single = (after['mmserve_num_requests_per_step_bucket{le="1.0"}']
-              - before['mmserve_num_requests_per_step_bucket{le="1.0"}'])
-    batched_8_plus = steps - (after['mmserve_num_requests_per_step_bucket{le="4.0"}']
-                              - before['mmserve_num_requests_per_step_bucket{le="4.0"}'])
+    single = (
+        after['mmserve_num_requests_per_step_bucket{le="1.0"}']
+        - before['mmserve_num_requests_per_step_bucket{le="1.0"}']
+    )
+    batched_8_plus = steps - (
+        after['mmserve_num_requests_per_step_bucket{le="4.0"}']
+        - before['mmserve_num_requests_per_step_bucket{le="4.0"}']
+    )
     assert steps > 0 and single < steps
     assert batched_8_plus > 0, "some steps ran more than four requests together"
 
 
 def test_client_disconnect_aborts_the_request(server: Server) -> None:
-    body = {"model": "tiny-llava", "messages": [user_message("Go on forever.", make_image(499))],
-            "max_tokens": 1400, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=server.base_url, timeout=60) as client, \
-            client.stream("POST", "/v1/chat/completions", json=body) as resp:
+    body = {
+        "model": "tiny-llava",
+        "messages": [user_message("Go on forever.", make_image(499))],
+        "max_tokens": 1400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(base_url=server.base_url, timeout=60) as client,
+        client.stream("POST", "/v1/chat/completions", json=body) as resp,
+    ):
         lines = resp.iter_lines()
         received = [line for line, _ in zip(lines, range(4), strict=False)]
         assert any(line.startswith("data: ") for line in received)

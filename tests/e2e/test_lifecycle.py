@@ -39,9 +39,13 @@ def test_compose_topology_as_processes(tiny_model_dir: Path, tmp_path: Path) -> 
     services = compose_services()
     engine_port, worker_port, http_port = free_port(), free_port(), free_port()
     rewrite = {
-        "tcp://0.0.0.0:5555": f"tcp://127.0.0.1:{engine_port}", "tcp://engine:5555": f"tcp://127.0.0.1:{engine_port}",
-        "tcp://0.0.0.0:5556": f"tcp://127.0.0.1:{worker_port}", "tcp://engine:5556": f"tcp://127.0.0.1:{worker_port}",
-        "/models/tiny-llava": str(tiny_model_dir), "0.0.0.0": "127.0.0.1", "8000": str(http_port),
+        "tcp://0.0.0.0:5555": f"tcp://127.0.0.1:{engine_port}",
+        "tcp://engine:5555": f"tcp://127.0.0.1:{engine_port}",
+        "tcp://0.0.0.0:5556": f"tcp://127.0.0.1:{worker_port}",
+        "tcp://engine:5556": f"tcp://127.0.0.1:{worker_port}",
+        "/models/tiny-llava": str(tiny_model_dir),
+        "0.0.0.0": "127.0.0.1",
+        "8000": str(http_port),
     }
     processes: dict[str, ServerProcess] = {}
     try:
@@ -53,8 +57,13 @@ def test_compose_topology_as_processes(tiny_model_dir: Path, tmp_path: Path) -> 
         base_url = f"http://127.0.0.1:{http_port}"
         wait_healthy(base_url, processes["api"])
         image = make_image(300)
-        body = {"model": "tiny-llava", "messages": [user_message("Over TCP?", image)], "max_tokens": 8,
-                "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": "tiny-llava",
+            "messages": [user_message("Over TCP?", image)],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         answers = []
         for _ in range(2):
             resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)

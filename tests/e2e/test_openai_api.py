@@ -13,10 +13,19 @@ pytestmark = pytest.mark.slow
 
 
 def test_curl_style_request_returns_chat_completion(server: Server) -> None:
-    body = {"model": "tiny-llava", "max_tokens": 8, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(make_image(10))}},
-        {"type": "text", "text": "What is in this image?"},
-    ]}]}
+    body = {
+        "model": "tiny-llava",
+        "max_tokens": 8,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_url(make_image(10))}},
+                    {"type": "text", "text": "What is in this image?"},
+                ],
+            }
+        ],
+    }
     resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
     data = resp.json()
@@ -38,11 +47,17 @@ def test_models_and_health(server: Server) -> None:
 def test_openai_sdk_non_streaming(server: Server) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
     completion = client.chat.completions.create(
-        model="tiny-llava", messages=[user_message("Describe it.", make_image(11))], max_tokens=10,
-        temperature=0, logprobs=True, top_logprobs=3,
+        model="tiny-llava",
+        messages=[user_message("Describe it.", make_image(11))],
+        max_tokens=10,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
     )
     assert completion.object == "chat.completion"
-    assert completion.usage is not None and completion.usage.completion_tokens == len(completion.choices[0].logprobs.content)
+    assert completion.usage is not None and completion.usage.completion_tokens == len(
+        completion.choices[0].logprobs.content
+    )
     top = completion.choices[0].logprobs.content[0].top_logprobs
     assert len(top) == 3 and top[0].logprob >= top[1].logprob >= top[2].logprob
 
@@ -51,8 +66,13 @@ def test_openai_sdk_streaming_with_usage(server: Server) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
     messages = [user_message("Describe it.", make_image(12))]
     stream = client.chat.completions.create(
-        model="tiny-llava", messages=messages, max_tokens=16, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model="tiny-llava",
+        messages=messages,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -61,8 +81,9 @@ def test_openai_sdk_streaming_with_usage(server: Server) -> None:
     assert finish == ["length"]
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage is not None and usage.completion_tokens == 16
-    full = client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=16, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    full = client.chat.completions.create(
+        model="tiny-llava", messages=messages, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert full.choices[0].message.content == text
 
 
@@ -71,9 +92,15 @@ def test_seeded_sampling_is_reproducible(server: Server) -> None:
     messages = [user_message("Say something.", make_image(13))]
 
     def sample(seed: int) -> str | None:
-        out = client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=12,
-                                             temperature=1.0, top_p=0.9, seed=seed,
-                                             extra_body={"ignore_eos": True, "top_k": 50})
+        out = client.chat.completions.create(
+            model="tiny-llava",
+            messages=messages,
+            max_tokens=12,
+            temperature=1.0,
+            top_p=0.9,
+            seed=seed,
+            extra_body={"ignore_eos": True, "top_k": 50},
+        )
         return out.choices[0].message.content
 
     assert sample(7) == sample(7)
@@ -83,11 +110,26 @@ def test_seeded_sampling_is_reproducible(server: Server) -> None:
 def test_stop_string_truncates_output(server: Server) -> None:
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
     messages = [user_message("Describe it.", make_image(14))]
-    full = client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=24, temperature=0,
-                                          extra_body={"ignore_eos": True}).choices[0].message.content
+    full = (
+        client.chat.completions.create(
+            model="tiny-llava",
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .message.content
+    )
     assert full and len(full) > 6
     stop = full[4:7]
-    cut = client.chat.completions.create(model="tiny-llava", messages=messages, max_tokens=24, temperature=0,
-                                         stop=[stop], extra_body={"ignore_eos": True})
+    cut = client.chat.completions.create(
+        model="tiny-llava",
+        messages=messages,
+        max_tokens=24,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == full[: full.index(stop)]

@@ -18,8 +18,13 @@ NEAR_TIE = 1e-3  # a divergence is accepted only where the oracle's top-2 logpro
 
 def greedy_request(server: Server, text: str, images: list[Any], n: int = NUM_TOKENS) -> dict[str, Any]:
     body = {
-        "model": "tiny-llava", "messages": [user_message(text, *images)], "temperature": 0,
-        "max_tokens": n, "ignore_eos": True, "logprobs": True, "top_logprobs": 2,
+        "model": "tiny-llava",
+        "messages": [user_message(text, *images)],
+        "temperature": 0,
+        "max_tokens": n,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 2,
     }
     resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
@@ -35,7 +40,9 @@ def assert_matches_oracle(response: dict[str, Any], oracle: Oracle, text: str, i
         if tokenizer.decode([token_id]) != served_token:
             top2 = hf_logprobs[pos].topk(2).values
             gap = float(top2[0] - top2[1])
-            assert gap < NEAR_TIE, f"diverged at token {pos} where the oracle's top-2 logprob gap is {gap:.6f}"
+            assert gap < NEAR_TIE, (
+                f"diverged at token {pos} where the oracle's top-2 logprob gap is {gap:.6f}"
+            )
             print(f"near-tie at token {pos}: logprob gap {gap:.2e}")
             return
     assert response["choices"][0]["message"]["content"] == tokenizer.decode(hf_ids, skip_special_tokens=True)

@@ -1,0 +1,143 @@
+"""API-side cost of one image, by cache outcome: time spent in the API process (data-URL decode, hash,
+image decode + HF processor unless a cache has the item, mirror decision, message hand-off) and bytes
+sent API→engine: multimodal bytes (tensors + keys, the ``mmserve_mm_ipc_payload_bytes`` metric) and the
+whole message (which also carries the prompt's token ids).
+
+    python bench/bench_api_cache.py --model models/tiny-llava [--size 1024] [--repeats 20]
+
+The API pieces are the real ones (HF processor, processor cache, IPC mirror, EngineClient on a real
+ZeroMQ DEALER socket); the engine end is a ROUTER socket that receives and counts bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import statistics
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import PIL.Image
+import zmq
+
+from app.engine_client import EngineClient
+from app.input_processor import InputProcessor
+from app.metrics import ApiMetrics
+from app.mm_processing import MMProcessor
+from app.processor_cache import ProcessorCache
+from app.settings import Settings
+from engine.protocol import SamplingParams
+
+
+def jpeg_data_url(size: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    low = rng.integers(0, 256, size=(16, 16, 3), dtype=np.uint8)
+    image = PIL.Image.fromarray(low).resize((size, size), PIL.Image.Resampling.BICUBIC)
+    buf = io.BytesIO()
+    image.save(buf, format="JPEG", quality=90)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+class ByteSink:
+    """The engine end of the pipe: counts the bytes of every multipart message it receives."""
+
+    def __init__(self, addr: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.bind(addr)
+        self.received: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            if self.sock.poll(50):
+                parts = self.sock.recv_multipart(copy=False)
+                self.received.append(sum(len(p.buffer) for p in parts[1:]))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+async def one_request(inputs: InputProcessor, url: str, req_id: str) -> float:
+    """Seconds the API spends on a one-image request until its message is on the socket."""
+    message = SimpleNamespace(
+        role="user",
+        content=[
+            SimpleNamespace(type="image_url", image_url=SimpleNamespace(url=url)),
+            SimpleNamespace(type="text", text="What is in this image?"),
+        ],
+    )
+    start = time.perf_counter()
+    prepared = await inputs.prepare([message], {})
+    queue = None
+    while queue is None:
+        await inputs.resolve(prepared)
+        queue = inputs.submit(prepared, req_id, SamplingParams(max_tokens=1), time.time())
+    elapsed = time.perf_counter() - start
+    inputs.engine.release(req_id, abort=False)
+    return elapsed
+
+
+async def run(args: argparse.Namespace) -> None:
+    addr = "ipc:///tmp/mmserve-bench-api-cache.sock"
+    sink = ByteSink(addr)
+    settings = Settings(model=args.model, engine_addr=addr)
+    metrics = ApiMetrics()
+    engine = EngineClient(addr, settings.ipc_cache_bytes, metrics)
+    await engine.start()
+    processor_cache = ProcessorCache(settings.processor_cache_bytes)
+    async with httpx.AsyncClient() as http:
+        inputs = InputProcessor(settings, MMProcessor(args.model), processor_cache, engine, metrics, http)
+        url = jpeg_data_url(args.size, seed=0)
+        print(
+            f"image: {args.size}x{args.size} JPEG, {len(url) * 3 // 4 / 1024:.0f} KiB encoded; "
+            f"{args.repeats} runs per case (median, min)"
+        )
+        await one_request(inputs, jpeg_data_url(args.size, seed=1), "warmup")  # first-call costs
+        cases = {
+            "full miss": lambda: (processor_cache.clear(), engine.mirror.reset()),
+            "processor-cache hit": lambda: engine.mirror.reset(),
+            "IPC hit": lambda: None,
+        }
+        await one_request(inputs, url, "prime")
+        for name, prepare_case in cases.items():
+            times, sizes, mm_sizes = [], [], []
+            for i in range(args.repeats):
+                prepare_case()
+                await asyncio.sleep(0.02)
+                before = len(sink.received)
+                mm_before = metrics.ipc_payload_bytes._value.get()
+                times.append(await one_request(inputs, url, f"{name}-{i}"))
+                while len(sink.received) == before:
+                    await asyncio.sleep(0.001)
+                sizes.append(sink.received[-1])
+                mm_sizes.append(metrics.ipc_payload_bytes._value.get() - mm_before)
+            print(
+                f"{name:>20}: {statistics.median(times) * 1e3:7.2f} ms  (min {min(times) * 1e3:6.2f} ms)  "
+                f"multimodal {statistics.median(mm_sizes):>10,.0f} B  "
+                f"whole message {statistics.median(sizes):>10,.0f} B"
+            )
+    await engine.close()
+    sink.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/tiny-llava")
+    parser.add_argument("--size", type=int, default=1024, help="image side in pixels")
+    parser.add_argument("--repeats", type=int, default=20)
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
