@@ -21,6 +21,7 @@ from app.error_handlers import sse_error_event
 from app.errors import (
     ContextLengthError,
     EngineUnavailableError,
+    InternalError,
     InvalidRequestError,
     MMServeError,
     ModelNotFoundError,
@@ -38,7 +39,7 @@ def error_from_engine(info: ErrorInfo) -> MMServeError:
     if info.code == "context_length_exceeded":
         return ContextLengthError(info.message)
     if info.http_status >= 500:
-        return EngineUnavailableError(info.message, code=info.code)
+        return InternalError(info.message, code=info.code)
     return InvalidRequestError(info.message, code=info.code)
 
 

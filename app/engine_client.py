@@ -72,9 +72,9 @@ class EngineClient:
         self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._heartbeat_loop())]
 
     async def close(self, *, shutdown_engine: bool = False) -> None:
-        if shutdown_engine:
-            self._send(Shutdown())
-            await asyncio.sleep(0.05)
+        """Stops the engine if this API owns it; otherwise frees this API's receiver-cache partition."""
+        self._send(Shutdown() if shutdown_engine else ResetCaches(encoder=False))
+        await asyncio.sleep(0.05)  # let the socket flush before it closes
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -148,7 +148,7 @@ class EngineClient:
                 case EngineReady():
                     self._on_ready(msg)
                 case EngineDead():
-                    log.error("engine died: %s", msg.reason)
+                    log.warning("engine gone: %s", msg.reason)
                     self.ready = None
                     self.ready_event.clear()
                     self._fail_in_flight(f"the engine stopped: {msg.reason}")

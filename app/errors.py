@@ -66,3 +66,10 @@ class EngineUnavailableError(MMServeError):
 
     http_status = 503
     err_type = "server_error"
+
+
+class InternalError(MMServeError):
+    """The model failed while running the request (500); other requests are not affected."""
+
+    http_status = 500
+    err_type = "server_error"

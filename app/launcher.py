@@ -25,7 +25,8 @@ def run_role(role: str, settings: Settings) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    if role != "engine" and not Path(settings.model).is_dir():
+    needs_model = role != "engine" or settings.max_model_len is None  # the engine reads only config.json
+    if needs_model and not Path(settings.model).is_dir():
         print(
             f"mmserve: error: model folder {settings.model!r} does not exist "
             "(build one with `mmserve build-tiny-model --out DIR`)",
@@ -65,10 +66,9 @@ def _child_main(role: str, settings: Settings) -> None:
     sys.exit(run_role(role, settings))
 
 
-def _private_addresses(settings: Settings) -> Settings:
+def _private_addresses(settings: Settings, folder: str) -> Settings:
     """``serve`` uses fresh ipc:// paths unless addresses were set, so two servers never collide."""
     explicit = settings.model_fields_set
-    folder = tempfile.mkdtemp(prefix="mmserve-")
     update = {}
     if "engine_addr" not in explicit:
         update["engine_addr"] = f"ipc://{folder}/engine.sock"
@@ -78,7 +78,11 @@ def _private_addresses(settings: Settings) -> Settings:
 
 
 def serve(settings: Settings) -> int:
-    settings = _private_addresses(settings)
+    with tempfile.TemporaryDirectory(prefix="mmserve-") as folder:
+        return _serve(_private_addresses(settings, folder))
+
+
+def _serve(settings: Settings) -> int:
     ctx = multiprocessing.get_context("spawn")
     children = [
         ctx.Process(target=_child_main, args=(role, settings), name=f"mmserve-{role}", daemon=False)

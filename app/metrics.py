@@ -71,8 +71,12 @@ class ApiMetrics:
         self.request_success = counter("request_success", "Finished requests.", ("finish_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
         self.e2e_latency = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
-        self.fetch_seconds = histogram("mm_fetch_seconds", "Time to fetch and decode one image.")
-        self.processor_seconds = histogram("mm_processor_seconds", "HF processor time for one image.")
+        self.fetch_seconds = histogram(
+            "mm_fetch_seconds", "Time to fetch one image's bytes (URL or data URL)."
+        )
+        self.processor_seconds = histogram(
+            "mm_processor_seconds", "Image decode + HF processor time for one image (cache misses only)."
+        )
         self.encoder_seconds = histogram("encoder_seconds", "Vision-encoder time of one engine step.")
         self.requests_per_step = histogram(
             "num_requests_per_step", "Requests batched together in one engine step.", BATCH_BUCKETS

@@ -15,7 +15,9 @@ import argparse
 import asyncio
 import base64
 import io
+import shutil
 import statistics
+import tempfile
 import threading
 import time
 from types import SimpleNamespace
@@ -89,7 +91,8 @@ async def one_request(inputs: InputProcessor, url: str, req_id: str) -> float:
 
 
 async def run(args: argparse.Namespace) -> None:
-    addr = "ipc:///tmp/mmserve-bench-api-cache.sock"
+    folder = tempfile.mkdtemp(prefix="mmserve-bench-")
+    addr = f"ipc://{folder}/engine.sock"
     sink = ByteSink(addr)
     settings = Settings(model=args.model, engine_addr=addr)
     metrics = ApiMetrics()
@@ -129,6 +132,7 @@ async def run(args: argparse.Namespace) -> None:
             )
     await engine.close()
     sink.close()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def main() -> None:

@@ -90,8 +90,7 @@ class EngineCore:
             len(msg.prompt_token_ids), msg.sampling.max_tokens, [f.num_tokens for f in msg.mm_features]
         )
         if error is not None:
-            code = "context_length_exceeded" if "context length" in error else "invalid_request_error"
-            return self._reject(client, msg.req_id, error, code)
+            return self._reject(client, msg.req_id, error.message, error.code)
         mm_items = {f.mm_hash: item for f, item in zip(msg.mm_features, items, strict=True) if item}
         self.scheduler.add_request(
             Request(
@@ -122,8 +121,9 @@ class EngineCore:
         return {}
 
     def reset_caches(self, client: bytes, msg: ResetCaches) -> Outputs:
-        self.receiver_caches.for_sender(client).clear()
-        self.scheduler.reset_encoder_cache()
+        self.receiver_caches.drop(client)
+        if msg.encoder:
+            self.scheduler.reset_encoder_cache()
         return {}
 
     # ------------------------------------------------------------------ step

@@ -62,10 +62,12 @@ class EncoderCacheManager:
     def __contains__(self, mm_hash: object) -> bool:
         return mm_hash in self._num_tokens
 
-    def lookup(self, mm_hash: str, req_id: str) -> bool:
-        """Called once per item of a request being scheduled. On a hit ``req_id`` becomes a user of
-        the entry (which is then no longer freeable) and the encoder does not run again."""
-        self.num_queries += 1
+    def lookup(self, mm_hash: str, req_id: str, *, count_query: bool = True) -> bool:
+        """Called when a request's chunk first covers an item it does not use yet. On a hit ``req_id``
+        becomes a user of the entry (which is then no longer freeable) and the encoder does not run
+        again. ``count_query=False`` for a repeated lookup of an item still waiting for room, so the
+        query counter counts items, not attempts."""
+        self.num_queries += count_query
         users = self._users.get(mm_hash)
         if users is None:
             return False

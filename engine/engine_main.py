@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections.abc import Sequence
 
 import zmq
@@ -35,6 +36,9 @@ from engine.worker_client import WorkerClient, WorkerFailed
 log = logging.getLogger("mmserve.engine")
 
 IDLE_POLL_MS = 100
+# An API process that sent nothing (not even its Hello heartbeat) for this long is gone: its
+# receiver-cache partition is dropped. Were it only stalled, its next request takes the safety net.
+CLIENT_TIMEOUT_S = 60.0
 
 
 class EngineServer:
@@ -54,7 +58,7 @@ class EngineServer:
             encoder_compute_budget_tokens=config.encoder_compute_budget_tokens,
         )
         self.core = EngineCore(scheduler_config, self.worker)
-        self.clients: set[bytes] = set()
+        self.clients: dict[bytes, float] = {}  # identity -> last time it sent anything
         self.running = True
         self._stats_dirty = False
 
@@ -86,6 +90,8 @@ class EngineServer:
             elif self._stats_dirty:  # e.g. an abort emptied the engine: gauges must say so
                 self._publish({}, with_stats=True)
                 self._stats_dirty = False
+            else:
+                self._forget_silent_clients()
 
     def _drain_inbox(self) -> None:
         while self.running:
@@ -94,9 +100,16 @@ class EngineServer:
             except zmq.Again:
                 return
             client = parts[0].bytes
-            self.clients.add(client)
+            self.clients[client] = time.monotonic()
             frames = [p.buffer for p in parts[1:]]
             self._publish(self._dispatch(client, frames), with_stats=False)
+
+    def _forget_silent_clients(self) -> None:
+        deadline = time.monotonic() - CLIENT_TIMEOUT_S
+        for client in [c for c, last_seen in self.clients.items() if last_seen < deadline]:
+            log.info("API client %r went silent: dropping its receiver-cache partition", client)
+            del self.clients[client]
+            self.core.receiver_caches.drop(client)
 
     def _dispatch(self, client: bytes, frames: Sequence[memoryview]) -> Outputs:
         msg = decode_engine_inbound(frames[0])

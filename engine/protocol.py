@@ -91,7 +91,10 @@ class Abort(msgspec.Struct, frozen=True, tag="abort"):
 
 
 class ResetCaches(msgspec.Struct, frozen=True, tag="reset"):
-    """Empties the sender's receiver-cache partition and every freeable encoder-cache entry."""
+    """Empties the sender's receiver-cache partition and, with ``encoder``, every freeable
+    encoder-cache entry (an API process that closes sends it with ``encoder=False``)."""
+
+    encoder: bool = True
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):

@@ -44,7 +44,17 @@ class Request:
     finish_reason: FinishReason | None = None
     # mm_hashes whose encoder-cache entry this request currently uses (acquired, not yet released)
     encoder_hashes_in_use: set[str] = field(default_factory=set)
+    # mm_hashes already looked up once (an item that waits for budget is not counted again)
+    encoder_hashes_queried: set[str] = field(default_factory=set)
     sent_to_worker: bool = False
+    # mm_hash -> end of its last placement: an image may appear several times in one prompt, and its
+    # encoder output is needed until the last of them is computed
+    mm_last_end: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.mm_last_end = {}
+        for f in self.mm_features:
+            self.mm_last_end[f.mm_hash] = max(self.mm_last_end.get(f.mm_hash, 0), f.offset + f.num_tokens)
 
     @property
     def num_prompt_tokens(self) -> int:

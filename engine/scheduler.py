@@ -24,6 +24,12 @@ class SchedulerConfig:
     encoder_compute_budget_tokens: int
 
 
+@dataclass(frozen=True)
+class AdmissionError:
+    message: str
+    code: str  # OpenAI-style error code
+
+
 @dataclass
 class StepPlan:
     """What one step runs. Turned into a wire ``SchedulerOutput`` by the engine core."""
@@ -65,23 +71,25 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
 
-    def admission_error(self, prompt_len: int, max_tokens: int, mm_sizes: list[int]) -> str | None:
+    def admission_error(self, prompt_len: int, max_tokens: int, mm_sizes: list[int]) -> AdmissionError | None:
         """Why a request can never run (checked before it is queued), or None."""
         if prompt_len + max_tokens > self.config.max_model_len:
-            return (
+            return AdmissionError(
                 f"This model's maximum context length is {self.config.max_model_len} tokens. However, "
                 f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
-                f"{max_tokens} in the completion)."
+                f"{max_tokens} in the completion).",
+                "context_length_exceeded",
             )
         item_budget = self.config.encoder_compute_budget_tokens
         if self.encoder_cache.enabled:
             item_budget = min(item_budget, self.config.encoder_cache_tokens)
         for num_tokens in mm_sizes:
             if num_tokens > item_budget:
-                return (
+                return AdmissionError(
                     f"A multimodal item needs {num_tokens} encoder tokens, more than the encoder cache "
                     f"({self.config.encoder_cache_tokens}) or per-step compute budget "
-                    f"({self.config.encoder_compute_budget_tokens}) allows."
+                    f"({self.config.encoder_compute_budget_tokens}) allows.",
+                    "mm_item_too_large",
                 )
         return None
 
@@ -169,7 +177,9 @@ class Scheduler:
             mm_hash = feature.mm_hash
             if mm_hash in request.encoder_hashes_in_use:
                 continue
-            if self.encoder_cache.lookup(mm_hash, request.req_id):
+            first_query = mm_hash not in request.encoder_hashes_queried
+            request.encoder_hashes_queried.add(mm_hash)
+            if self.encoder_cache.lookup(mm_hash, request.req_id, count_query=first_query):
                 request.encoder_hashes_in_use.add(mm_hash)
                 continue
             if feature.num_tokens <= encoder_budget and self.encoder_cache.can_allocate(feature.num_tokens):
@@ -186,18 +196,17 @@ class Scheduler:
 
     def postprocess(self, plan: StepPlan, output: RunnerOutput) -> StepResult:
         """Called once per step with the worker's result: advances computed tokens, appends sampled
-        tokens, releases encoder entries whose placeholder range is fully computed, finishes requests."""
+        tokens, releases encoder entries once their last placeholder range is computed, finishes requests."""
         result = StepResult()
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
             request.num_computed_tokens += num_tokens
-            for feature in request.mm_features:
-                done = request.num_computed_tokens >= feature.offset + feature.num_tokens
-                if done and feature.mm_hash in request.encoder_hashes_in_use:
-                    request.encoder_hashes_in_use.discard(feature.mm_hash)
-                    self.encoder_cache.release(req_id, feature.mm_hash)
+            for mm_hash in list(request.encoder_hashes_in_use):
+                if request.num_computed_tokens >= request.mm_last_end[mm_hash]:
+                    request.encoder_hashes_in_use.discard(mm_hash)
+                    self.encoder_cache.release(req_id, mm_hash)
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids, strict=True):
             request = self.requests.get(req_id)
             if request is None or request.is_finished:

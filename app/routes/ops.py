@@ -22,3 +22,12 @@ async def health(state: State) -> JSONResponse:
 @router.get("/metrics")
 async def metrics(state: State) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/reset_mm_cache")
+async def reset_mm_cache(state: State) -> JSONResponse:
+    """Empties the processor cache, the IPC mirror with this API's receiver-cache partition (one
+    ordered message), and every freeable encoder-cache entry. Requests in flight are not affected."""
+    state.chat.inputs.processor_cache.clear()
+    state.engine.reset_caches()
+    return JSONResponse({"status": "ok"})

@@ -129,3 +129,19 @@ def test_mm_processor_kwargs_change_the_hash(server: Server) -> None:
     after = server.metrics()
     assert delta(before, after, "mmserve_mm_processor_cache_hits_total") == 0
     assert delta(before, after, "mmserve_encoder_runs_total") == 1
+
+
+def test_reset_empties_every_cache(server: Server) -> None:
+    image = make_image(203)
+    answer = chat(server, [user_message("Reset?", image)])
+    assert httpx.post(f"{server.base_url}/reset_mm_cache").status_code == 200
+    before = server.metrics()
+    assert chat(server, [user_message("Reset?", image)]) == answer
+    after = server.metrics()
+    assert delta(before, after, "mmserve_mm_processor_cache_hits_total") == 0
+    assert delta(before, after, "mmserve_mm_ipc_cache_hits_total") == 0
+    assert delta(before, after, "mmserve_encoder_runs_total") == 1
+    assert after.get("mmserve_mm_ipc_cache_resends_total", 0) == 0
+    again = server.metrics()
+    assert chat(server, [user_message("Reset?", image)]) == answer  # and they fill again
+    assert delta(again, server.metrics(), "mmserve_mm_ipc_cache_hits_total") == 1

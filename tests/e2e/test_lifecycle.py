@@ -19,9 +19,18 @@ pytestmark = pytest.mark.slow
 def test_ctrl_c_stops_every_process(tiny_model_dir: Path, tmp_path: Path) -> None:
     server = start_serve(tiny_model_dir, tmp_path)
     assert server.process.proc is not None
-    children = descendants(server.process.proc.pid)
-    assert len(children) >= 2, "engine and worker run as processes of their own"
-    assert "serving model 'tiny-llava'" in server.process.log()
+    try:
+        children = descendants(server.process.proc.pid)
+        assert len(children) >= 2, "engine and worker run as processes of their own"
+        deadline = time.monotonic() + 10  # the line follows the first healthy /health answer
+        while "serving model 'tiny-llava'" not in server.process.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (
+            f"serving model 'tiny-llava' ({tiny_model_dir}) at {server.base_url}/v1" in server.process.log()
+        )
+    except BaseException:
+        server.process.kill()
+        raise
     server.process.interrupt()
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:

@@ -31,8 +31,19 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_settings_reach_engine_and_worker_configs(tmp_path) -> None:
     (tmp_path / "config.json").write_text('{"text_config": {"max_position_embeddings": 1234}}')
     args = build_parser().parse_args(
-        ["serve", "--model", str(tmp_path), "--max-num-batched-tokens", "512", "--encoder-cache-tokens", "0",
-         "--worker-addr", "tcp://127.0.0.1:7001", "--device", "cpu"]
+        [
+            "serve",
+            "--model",
+            str(tmp_path),
+            "--max-num-batched-tokens",
+            "512",
+            "--encoder-cache-tokens",
+            "0",
+            "--worker-addr",
+            "tcp://127.0.0.1:7001",
+            "--device",
+            "cpu",
+        ]
     )
     settings = settings_from_args(args)
     engine = engine_config(settings)
