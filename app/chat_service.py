@@ -5,12 +5,9 @@ aborts its request in the engine; a stop string found by the detokenizer does to
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -28,6 +25,7 @@ from app.errors import (
 )
 from app.input_processor import InputProcessor, PreparedRequest
 from app.metrics import ApiMetrics
+from app.responses import Generation, chunk, completion, final_usage_chunk, logprob_entries, sse
 from app.schemas import ChatCompletionRequest
 from engine.protocol import ErrorInfo, RequestOutput, SamplingParams
 
@@ -41,18 +39,6 @@ def error_from_engine(info: ErrorInfo) -> MMServeError:
     if info.http_status >= 500:
         return InternalError(info.message, code=info.code)
     return InvalidRequestError(info.message, code=info.code)
-
-
-@dataclass
-class Generation:
-    """Accumulated output of one request."""
-
-    req_id: str
-    num_prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    finish_reason: str | None = None
 
 
 class ChatService:
@@ -81,14 +67,20 @@ class ChatService:
         prepared = await self.inputs.prepare(body.messages, body.mm_processor_kwargs or {})
         queue, first = await self._submit(body, prepared, req_id, arrival)
         self.metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
-        detok = IncrementalDetokenizer(self.tokenizer, stop=body.stop)
-        gen = Generation(req_id, len(prepared.prompt_token_ids))
+        gen = Generation(
+            req_id=req_id,
+            model_name=self.model_name,
+            arrival=arrival,
+            num_prompt_tokens=len(prepared.prompt_token_ids),
+            want_logprobs=bool(body.logprobs),
+            detok=IncrementalDetokenizer(self.tokenizer, stop=body.stop),
+        )
         outputs = _chain(first, queue)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(body, gen, detok, outputs, arrival, include_usage)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        collect = asyncio.create_task(self._collect(body, gen, detok, outputs, arrival))
+            return StreamingResponse(
+                self._stream(gen, outputs, body.include_usage), media_type="text/event-stream"
+            )
+        collect = asyncio.create_task(self._collect(gen, outputs))
         try:
             while not collect.done():
                 await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
@@ -97,7 +89,7 @@ class ChatService:
             await collect
         finally:
             self.engine.release(req_id, abort=gen.finish_reason is None)
-        return JSONResponse(self._completion(gen, arrival))
+        return JSONResponse(completion(gen))
 
     # ------------------------------------------------------------------ submission
 
@@ -155,143 +147,55 @@ class ChatService:
 
     # ------------------------------------------------------------------ outputs
 
-    async def _advance(
-        self,
-        gen: Generation,
-        detok: IncrementalDetokenizer,
-        out: RequestOutput,
-        body: ChatCompletionRequest,
-        arrival: float,
-    ) -> str:
-        """Applies one engine output; returns the new text."""
+    def _advance(self, gen: Generation, out: RequestOutput) -> str:
+        """Applies one engine output to ``gen``; returns the new text."""
         if not gen.token_ids and out.new_token_ids:
-            self.metrics.ttft.observe(time.time() - arrival)
+            self.metrics.ttft.observe(time.time() - gen.arrival)
         gen.token_ids.extend(out.new_token_ids)
         self.metrics.generation_tokens.inc(len(out.new_token_ids))
-        if body.logprobs and out.logprobs:
-            gen.logprobs.extend(self._logprob_entries(out, detok))
-        delta = detok.push(out.new_token_ids)
-        if detok.stopped:
+        if gen.want_logprobs and out.logprobs:
+            gen.logprobs.extend(logprob_entries(out.logprobs, gen.detok))
+        delta = gen.detok.push(out.new_token_ids)
+        if gen.detok.stopped:
             gen.finish_reason = "stop"
             self.engine.release(gen.req_id, abort=True)
         elif out.finish_reason is not None:
-            delta += detok.flush()
+            delta += gen.detok.flush()
             gen.finish_reason = str(out.finish_reason)
         if gen.finish_reason is not None:
             self.metrics.request_success.labels(finish_reason=gen.finish_reason).inc()
-            self.metrics.e2e_latency.observe(time.time() - arrival)
+            self.metrics.e2e_latency.observe(time.time() - gen.arrival)
         gen.text += delta
         return delta
 
-    async def _collect(
-        self,
-        body: ChatCompletionRequest,
-        gen: Generation,
-        detok: IncrementalDetokenizer,
-        outputs: AsyncIterator[RequestOutput],
-        arrival: float,
-    ) -> None:
+    async def _collect(self, gen: Generation, outputs: AsyncIterator[RequestOutput]) -> None:
         async for out in outputs:
-            await self._advance(gen, detok, out, body, arrival)
+            self._advance(gen, out)
             if gen.finish_reason is not None:
                 return
 
     async def _stream(
-        self,
-        body: ChatCompletionRequest,
-        gen: Generation,
-        detok: IncrementalDetokenizer,
-        outputs: AsyncIterator[RequestOutput],
-        arrival: float,
-        include_usage: bool,
+        self, gen: Generation, outputs: AsyncIterator[RequestOutput], include_usage: bool
     ) -> AsyncIterator[str]:
-        created = int(arrival)
+        """SSE events; the request is aborted in the engine if the client goes away mid-stream."""
         try:
-            yield _sse(self._chunk(gen, created, {"role": "assistant", "content": ""}, include_usage))
+            yield sse(chunk(gen, {"role": "assistant", "content": ""}, include_usage))
             async for out in outputs:
                 num_logprobs = len(gen.logprobs)
-                delta = await self._advance(gen, detok, out, body, arrival)
-                logprobs = {"content": gen.logprobs[num_logprobs:]} if body.logprobs else None
-                if delta or logprobs and logprobs["content"] or gen.finish_reason is not None:
-                    yield _sse(
-                        self._chunk(
-                            gen,
-                            created,
-                            {"content": delta} if delta else {},
-                            include_usage,
-                            logprobs=logprobs,
-                            finish_reason=gen.finish_reason,
-                        )
-                    )
+                delta = self._advance(gen, out)
+                logprobs = {"content": gen.logprobs[num_logprobs:]} if gen.want_logprobs else None
+                if delta or (logprobs and logprobs["content"]) or gen.finish_reason is not None:
+                    content = {"content": delta} if delta else {}
+                    yield sse(chunk(gen, content, include_usage, logprobs, gen.finish_reason))
                 if gen.finish_reason is not None:
                     break
             if include_usage:
-                yield _sse(
-                    {
-                        "id": gen.req_id,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": self.model_name,
-                        "choices": [],
-                        "usage": _usage(gen),
-                    }
-                )
+                yield sse(final_usage_chunk(gen))
             yield "data: [DONE]\n\n"
         except MMServeError as exc:
             yield sse_error_event(exc)
         finally:
             self.engine.release(gen.req_id, abort=gen.finish_reason is None)
-
-    def _chunk(
-        self,
-        gen: Generation,
-        created: int,
-        delta: dict[str, Any],
-        include_usage: bool,
-        logprobs: dict[str, Any] | None = None,
-        finish_reason: str | None = None,
-    ) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": gen.req_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": self.model_name,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
-        }
-        if include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def _completion(self, gen: Generation, arrival: float) -> dict[str, Any]:
-        return {
-            "id": gen.req_id,
-            "object": "chat.completion",
-            "created": int(arrival),
-            "model": self.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": gen.text},
-                    "logprobs": {"content": gen.logprobs} if gen.logprobs else None,
-                    "finish_reason": gen.finish_reason,
-                }
-            ],
-            "usage": _usage(gen),
-        }
-
-    @staticmethod
-    def _logprob_entries(out: RequestOutput, detok: IncrementalDetokenizer) -> list[dict[str, Any]]:
-        entries = []
-        for entry in out.logprobs or []:
-
-            def one(token_id: int, logprob: float) -> dict[str, Any]:
-                token = detok.token_strings([token_id])[0]
-                return {"token": token, "logprob": logprob, "bytes": detok.token_bytes(token_id)}
-
-            item = one(entry.sampled.token_id, entry.sampled.logprob)
-            item["top_logprobs"] = [one(lp.token_id, lp.logprob) for lp in entry.top]
-            entries.append(item)
-        return entries
 
 
 async def _chain(
@@ -305,16 +209,3 @@ async def _chain(
         yield out
         if out.finish_reason is not None:
             return
-
-
-def _usage(gen: Generation) -> dict[str, Any]:
-    return {
-        "prompt_tokens": gen.num_prompt_tokens,
-        "completion_tokens": len(gen.token_ids),
-        "total_tokens": gen.num_prompt_tokens + len(gen.token_ids),
-        "prompt_tokens_details": {"cached_tokens": 0},
-    }
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
