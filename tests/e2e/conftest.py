@@ -44,6 +44,18 @@ def user_message(text: str, *images: PIL.Image.Image) -> dict[str, Any]:
     return {"role": "user", "content": parts}
 
 
+def greedy_body(messages: list[dict[str, Any]], max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A deterministic chat request: greedy, exactly ``max_tokens`` tokens."""
+    return {
+        "model": "tiny-llava",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
 @dataclass
 class Oracle:
     """Greedy decoding by transformers' ``generate`` on the checkpoint the server serves."""

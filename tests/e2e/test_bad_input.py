@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import make_image, user_message
+from tests.e2e.conftest import greedy_body, make_image, user_message
 from tests.e2e.server import Server, free_port
 
 pytestmark = pytest.mark.slow
@@ -110,13 +110,7 @@ def test_prompt_longer_than_max_model_len(server: Server) -> None:
 
 def test_bad_input_disturbs_neither_requests_nor_caches(server: Server, image_http_server: str) -> None:
     image = make_image(501)
-    good = {
-        "model": "tiny-llava",
-        "messages": [user_message("Steady?", image)],
-        "max_tokens": 48,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    good = greedy_body([user_message("Steady?", image)], max_tokens=48)
     expected = post(server, good).json()["choices"][0]["message"]["content"]
     result: dict[str, Any] = {}
 

@@ -8,20 +8,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.conftest import make_image, user_message
+from tests.e2e.conftest import greedy_body, make_image, user_message
 from tests.e2e.server import Server, start_serve
 
 pytestmark = pytest.mark.slow
 
 
 def chat(server: Server, messages: list[dict], max_tokens: int = 12) -> str:
-    body = {
-        "model": "tiny-llava",
-        "messages": messages,
-        "temperature": 0,
-        "max_tokens": max_tokens,
-        "ignore_eos": True,
-    }
+    body = greedy_body(messages, max_tokens)
     resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return str(resp.json()["choices"][0]["message"]["content"])

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.conftest import make_image, user_message
+from tests.e2e.conftest import greedy_body, make_image, user_message
 from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
@@ -19,15 +19,8 @@ def request_body(i: int, stream: bool) -> dict:
     images = [make_image(400 + i % 5)] if i % 4 else []  # a quarter text-only, images repeat
     if i % 7 == 3:
         images.append(make_image(450 + i))  # some carry a second, unique image
-    return {
-        "model": "tiny-llava",
-        "messages": [user_message(f"Request {i % 3}.", *images)],
-        "max_tokens": 12,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": stream,
-        **({"stream_options": {"include_usage": True}} if stream else {}),
-    }
+    usage = {"stream_options": {"include_usage": True}} if stream else {}
+    return greedy_body([user_message(f"Request {i % 3}.", *images)], 12, stream=stream, **usage)
 
 
 async def stream_one(client: httpx.AsyncClient, body: dict) -> tuple[str, dict]:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.conftest import make_image, user_message
+from tests.e2e.conftest import greedy_body, make_image, user_message
 from tests.e2e.server import REPO, ServerProcess, alive, descendants, free_port, start_serve, wait_healthy
 
 pytestmark = pytest.mark.slow
@@ -66,13 +66,7 @@ def test_compose_topology_as_processes(tiny_model_dir: Path, tmp_path: Path) -> 
         base_url = f"http://127.0.0.1:{http_port}"
         wait_healthy(base_url, processes["api"])
         image = make_image(300)
-        body = {
-            "model": "tiny-llava",
-            "messages": [user_message("Over TCP?", image)],
-            "max_tokens": 8,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
+        body = greedy_body([user_message("Over TCP?", image)], max_tokens=8)
         answers = []
         for _ in range(2):
             resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)

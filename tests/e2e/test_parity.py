@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import Oracle, make_image, user_message
+from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
@@ -17,15 +17,7 @@ NEAR_TIE = 1e-3  # a divergence is accepted only where the oracle's top-2 logpro
 
 
 def greedy_request(server: Server, text: str, images: list[Any], n: int = NUM_TOKENS) -> dict[str, Any]:
-    body = {
-        "model": "tiny-llava",
-        "messages": [user_message(text, *images)],
-        "temperature": 0,
-        "max_tokens": n,
-        "ignore_eos": True,
-        "logprobs": True,
-        "top_logprobs": 2,
-    }
+    body = greedy_body([user_message(text, *images)], n, logprobs=True, top_logprobs=2)
     resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return resp.json()
