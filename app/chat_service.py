@@ -72,6 +72,7 @@ class ChatService:
             model_name=self.model_name,
             arrival=arrival,
             num_prompt_tokens=len(prepared.prompt_token_ids),
+            num_cached_tokens=first.num_cached_tokens,
             want_logprobs=bool(body.logprobs),
             detok=IncrementalDetokenizer(self.tokenizer, stop=body.stop),
         )

@@ -26,9 +26,12 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         default = "model's own limit" if name == "max_model_len" else field.default
         help_text = f"{field.description} (default: {default}; env MMSERVE_{name.upper()})"
-        parser.add_argument(
-            flag, dest=name, default=None, metavar=name.split("_")[-1].upper(), help=help_text
-        )
+        if field.annotation is bool:
+            action = argparse.BooleanOptionalAction
+            parser.add_argument(flag, dest=name, default=None, action=action, help=help_text)
+        else:
+            metavar = name.split("_")[-1].upper()
+            parser.add_argument(flag, dest=name, default=None, metavar=metavar, help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +65,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         encoder_cache_tokens=settings.encoder_cache_tokens,
         encoder_compute_budget_tokens=settings.encoder_budget_tokens,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        disable_chunked_mm_input=settings.disable_chunked_mm_input,
         log_level=settings.log_level,
     )
 
@@ -72,6 +77,9 @@ def worker_config(settings: Settings) -> WorkerConfig:
         worker_addr=settings.worker_addr,
         device=settings.device,
         log_level=settings.log_level,
+        block_size=settings.block_size,
+        kv_cache_tokens=settings.kv_cache_tokens,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
     )
 
 

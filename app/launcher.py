@@ -33,6 +33,10 @@ def run_role(role: str, settings: Settings) -> int:
             file=sys.stderr,
         )
         return 2
+    error = settings.startup_error()
+    if error is not None:
+        print(f"mmserve: error: {error}", file=sys.stderr)
+        return 2
     if role == "serve":
         return serve(settings)
     from app.cli import engine_config, worker_config

@@ -20,13 +20,17 @@ ENGINE_COUNTERS = {
     "encoder_cache_hits_total": "Encoder-cache lookups that found the item already encoded.",
     "encoder_runs_total": "Items run through the vision encoder.",
     "engine_steps_total": "Engine steps run on the worker.",
+    "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache (at admission).",
+    "prefix_cache_hits_total": "Prompt tokens whose KV came from the prefix cache.",
+    "num_preemptions_total": "Requests preempted (KV freed, recomputed later) because KV blocks ran out.",
     "mm_ipc_cache_resends_total": "Items the receiver cache lacked though the mirror said cached (stays 0).",
 }
 ENGINE_GAUGES = {
     "encoder_cache_usage_tokens": "Encoder-cache space in use (embeddings), freeable entries included.",
     "encoder_cache_capacity_tokens": "Encoder-cache capacity (embeddings).",
     "num_requests_running": "Requests running in the engine.",
-    "num_requests_waiting": "Requests waiting in the engine.",
+    "num_requests_waiting": "Requests waiting in the engine (preempted ones included).",
+    "kv_cache_usage_ratio": "Share of KV-cache blocks in use by running requests.",
 }
 
 

@@ -19,6 +19,7 @@ class Generation:
     model_name: str
     arrival: float  # unix time the request arrived
     num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
     want_logprobs: bool
     detok: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)
@@ -36,7 +37,7 @@ def usage(gen: Generation) -> dict[str, Any]:
         "prompt_tokens": gen.num_prompt_tokens,
         "completion_tokens": len(gen.token_ids),
         "total_tokens": gen.num_prompt_tokens + len(gen.token_ids),
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": gen.num_cached_tokens},
     }
 
 

@@ -58,6 +58,27 @@ class Settings(BaseSettings):
     device: str = Field(
         "auto", description="Worker device: auto (cuda if available, else cpu), cpu, cuda, cuda:N."
     )
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV-cache block.")
+    kv_cache_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="KV pool size in tokens, allocated at worker start (default: a share of GPU memory "
+        "on CUDA, 65536 on CPU).",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="On CUDA without --kv-cache-tokens: share of GPU memory for weights + KV.",
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV of prompt blocks seen before (images count by mm_hash and position)."
+    )
+    disable_chunked_mm_input: bool = Field(
+        False,
+        description="Never split an image across prefill chunks: a chunk stops before an image it cannot "
+        "cover whole.",
+    )
     fetch_timeout_s: float = Field(10.0, gt=0, description="Timeout for fetching an http(s) image URL.")
     max_image_bytes: int = Field(
         20 * 1024 * 1024, gt=0, description="Largest image (encoded bytes) accepted."
@@ -94,6 +115,30 @@ class Settings(BaseSettings):
         if self.encoder_compute_budget_tokens is None:
             return self.max_num_batched_tokens
         return self.encoder_compute_budget_tokens
+
+    def max_mm_tokens_per_item(self) -> int | None:
+        """Placeholder tokens of the largest image the checkpoint's vision tower produces (LLaVA: one
+        token per patch), or None when the folder has no vision config."""
+        path = Path(self.model) / "config.json"
+        if not path.is_file():
+            return None
+        vision = json.loads(path.read_text()).get("vision_config")
+        if not vision:
+            return None
+        return int((vision.get("image_size", 336) // vision.get("patch_size", 14)) ** 2)
+
+    def startup_error(self) -> str | None:
+        """Settings that cannot work together, found before any process starts. (An image larger than
+        an encoder budget is not one of them: such requests get a 400 at admission, text still works.)"""
+        item_tokens = self.max_mm_tokens_per_item()
+        if item_tokens is None:
+            return None
+        if self.disable_chunked_mm_input and item_tokens > self.max_num_batched_tokens:
+            return (
+                f"--disable-chunked-mm-input needs --max-num-batched-tokens of at least {item_tokens} "
+                f"(the tokens of one image of this model); it is {self.max_num_batched_tokens}"
+            )
+        return None
 
     def resolved_max_model_len(self) -> int:
         """The configured limit, else the LM's ``max_position_embeddings`` from the checkpoint."""

@@ -14,4 +14,6 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     encoder_cache_tokens: int = 8192
     encoder_compute_budget_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    disable_chunked_mm_input: bool = False
     log_level: str = "info"

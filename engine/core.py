@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Protocol
 
+from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import (
     Abort,
     AddRequest,
@@ -23,6 +24,7 @@ from engine.protocol import (
     NewRequestData,
     RequestOutput,
     ResetCaches,
+    ResumedRequestData,
     RunnerOutput,
     SchedulerOutput,
     TensorRef,
@@ -123,7 +125,7 @@ class EngineCore:
     def reset_caches(self, client: bytes, msg: ResetCaches) -> Outputs:
         self.receiver_caches.drop(client)
         if msg.encoder:
-            self.scheduler.reset_encoder_cache()
+            self.scheduler.reset_caches()
         return {}
 
     # ------------------------------------------------------------------ step
@@ -135,9 +137,9 @@ class EngineCore:
     def step(self) -> Outputs:
         """One engine step: schedule → execute on the worker → postprocess."""
         plan = self.scheduler.schedule()
-        if plan.is_empty and not plan.free_mm_hashes and not plan.finished_req_ids:
+        if plan.is_empty and not (plan.free_mm_hashes or plan.finished_req_ids or plan.preempted_req_ids):
             return {}
-        sched, frames = to_scheduler_output(plan)
+        sched, frames = to_scheduler_output(plan, self.scheduler.kv_cache)
         runner_output = self.executor.execute(sched, frames)
         result = self.scheduler.postprocess(plan, runner_output)
         self.metrics.record_step(plan, runner_output)
@@ -155,6 +157,7 @@ class EngineCore:
                     logprobs=[entry] if entry is not None else None,
                     finish_reason=request.finish_reason,
                     num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )
         return outputs
@@ -163,7 +166,7 @@ class EngineCore:
         return self.metrics.snapshot(self.scheduler)
 
 
-def to_scheduler_output(plan: StepPlan) -> tuple[SchedulerOutput, list[memoryview]]:
+def to_scheduler_output(plan: StepPlan, kv_cache: KVCacheManager) -> tuple[SchedulerOutput, list[memoryview]]:
     """The wire form of a plan and its tensor frames (numbered from 1: frame 0 is the message)."""
     frames: list[memoryview] = []
     encoder_inputs = []
@@ -174,8 +177,23 @@ def to_scheduler_output(plan: StepPlan) -> tuple[SchedulerOutput, list[memoryvie
             frames.append(item.buffers[name])
         encoder_inputs.append(EncoderInput(mm_hash, item.modality, refs))
     new_requests = [
-        NewRequestData(r.req_id, r.prompt_token_ids, r.mm_features, r.sampling) for r in plan.new_requests
+        NewRequestData(
+            r.req_id,
+            r.prompt_token_ids,
+            r.mm_features,
+            r.sampling,
+            block_ids=kv_cache.block_ids(r.req_id),
+            num_computed_tokens=r.num_computed_tokens,
+        )
+        for r in plan.new_requests
     ]
+    resumed_requests = [
+        ResumedRequestData(r.req_id, kv_cache.block_ids(r.req_id), r.num_computed_tokens)
+        for r in plan.resumed_requests
+    ]
+    # a new or resumed request gets its whole table above; only running ones need the appended blocks
+    fresh = {r.req_id for r in plan.new_requests} | {r.req_id for r in plan.resumed_requests}
+    new_block_ids = {req_id: ids for req_id, ids in plan.new_block_ids.items() if req_id not in fresh}
     sched = SchedulerOutput(
         step_id=plan.step_id,
         new_requests=new_requests,
@@ -183,5 +201,8 @@ def to_scheduler_output(plan: StepPlan) -> tuple[SchedulerOutput, list[memoryvie
         encoder_inputs=encoder_inputs,
         free_mm_hashes=plan.free_mm_hashes,
         finished_req_ids=plan.finished_req_ids,
+        resumed_requests=resumed_requests,
+        new_block_ids=new_block_ids,
+        preempted_req_ids=plan.preempted_req_ids,
     )
     return sched, frames

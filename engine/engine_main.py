@@ -50,17 +50,15 @@ class EngineServer:
         self.api_sock.setsockopt(zmq.LINGER, 0)
         self.api_sock.bind(config.engine_addr)
         self.worker = WorkerClient(ctx, config.worker_addr)
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            encoder_cache_tokens=config.encoder_cache_tokens,
-            encoder_compute_budget_tokens=config.encoder_compute_budget_tokens,
-        )
-        self.core = EngineCore(scheduler_config, self.worker)
+        self._core: EngineCore | None = None  # built once the worker says how large its KV pool is
         self.clients: dict[bytes, float] = {}  # identity -> last time it sent anything
         self.running = True
         self._stats_dirty = False
+
+    @property
+    def core(self) -> EngineCore:
+        assert self._core is not None, "the API socket is read only once the worker is ready"
+        return self._core
 
     def ready_message(self) -> EngineReady:
         c = self.config
@@ -78,8 +76,25 @@ class EngineServer:
             self.config.engine_addr,
             self.config.worker_addr,
         )
-        while self.running and self.worker.poll_ready(timeout_s=0.1) is None:
-            pass
+        ready = None
+        while self.running and ready is None:
+            ready = self.worker.poll_ready(timeout_s=0.1)
+        if ready is None:
+            return
+        c = self.config
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            max_model_len=c.max_model_len,
+            encoder_cache_tokens=c.encoder_cache_tokens,
+            encoder_compute_budget_tokens=c.encoder_compute_budget_tokens,
+            num_kv_blocks=ready.num_kv_blocks,
+            block_size=ready.block_size,
+            enable_prefix_caching=c.enable_prefix_caching,
+            disable_chunked_mm_input=c.disable_chunked_mm_input,
+        )
+        self._core = EngineCore(scheduler_config, self.worker)
+        log.info("KV pool: %d blocks of %d tokens", ready.num_kv_blocks, ready.block_size)
         while self.running:
             timeout = 0 if self.core.has_work else IDLE_POLL_MS
             if self.api_sock.poll(timeout):

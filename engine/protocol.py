@@ -167,12 +167,24 @@ EngineOutbound = EngineOutputs | EngineReady | EngineDead
 
 
 class NewRequestData(msgspec.Struct, frozen=True):
-    """Sent once, in the step a request is first scheduled."""
+    """Sent once, in the step a request is first scheduled. ``num_computed_tokens`` tokens already have
+    KV in ``block_ids`` (prefix-cache hits); the worker computes from there."""
 
     req_id: str
     prompt_token_ids: list[int]
     mm_features: list[MMFeature]  # placements only (tensors travel as EncoderInput)
     sampling: SamplingParams
+    block_ids: list[int] = []
+    num_computed_tokens: int = 0
+
+
+class ResumedRequestData(msgspec.Struct, frozen=True):
+    """A preempted request scheduled again: a fresh block table; the worker recomputes its tokens
+    (prompt + the outputs it already sampled) from ``num_computed_tokens``."""
+
+    req_id: str
+    block_ids: list[int]
+    num_computed_tokens: int
 
 
 class EncoderInput(msgspec.Struct, frozen=True):
@@ -183,8 +195,13 @@ class EncoderInput(msgspec.Struct, frozen=True):
 
 class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
     """One step. ``num_scheduled_tokens`` maps every request that runs this step to how many of its
-    tokens it computes; the worker samples for those whose prompt is then fully computed.
-    ``free_mm_hashes`` and ``finished_req_ids`` are dropped by the worker before it runs the step."""
+    tokens it computes; the worker samples for those whose step computes their last known token (the
+    end of the prompt, then each newest output; a resumed request first recomputes all of them).
+
+    Before running the step the worker drops ``free_mm_hashes`` (encoder outputs),
+    ``finished_req_ids`` (all state) and ``preempted_req_ids`` (block tables only: token lists and
+    sampling state stay for the resume), then applies ``resumed_requests``, ``new_requests`` and
+    ``new_block_ids`` (blocks appended to running requests' tables)."""
 
     step_id: int
     new_requests: list[NewRequestData]
@@ -192,6 +209,9 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
     encoder_inputs: list[EncoderInput]
     free_mm_hashes: list[str]
     finished_req_ids: list[str]
+    resumed_requests: list[ResumedRequestData] = []
+    new_block_ids: dict[str, list[int]] = {}
+    preempted_req_ids: list[str] = []
 
 
 class WorkerShutdown(msgspec.Struct, frozen=True, tag="wshutdown"):
@@ -202,8 +222,13 @@ WorkerInbound = SchedulerOutput | WorkerShutdown
 
 
 class WorkerReady(msgspec.Struct, frozen=True, tag="wready"):
+    """Sent once the model is loaded and the KV pool allocated: the engine sizes its block
+    bookkeeping from ``num_kv_blocks`` x ``block_size``."""
+
     device: str
     dtype: str
+    num_kv_blocks: int = 0
+    block_size: int = 16
 
 
 class RunnerOutput(msgspec.Struct, frozen=True, tag="runner"):

@@ -26,6 +26,7 @@ class MMItem:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, its KV freed; recomputed when resumed
     FINISHED = "finished"
 
 
@@ -40,6 +41,8 @@ class Request:
     arrival_time: float
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     # mm_hashes whose encoder-cache entry this request currently uses (acquired, not yet released)
@@ -59,6 +62,10 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:

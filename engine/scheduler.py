@@ -1,8 +1,12 @@
-"""Continuous-batching scheduler: decides, each step, how many tokens every request computes and which
-multimodal items the encoder runs on. Policy only: no sockets, no tensors.
+"""Continuous-batching scheduler: decides, each step, how many tokens every request computes, which
+KV blocks they write and which multimodal items the encoder runs on. Policy only: no sockets, no
+tensors (block bookkeeping is the ``KVCacheManager``'s, encoder bookkeeping the
+``EncoderCacheManager``'s).
 
 A step is ``schedule()`` → the worker runs it → ``postprocess(runner_output)``. Requests join (from
-``waiting``) and leave (finished, aborted) between steps; all running requests advance together.
+``waiting``) and leave (finished, aborted) between steps; all running requests advance together. When
+KV blocks run out, the most recently admitted running request is preempted: its blocks are freed, it
+goes back to the front of the queue and is recomputed later (outputs already produced are kept).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.encoder_cache_manager import EncoderCacheManager
+from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import FinishReason, RunnerOutput
 from engine.request import MMItem, Request, RequestStatus
 
@@ -22,6 +27,10 @@ class SchedulerConfig:
     max_model_len: int
     encoder_cache_tokens: int
     encoder_compute_budget_tokens: int
+    num_kv_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    disable_chunked_mm_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,9 @@ class StepPlan:
     encoder_items: list[tuple[str, MMItem]]  # (mm_hash, item) to encode this step, each once
     free_mm_hashes: list[str]
     finished_req_ids: list[str]
+    resumed_requests: list[Request] = field(default_factory=list)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # blocks appended to running tables
+    preempted_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -62,12 +74,15 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_tokens)
+        self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.num_preemptions = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._step_id = 0
         # finished since the last plan; the worker drops their state at the start of the next step
         self._finished_req_ids: list[str] = []
+        self._preempted_req_ids: list[str] = []  # likewise, their block tables
 
     # ------------------------------------------------------------------ admission
 
@@ -79,6 +94,14 @@ class Scheduler:
                 f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
                 f"{max_tokens} in the completion).",
                 "context_length_exceeded",
+            )
+        kv_pool_tokens = self.config.num_kv_blocks * self.config.block_size
+        if prompt_len + max_tokens > kv_pool_tokens:
+            return AdmissionError(
+                f"The request needs up to {prompt_len + max_tokens} tokens of KV cache ({prompt_len} in the "
+                f"messages, {max_tokens} in the completion), more than the whole KV pool holds "
+                f"({kv_pool_tokens} tokens).",
+                "kv_cache_exceeded",
             )
         item_budget = self.config.encoder_compute_budget_tokens
         if self.encoder_cache.enabled:
@@ -101,7 +124,7 @@ class Scheduler:
         request = self.requests.get(req_id)
         if request is None or request.is_finished:
             return None
-        if request.status is RequestStatus.WAITING:
+        if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         self._finish(request, FinishReason.ABORT)
         return request
@@ -122,37 +145,75 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Called once per step: running requests first (oldest first), then waiting ones in FCFS
-        order while the token budget and ``max_num_seqs`` allow."""
+        order while the token budget, ``max_num_seqs`` and free KV blocks allow."""
         token_budget = self.config.max_num_batched_tokens
         encoder_budget = self.config.encoder_compute_budget_tokens
         num_scheduled: dict[str, int] = {}
         encoder_items: dict[str, MMItem] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        preempted_now = False
 
-        for request in self.running:
-            if token_budget <= 0:
-                break
-            num_tokens, encoder_budget = self._fit(request, token_budget, encoder_budget, encoder_items)
-            if num_tokens > 0:
-                num_scheduled[request.req_id] = num_tokens
-                token_budget -= num_tokens
+        index = 0
+        while index < len(self.running) and token_budget > 0:
+            request = self.running[index]
+            wanted = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            while not self.kv_cache.can_allocate(request, wanted):
+                victim = self.running[-1]  # the most recently admitted: it has the least work to lose
+                self._preempt(victim)
+                preempted_now = True
+                if victim is request:
+                    break
+            if request.status is RequestStatus.PREEMPTED:
+                break  # it was the last running request: nothing after it is left
+            num_tokens, encoder_budget = self._fit(request, wanted, encoder_budget, encoder_items)
+            index += 1
+            if num_tokens == 0:
+                continue
+            blocks = self.kv_cache.allocate_slots(request, num_tokens)
+            assert blocks is not None, "can_allocate promised room"
+            if blocks:
+                new_block_ids[request.req_id] = blocks
+            num_scheduled[request.req_id] = num_tokens
+            token_budget -= num_tokens
 
         new_requests: list[Request] = []
-        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+        resumed_requests: list[Request] = []
+        # No admissions in a step that had to preempt: the freed blocks go to the running requests first.
+        while (
+            self.waiting
+            and token_budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and not preempted_now
+        ):
             request = self.waiting[0]
-            num_tokens, encoder_budget = self._fit(request, token_budget, encoder_budget, encoder_items)
+            computed_blocks, num_computed = self.kv_cache.get_computed_blocks(request)
+            request.num_computed_tokens = num_computed  # the prefix-cache hits, if it starts now
+            wanted = min(request.num_tokens - num_computed, token_budget)
+            num_tokens = 0
+            if self.kv_cache.can_allocate(request, wanted, computed_blocks):
+                num_tokens, encoder_budget = self._fit(request, wanted, encoder_budget, encoder_items)
             if num_tokens == 0:
-                break  # head of line cannot start yet (its first image does not fit); keep FCFS
+                # Head of line waits (for blocks, or for room to encode its first image); keep FCFS.
+                request.num_computed_tokens = 0
+                break
+            blocks = self.kv_cache.allocate_slots(request, num_tokens, computed_blocks)
+            assert blocks is not None, "can_allocate promised room"
             self.waiting.popleft()
+            if request.status is RequestStatus.PREEMPTED:
+                resumed_requests.append(request)
+            elif not request.sent_to_worker:
+                request.sent_to_worker = True
+                request.num_cached_tokens = num_computed
+                self.kv_cache.record_prefix_lookup(request.num_prompt_tokens, num_computed)
+                new_requests.append(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.req_id] = num_tokens
             token_budget -= num_tokens
-            if not request.sent_to_worker:
-                request.sent_to_worker = True
-                new_requests.append(request)
 
         self._step_id += 1
         finished, self._finished_req_ids = self._finished_req_ids, []
+        preempted, self._preempted_req_ids = self._preempted_req_ids, []
         return StepPlan(
             step_id=self._step_id,
             new_requests=new_requests,
@@ -160,20 +221,40 @@ class Scheduler:
             encoder_items=list(encoder_items.items()),
             free_mm_hashes=self.encoder_cache.take_evicted(),
             finished_req_ids=finished,
+            resumed_requests=resumed_requests,
+            new_block_ids=new_block_ids,
+            preempted_req_ids=preempted,
         )
 
+    def _preempt(self, request: Request) -> None:
+        """Frees the request's KV blocks and encoder-cache uses and puts it at the front of the queue;
+        it will recompute its tokens (prompt + outputs so far) and continue where it stopped."""
+        self.running.remove(request)
+        self.kv_cache.free(request.req_id)
+        self.encoder_cache.release_all(request.req_id)
+        request.encoder_hashes_in_use.clear()
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self._preempted_req_ids.append(request.req_id)
+
     def _fit(
-        self, request: Request, token_budget: int, encoder_budget: int, encoder_items: dict[str, MMItem]
+        self, request: Request, num_tokens: int, encoder_budget: int, encoder_items: dict[str, MMItem]
     ) -> tuple[int, int]:
         """How many of ``request``'s next tokens can run this step, acquiring encoder-cache entries for
         the items they cover. An item is encoded whole, in the step that first needs it; if it cannot
-        be (compute budget or cache space), the chunk stops right before it."""
+        be (compute budget or cache space), the chunk stops right before it. With
+        ``disable_chunked_mm_input`` a chunk also stops before an image it would cover only in part."""
         start = request.num_computed_tokens
-        num_tokens = min(request.num_tokens - start, token_budget)
         for feature in request.mm_features:
             begin, end = feature.offset, feature.offset + feature.num_tokens
             if end <= start or begin >= start + num_tokens:
                 continue  # not covered by this chunk
+            if self.config.disable_chunked_mm_input and start <= begin and end > start + num_tokens:
+                num_tokens = begin - start
+                break
             mm_hash = feature.mm_hash
             if mm_hash in request.encoder_hashes_in_use:
                 continue
@@ -239,9 +320,12 @@ class Scheduler:
             self.running.remove(request)
         self.encoder_cache.release_all(request.req_id)
         request.encoder_hashes_in_use.clear()
+        self.kv_cache.free(request.req_id)
         if request.sent_to_worker:
             self._finished_req_ids.append(request.req_id)
         del self.requests[request.req_id]
 
-    def reset_encoder_cache(self) -> None:
+    def reset_caches(self) -> None:
+        """Evicts every freeable encoder-cache entry and the prefix cache's free blocks."""
         self.encoder_cache.reset()
+        self.kv_cache.reset_prefix_cache()

@@ -34,11 +34,16 @@ class EngineMetrics:
         counters = dict(self._counters)
         counters["encoder_cache_queries_total"] = encoder_cache.num_queries
         counters["encoder_cache_hits_total"] = encoder_cache.num_hits
+        kv_cache = scheduler.kv_cache
+        counters["prefix_cache_queries_total"] = kv_cache.num_prefix_queries_tokens
+        counters["prefix_cache_hits_total"] = kv_cache.num_prefix_hits_tokens
+        counters["num_preemptions_total"] = scheduler.num_preemptions
         gauges = {
             "encoder_cache_usage_tokens": float(encoder_cache.num_used_tokens),
             "encoder_cache_capacity_tokens": float(encoder_cache.capacity_tokens),
             "num_requests_running": float(scheduler.num_running),
             "num_requests_waiting": float(scheduler.num_waiting),
+            "kv_cache_usage_ratio": kv_cache.usage,
         }
         observations, self._observations = dict(self._observations), defaultdict(list)
         return EngineStats(counters=counters, gauges=gauges, observations=observations)

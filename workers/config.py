@@ -11,3 +11,6 @@ class WorkerConfig:
     worker_addr: str  # the engine's address; the worker connects to it
     device: str = "auto"  # auto: cuda (bf16) when available, else cpu (fp32)
     log_level: str = "info"
+    block_size: int = 16  # tokens per KV block
+    kv_cache_tokens: int | None = None  # KV pool size; None: a memory fraction on CUDA, a default on CPU
+    gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_tokens: share of GPU memory to use

@@ -2,15 +2,17 @@
 
 Per step (``execute``), in this order::
 
-    drop finished requests (state + KV) and freed encoder outputs      <- scheduler's decisions
-    register new requests (sent once, in full)
+    drop freed encoder outputs, finished requests (all state) and     <- scheduler's decisions
+      preempted requests' block tables (tokens and sampling state stay)
+    apply resumed requests, new requests (sent once, in full) and new blocks of running requests
     encode all of the step's encoder inputs as ONE batch -> encoder store (by mm_hash)
     embed every scheduled token; placeholder positions take rows of their item's encoder output
-    ONE varlen LM forward over all scheduled tokens of all requests
-    sample for requests whose prompt is fully computed; append the token to the request
+    ONE varlen LM forward over all scheduled tokens of all requests, K/V in the paged pool
+    sample for requests whose step computed their last known token; append the token to the request
 
-The worker owns no policy: what runs, what is encoded and what is dropped all come from the
-``SchedulerOutput``. It only tracks each request's tokens and how many of them are computed.
+The worker owns no policy: what runs, what is encoded, which blocks hold a request's K/V and what is
+dropped all come from the ``SchedulerOutput``. It only tracks each request's tokens, how many of them
+have K/V in its blocks, and its block table.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from engine.protocol import (
     EncoderInput,
     MMFeature,
     NewRequestData,
+    ResumedRequestData,
     RunnerOutput,
     SamplingParams,
     SchedulerOutput,
@@ -34,6 +37,7 @@ from engine.protocol import (
 )
 from workers.encoder_store import EncoderStore
 from workers.frames import Buffer, tensor_from_frame
+from workers.kv_pool import KVPool, kv_bytes_per_token, plan_num_kv_blocks
 from workers.lm_forward import LlamaForward, SeqSpan
 from workers.sampler import SamplingRow, make_generator, sample
 
@@ -60,7 +64,8 @@ class RequestState:
     mm_features: list[MMFeature]
     sampling: SamplingParams
     generator: torch.Generator
-    num_computed_tokens: int = 0
+    block_ids: list[int] | None  # None while preempted: the engine took its blocks back
+    num_computed_tokens: int = 0  # leading tokens whose K/V is in its blocks
 
     @property
     def num_output_tokens(self) -> int:
@@ -68,31 +73,61 @@ class RequestState:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, device: str = "auto"):
+    def __init__(
+        self,
+        model_dir: str,
+        device: str = "auto",
+        *,
+        block_size: int = 16,
+        kv_cache_tokens: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+    ):
+        """Load the model, then allocate the KV pool (sized from what the weights left free)."""
         self.device, self.dtype = resolve_device(device)
         model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=self.dtype)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' typing of .to
         self.config = model.config
         language_model = model.model.language_model
         self.embed_tokens = model.get_input_embeddings()
-        self.kv_cache = LlamaForward.make_kv_cache(language_model, self.dtype, self.device)
-        self.lm_forward = LlamaForward(language_model, model.lm_head, self.kv_cache)
+        num_layers, num_kv_heads, head_dim = LlamaForward.kv_shape(language_model)
+        num_blocks = plan_num_kv_blocks(
+            block_size=block_size,
+            bytes_per_token=kv_bytes_per_token(num_layers, num_kv_heads, head_dim, self.dtype),
+            device=self.device,
+            kv_cache_tokens=kv_cache_tokens,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
+        self.kv_pool = KVPool(
+            num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, self.device
+        )
+        self.lm_forward = LlamaForward(language_model, model.lm_head, self.kv_pool)
         self.encoder_store = EncoderStore()
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=self.device)  # unseeded requests share it
         self.generator.seed()
-        logger.info("loaded %s on %s (%s)", model_dir, self.device, self.dtype)
+        logger.info(
+            "loaded %s on %s (%s); KV pool %d blocks x %d tokens (%.1f MiB)",
+            model_dir,
+            self.device,
+            self.dtype,
+            num_blocks,
+            block_size,
+            self.kv_pool.num_bytes / 2**20,
+        )
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_pool.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_pool.block_size
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> RunnerOutput:
         """Run one step. ``frames`` is the whole multipart message (indexed by ``TensorRef.frame``;
         frame 0, the message itself, is not read)."""
-        for req_id in sched.finished_req_ids:
-            self.requests.pop(req_id, None)
-            self.kv_cache.free(req_id)
-        self.encoder_store.free(sched.free_mm_hashes)
-        for new in sched.new_requests:
-            self._add_request(new)
+        self._apply_decisions(sched)
 
         start = time.perf_counter()
         num_encoded_items = self._encode(sched.encoder_inputs, frames)
@@ -112,10 +147,93 @@ class ModelRunner:
             forward_seconds=done - encoded,
         )
 
+    def _apply_decisions(self, sched: SchedulerOutput) -> None:
+        """The scheduler's bookkeeping for this step, in the protocol's order. Drops never fail (unknown
+        ids are ignored: the engine may end a request this worker never saw); additions are checked
+        first, so a contradicting step raises ``StepError`` before it changes any request."""
+        self.encoder_store.free(sched.free_mm_hashes)
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in sched.preempted_req_ids:
+            req = self.requests.get(req_id)
+            if req is not None:
+                # Its blocks may already belong to someone else; its tokens and generator stay so that
+                # the resumed request continues exactly where it stopped.
+                req.block_ids, req.num_computed_tokens = None, 0
+
+        self._check_additions(sched)
+        for resumed in sched.resumed_requests:
+            req = self.requests[resumed.req_id]
+            req.block_ids, req.num_computed_tokens = list(resumed.block_ids), resumed.num_computed_tokens
+        for new in sched.new_requests:
+            self.requests[new.req_id] = RequestState(
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids),
+                mm_features=list(new.mm_features),
+                sampling=new.sampling,
+                generator=make_generator(new.sampling.seed, self.device, self.generator),
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for req_id, block_ids in sched.new_block_ids.items():
+            table = self.requests[req_id].block_ids
+            assert table is not None  # checked
+            table.extend(block_ids)
+
+    def _check_additions(self, sched: SchedulerOutput) -> None:
+        for resumed in sched.resumed_requests:
+            req = self.requests.get(resumed.req_id)
+            if req is None or req.block_ids is not None:
+                state = "unknown" if req is None else "not preempted"
+                raise StepError(f"request {resumed.req_id!r} is resumed but {state} on this worker")
+            self._check_blocks(resumed.req_id, resumed.block_ids)
+            self._check_num_computed(resumed, len(req.token_ids))
+        new_ids = set()
+        for new in sched.new_requests:
+            if new.req_id in self.requests or new.req_id in new_ids:
+                raise StepError(f"request {new.req_id!r} is already running on this worker")
+            new_ids.add(new.req_id)
+            for feat in new.mm_features:
+                if feat.offset < 0 or feat.offset + feat.num_tokens > len(new.prompt_token_ids):
+                    raise StepError(
+                        f"mm item {feat.mm_hash!r} at {feat.offset}+{feat.num_tokens} is outside the prompt"
+                    )
+            self._check_blocks(new.req_id, new.block_ids)
+            self._check_num_computed(new, len(new.prompt_token_ids))
+        resumed_ids = {r.req_id for r in sched.resumed_requests}
+        for req_id, block_ids in sched.new_block_ids.items():
+            req = self.requests.get(req_id)
+            if req_id not in new_ids | resumed_ids and (req is None or req.block_ids is None):
+                state = "unknown" if req is None else "preempted"
+                raise StepError(f"request {req_id!r} gets new blocks but is {state} on this worker")
+            self._check_blocks(req_id, block_ids)
+
+    def _check_blocks(self, req_id: str, block_ids: list[int]) -> None:
+        bad = [b for b in block_ids if not 0 <= b < self.kv_pool.num_blocks]
+        if bad:
+            raise StepError(
+                f"request {req_id!r}: block ids {bad} outside the pool of {self.kv_pool.num_blocks}"
+            )
+
+    def _check_num_computed(self, data: NewRequestData | ResumedRequestData, num_tokens: int) -> None:
+        # At least one token is left to compute: sampling needs the logits of the last one.
+        if not 0 <= data.num_computed_tokens < num_tokens:
+            raise StepError(
+                f"request {data.req_id!r}: {data.num_computed_tokens} computed tokens of {num_tokens}"
+            )
+        if data.num_computed_tokens > len(data.block_ids) * self.kv_pool.block_size:
+            raise StepError(
+                f"request {data.req_id!r}: {data.num_computed_tokens} computed tokens but only "
+                f"{len(data.block_ids)} blocks"
+            )
+
     def _run_lm(
         self, num_scheduled_tokens: dict[str, int]
     ) -> tuple[list[str], list[int], list[TokenLogprobs | None]]:
-        """One forward over every scheduled token, then sampling for requests past their prompt."""
+        """One forward over every scheduled token, then sampling for each request whose step computes
+        its last known token (the end of its prompt, of its recomputed outputs after a resume, or the
+        token it sampled last)."""
         if not num_scheduled_tokens:
             return [], [], []
         spans = self._spans(num_scheduled_tokens)
@@ -127,7 +245,7 @@ class ModelRunner:
             req = self.requests[span.req_id]
             num_computed = span.num_past_tokens + span.num_new_tokens
             token_ids.extend(req.token_ids[span.num_past_tokens : num_computed])
-            if num_computed >= req.num_prompt_tokens:
+            if num_computed == len(req.token_ids):
                 req_ids.append(span.req_id)
                 logits_rows.append(len(token_ids) - 1)
                 sampling_rows.append(SamplingRow(req.sampling, req.num_output_tokens, req.generator))
@@ -139,23 +257,6 @@ class ModelRunner:
         for req_id, token_id in zip(req_ids, sampled_token_ids, strict=True):
             self.requests[req_id].token_ids.append(token_id)
         return req_ids, sampled_token_ids, logprobs
-
-    def _add_request(self, new: NewRequestData) -> None:
-        if new.req_id in self.requests:
-            raise StepError(f"request {new.req_id!r} is already running on this worker")
-        for feat in new.mm_features:
-            if feat.offset < 0 or feat.offset + feat.num_tokens > len(new.prompt_token_ids):
-                raise StepError(
-                    f"mm item {feat.mm_hash!r} at {feat.offset}+{feat.num_tokens} is outside the prompt"
-                )
-        self.requests[new.req_id] = RequestState(
-            req_id=new.req_id,
-            token_ids=list(new.prompt_token_ids),
-            num_prompt_tokens=len(new.prompt_token_ids),
-            mm_features=list(new.mm_features),
-            sampling=new.sampling,
-            generator=make_generator(new.sampling.seed, self.device, self.generator),
-        )
 
     def _encode(self, inputs: list[EncoderInput], frames: Sequence[Buffer]) -> int:
         """Vision tower + projector on all items as one batch; outputs go to the encoder store."""
@@ -190,12 +291,20 @@ class ModelRunner:
             req = self.requests.get(req_id)
             if req is None:
                 raise StepError(f"request {req_id!r} is scheduled but unknown to this worker")
+            if req.block_ids is None:
+                raise StepError(f"request {req_id!r} is scheduled but preempted (no blocks) on this worker")
             num_known = len(req.token_ids) - req.num_computed_tokens
             if not 0 < num_new_tokens <= num_known:
                 raise StepError(
                     f"request {req_id!r} scheduled {num_new_tokens} tokens, {num_known} are computable"
                 )
-            spans.append(SeqSpan(req_id, req.num_computed_tokens, num_new_tokens))
+            num_tokens = req.num_computed_tokens + num_new_tokens
+            if num_tokens > len(req.block_ids) * self.kv_pool.block_size:
+                raise StepError(
+                    f"request {req_id!r} needs {num_tokens} KV slots, its {len(req.block_ids)} blocks "
+                    f"hold {len(req.block_ids) * self.kv_pool.block_size}"
+                )
+            spans.append(SeqSpan(req_id, req.num_computed_tokens, num_new_tokens, req.block_ids))
         return spans
 
     def _embed(self, token_ids: list[int], spans: list[SeqSpan]) -> torch.Tensor:

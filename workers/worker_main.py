@@ -1,7 +1,7 @@
 """Worker process entry point: serve the engine's steps over a ZeroMQ DEALER socket.
 
     engine (ROUTER, binds worker_addr)                worker (DEALER, connects)
-        ◀── [WorkerReady(device, dtype)]                 once the model is loaded
+        ◀── [WorkerReady(device, dtype, num_kv_blocks, block_size)]   model loaded, KV pool allocated
         ──▶ [SchedulerOutput, tensor frames...]
         ◀── [RunnerOutput]  or  [WorkerError(step_id, message)]   one reply per step
         ──▶ [WorkerShutdown]                             the worker closes and returns
@@ -43,7 +43,13 @@ def run_worker(config: WorkerConfig) -> None:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    runner = ModelRunner(config.model, config.device)
+    runner = ModelRunner(
+        config.model,
+        config.device,
+        block_size=config.block_size,
+        kv_cache_tokens=config.kv_cache_tokens,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+    )
     stop = threading.Event()
     restore_signals = _handle_signals(stop)
     ctx = zmq.Context()
@@ -51,7 +57,13 @@ def run_worker(config: WorkerConfig) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(config.worker_addr)
-        sock.send_multipart([encode(WorkerReady(device=str(runner.device), dtype=dtype_name(runner.dtype)))])
+        ready = WorkerReady(
+            device=str(runner.device),
+            dtype=dtype_name(runner.dtype),
+            num_kv_blocks=runner.num_kv_blocks,
+            block_size=runner.block_size,
+        )
+        sock.send_multipart([encode(ready)])
         logger.info("worker ready on %s, connected to %s", runner.device, config.worker_addr)
         _serve(sock, runner, stop)
     finally:

@@ -1,7 +1,8 @@
 """The worker against transformers' own ``generate`` on the tiny checkpoint.
 
-The tests play the engine: ``FakeEngine`` schedules prefill chunks and decode tokens, sends items to
-encode in the step their placeholder range is first needed, and finishes requests after max_tokens.
+The tests play the engine with ``FakeEngine`` (tests/integration/fake_engine.py): it schedules prefill
+chunks and decode tokens, hands out KV blocks, sends items to encode in the step their placeholder
+range is first needed, preempts and resumes on request, and finishes requests after max_tokens.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +27,7 @@ from engine.protocol import (
     EncoderInput,
     MMFeature,
     NewRequestData,
+    ResumedRequestData,
     RunnerOutput,
     SamplingParams,
     SchedulerOutput,
@@ -36,10 +37,12 @@ from engine.protocol import (
     decode_worker_outbound,
     encode,
 )
+from tests.integration.fake_engine import FakeEngine, Prompt
 from workers.config import WorkerConfig
 from workers.encoder_store import MissingEncoderOutput
 from workers.frames import tensor_from_frame, tensor_to_frame
-from workers.model_runner import ModelRunner
+from workers.kv_pool import CPU_DEFAULT_KV_CACHE_TOKENS, KVPool, plan_num_kv_blocks
+from workers.model_runner import ModelRunner, StepError
 from workers.worker_main import run_worker
 
 pytestmark = pytest.mark.slow
@@ -47,15 +50,7 @@ pytestmark = pytest.mark.slow
 NUM_NEW_TOKENS = 32
 NEAR_TIE_LOGPROB_GAP = 1e-4
 LOGPROB_ATOL = 2e-5  # observed: <= 2e-6 on CPU fp32
-
-
-@dataclass(frozen=True)
-class Prompt:
-    input_ids: list[int]
-    pixel_values: list[torch.Tensor]  # one [1, 3, 336, 336] per image, in prompt order
-    features: list[MMFeature]
-    reference: list[int]  # transformers' greedy continuation
-    reference_logprobs: torch.Tensor  # [NUM_NEW_TOKENS, vocab]: log_softmax of generate's raw logits
+KV_CACHE_TOKENS = 8192  # room for the largest batch below (3 x "two": ~3,700 tokens) and then some
 
 
 def _placements(input_ids: list[int], image_token_id: int, mm_hashes: list[str]) -> list[MMFeature]:
@@ -114,7 +109,8 @@ def prompts(tiny_model_dir, hf_model) -> dict[str, Prompt]:
 
 @pytest.fixture
 def runner(tiny_model_dir) -> ModelRunner:
-    return ModelRunner(str(tiny_model_dir), device="cpu")  # the oracle runs fp32 on CPU
+    # the oracle runs fp32 on CPU
+    return ModelRunner(str(tiny_model_dir), device="cpu", kv_cache_tokens=KV_CACHE_TOKENS)
 
 
 def greedy(hf_model: LlavaForConditionalGeneration, **kwargs) -> SamplingParams:
@@ -131,77 +127,9 @@ def greedy(hf_model: LlavaForConditionalGeneration, **kwargs) -> SamplingParams:
     return SamplingParams(**(params | {"eos_token_ids": eos_ids} | kwargs))
 
 
-class FakeEngine:
-    """Plays the scheduler. Each step every running request computes min(chunk_tokens, rest of its
-    prompt) tokens, or 1 decode token; an item is sent to encode in the step its placeholder range is
-    first needed unless an earlier step encoded it (and it was not freed); a request finishes once it
-    has max_tokens outputs, which the next step tells the worker."""
-
-    def __init__(self, runner: ModelRunner, chunk_tokens: int = 1 << 30):
-        self.runner, self.chunk_tokens = runner, chunk_tokens
-        self.step_id = 0
-        self.new: list[NewRequestData] = []
-        self.prompts: dict[str, Prompt] = {}
-        self.sampling: dict[str, SamplingParams] = {}
-        self.num_computed: dict[str, int] = {}
-        self.outputs: dict[str, list[int]] = {}
-        self.logprobs: dict[str, list] = {}
-        self.encoded: set[str] = set()
-        self.finished: list[str] = []  # told to the worker in the next step
-        self.done: set[str] = set()
-        self.to_free: list[str] = []
-        self.history: list[tuple[dict[str, int], RunnerOutput]] = []
-
-    def add(self, req_id: str, prompt: Prompt, sampling: SamplingParams) -> None:
-        self.new.append(NewRequestData(req_id, prompt.input_ids, prompt.features, sampling))
-        self.prompts[req_id], self.sampling[req_id] = prompt, sampling
-        self.num_computed[req_id], self.outputs[req_id], self.logprobs[req_id] = 0, [], []
-
-    def free(self, mm_hashes: list[str]) -> None:
-        self.to_free += mm_hashes
-        self.encoded -= set(mm_hashes)
-
-    @property
-    def running(self) -> list[str]:
-        return [r for r in self.prompts if r not in self.done]
-
-    def step(self) -> RunnerOutput:
-        scheduled: dict[str, int] = {}
-        encoder_inputs: list[EncoderInput] = []
-        frames: list = [b""]
-        for req_id in self.running:
-            prompt, start = self.prompts[req_id], self.num_computed[req_id]
-            rest = len(prompt.input_ids) - start
-            num_tokens = min(self.chunk_tokens, rest) if rest > 0 else 1
-            scheduled[req_id] = num_tokens
-            for feat, pixels in zip(prompt.features, prompt.pixel_values, strict=True):
-                if feat.mm_hash not in self.encoded and feat.offset < start + num_tokens:
-                    ref, buf = tensor_to_frame(pixels, len(frames))
-                    frames.append(buf)
-                    encoder_inputs.append(EncoderInput(feat.mm_hash, "image", {"pixel_values": ref}))
-                    self.encoded.add(feat.mm_hash)
-        sched = SchedulerOutput(
-            self.step_id, self.new, scheduled, encoder_inputs, self.to_free, self.finished
-        )
-        out = self.runner.execute(sched, frames)
-        self.history.append((scheduled, out))
-        self.step_id, self.new, self.to_free, self.finished = self.step_id + 1, [], [], []
-        for req_id, num_tokens in scheduled.items():
-            self.num_computed[req_id] += num_tokens
-        for req_id, token_id, logprobs in zip(out.req_ids, out.sampled_token_ids, out.logprobs, strict=True):
-            self.outputs[req_id].append(token_id)
-            self.logprobs[req_id].append(logprobs)
-            if len(self.outputs[req_id]) >= self.sampling[req_id].max_tokens:
-                self.finished.append(req_id)
-                self.done.add(req_id)
-        return out
-
-    def run(self) -> dict[str, list[int]]:
-        while self.running:
-            self.step()
-        if self.finished or self.to_free:
-            self.step()  # tell the worker, as the next real step would
-        return self.outputs
+def _blocks(prompt: Prompt, runner: ModelRunner, num_extra_tokens: int = 8) -> list[int]:
+    """A contiguous block table with room for the prompt and a few outputs (hand-made steps)."""
+    return list(range(-(-(len(prompt.input_ids) + num_extra_tokens) // runner.block_size)))
 
 
 def assert_matches_generate(engine: FakeEngine, req_id: str, prompt: Prompt) -> None:
@@ -269,7 +197,7 @@ def test_batched_mixed_prefill_and_decode(runner, hf_model, prompts):
         s for s, _ in engine.history if len(s) > 1 and 1 in s.values() and any(n > 1 for n in s.values())
     ]
     assert mixed, "no step mixed a prefill chunk with a decode token"
-    assert not runner.requests and all(r not in runner.kv_cache for r in ("text", "one", "two"))
+    assert not runner.requests and not engine.allocator.refs
 
 
 # ---------------------------------------------------------------- encoder store
@@ -298,11 +226,186 @@ def test_encoder_store_reuse_and_free(runner, hf_model, prompts):
 
 def test_missing_encoder_output_fails_the_step_without_state_change(runner, hf_model, prompts):
     prompt = prompts["one"]
-    new = NewRequestData("r", prompt.input_ids, prompt.features, greedy(hf_model))
+    new = NewRequestData("r", prompt.input_ids, prompt.features, greedy(hf_model), _blocks(prompt, runner))
     sched = SchedulerOutput(0, [new], {"r": len(prompt.input_ids)}, [], [], [])
     with pytest.raises(MissingEncoderOutput):
         runner.execute(sched, [b""])
-    assert runner.requests["r"].num_computed_tokens == 0 and runner.kv_cache.num_tokens("r") == 0
+    assert runner.requests["r"].num_computed_tokens == 0
+
+
+# ---------------------------------------------------------------- paged KV
+
+
+def test_kv_pool_slots_and_sizing():
+    cpu = torch.device("cpu")
+    pool = KVPool(2, num_blocks=10, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32, device=cpu)
+    slots = pool.slot_ids([7, 2, 9], 10)
+    assert slots.tolist() == [28, 29, 30, 31, 8, 9, 10, 11, 36, 37]
+    k, v = torch.randn(10, 1, 2), torch.randn(10, 1, 2)
+    pool.write(1, slots, k, v)
+    read_k, read_v = pool.read(1, slots[2:7])
+    assert torch.equal(read_k, k[2:7]) and torch.equal(read_v, v[2:7])
+    plan = {"block_size": 16, "bytes_per_token": 1024, "device": cpu, "gpu_memory_utilization": 0.9}
+    assert plan_num_kv_blocks(kv_cache_tokens=1000, **plan) == 62
+    assert plan_num_kv_blocks(kv_cache_tokens=3, **plan) == 1
+    assert plan_num_kv_blocks(kv_cache_tokens=None, **plan) == CPU_DEFAULT_KV_CACHE_TOKENS // 16
+
+
+def test_runner_reports_its_pool(tiny_model_dir, runner):
+    assert (runner.num_kv_blocks, runner.block_size) == (KV_CACHE_TOKENS // 16, 16)
+    other = ModelRunner(str(tiny_model_dir), device="cpu", block_size=32, kv_cache_tokens=1000)
+    assert (other.num_kv_blocks, other.block_size) == (31, 32)
+    assert other.kv_pool.kv.shape[2] == 31 * 32
+
+
+def test_shuffled_block_tables_give_identical_outputs(runner, hf_model, prompts):
+    runs = []
+    for shuffle_seed in (None, 1):
+        engine = FakeEngine(runner, chunk_tokens=37, shuffle_seed=shuffle_seed)
+        engine.add("two", prompts["two"], greedy(hf_model))
+        engine.add("text", prompts["text"], greedy(hf_model))
+        engine.step()
+        tables = {r: list(t) for r, t in engine.tables.items()}
+        engine.run()
+        runs.append((engine.outputs, engine.logprobs, tables))
+    (outputs, logprobs, tables), (shuffled_outputs, shuffled_logprobs, shuffled_tables) = runs
+    assert tables["two"] == list(range(len(tables["two"])))
+    assert any(b - a != 1 for a, b in itertools.pairwise(shuffled_tables["two"]))
+    assert shuffled_outputs == outputs and shuffled_logprobs == logprobs
+    assert_matches_generate(engine, "two", prompts["two"])  # the shuffled run
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefix_hit_reuses_another_requests_blocks(tiny_model_dir, runner, hf_model, prompts, block_size):
+    """ "two" starts like "one" (chat header, the same cat image, one more token): its first blocks may
+    be "one"'s. With 4-token blocks the cat lies entirely in the shared prefix (never encoded again);
+    with 16-token blocks the prefix ends 4 tokens before the cat does (encoded whole, sliced)."""
+    one, two = prompts["one"], prompts["two"]
+    cat = two.features[0]
+    num_common_tokens = cat.offset + cat.num_tokens + 1
+    assert cat.mm_hash == one.features[0].mm_hash
+    assert one.input_ids[:num_common_tokens] == two.input_ids[:num_common_tokens]
+    if block_size != runner.block_size:
+        runner = ModelRunner(
+            str(tiny_model_dir), "cpu", block_size=block_size, kv_cache_tokens=KV_CACHE_TOKENS
+        )
+    num_shared_blocks = num_common_tokens // block_size
+    cat_skipped = num_shared_blocks * block_size >= cat.offset + cat.num_tokens
+    assert cat_skipped == (block_size == 4)
+
+    engine = FakeEngine(runner, chunk_tokens=256)
+    engine.add("first", one, greedy(hf_model))
+    while not engine.outputs["first"]:
+        engine.step()
+    engine.free([cat.mm_hash])  # "first" is past its image: only a re-encode could bring it back
+    num_steps_before = len(engine.history)
+    engine.add("second", two, greedy(hf_model), prefix=("first", num_shared_blocks))
+    assert engine.tables["second"] == engine.tables["first"][:num_shared_blocks]
+    engine.run()
+    assert_matches_generate(engine, "first", one)
+    assert_matches_generate(engine, "second", two)
+    num_encoded = sum(out.num_encoded_items for _, out in engine.history[num_steps_before:])
+    assert num_encoded == (1 if cat_skipped else 2)
+    unshared = FakeEngine(runner, chunk_tokens=256)
+    unshared.add("second", two, greedy(hf_model))
+    assert unshared.run()["second"] == engine.outputs["second"]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded"])
+def test_preempted_request_resumes_exactly(runner, hf_model, prompts, kind):
+    """Preempted after 15 outputs, its blocks overwritten by another request, resumed with a new table:
+    the worker recomputes prompt + outputs (590 + 15 tokens) in chunks of 100 and samples only after
+    the chunk that ends at 605, not the one that ends at 600, past the prompt."""
+    prompt, num_outputs_before = prompts["one"], 15
+    if kind == "greedy":
+        sampling = greedy(hf_model, max_tokens=24)
+    else:
+        sampling = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=1234)
+    alone = FakeEngine(runner, chunk_tokens=100)
+    alone.add("r", prompt, sampling)
+    expected = alone.run()["r"]
+
+    engine = FakeEngine(runner, chunk_tokens=100)
+    engine.add("r", prompt, sampling)
+    engine.add("other", prompts["text"], SamplingParams(max_tokens=40, temperature=1.0))
+    while len(engine.outputs["r"]) < num_outputs_before:
+        engine.step()
+    old_blocks = engine.preempt("r")
+    engine.add("intruder", prompts["two"], greedy(hf_model, max_tokens=4))
+    engine.step()  # the intruder's first chunk overwrites r's old blocks
+    assert set(engine.tables["intruder"]) & set(old_blocks)
+    engine.step()
+    engine.resume("r")
+    num_steps_before = len(engine.history)
+    engine.run()
+    assert engine.outputs["r"] == expected
+    first_sample = next(
+        i for i, (_, out) in enumerate(engine.history[num_steps_before:]) if "r" in out.req_ids
+    )
+    num_tokens = len(prompt.input_ids) + num_outputs_before
+    assert len(prompt.input_ids) <= num_tokens // 100 * 100 < num_tokens  # a chunk ends in between
+    assert first_sample == num_tokens // 100
+    if kind == "greedy":
+        assert expected == prompt.reference[:24]
+
+
+def test_contradicting_block_tables_fail_the_step(runner, hf_model, prompts):
+    prompt = prompts["text"]
+    num_tokens = len(prompt.input_ids)
+    too_few = list(range(num_tokens // runner.block_size))
+    bad_steps = [
+        SchedulerOutput(
+            0,
+            [NewRequestData("r", prompt.input_ids, [], greedy(hf_model), too_few)],
+            {"r": num_tokens},
+            [],
+            [],
+            [],
+        ),
+        SchedulerOutput(
+            0,
+            [NewRequestData("r2", prompt.input_ids, [], greedy(hf_model), [runner.num_kv_blocks])],
+            {},
+            [],
+            [],
+            [],
+        ),
+        SchedulerOutput(0, [], {}, [], [], [], resumed_requests=[ResumedRequestData("nope", [0], 0)]),
+        SchedulerOutput(0, [], {}, [], [], [], new_block_ids={"nope": [0]}),
+    ]
+    for sched in bad_steps:
+        with pytest.raises(StepError):
+            runner.execute(sched, [b""])
+    assert runner.requests["r"].num_computed_tokens == 0  # the first step registered it, computed nothing
+    # A preempted request is not scheduled until it is resumed.
+    ok = NewRequestData("ok", prompt.input_ids, [], greedy(hf_model), _blocks(prompt, runner))
+    runner.execute(SchedulerOutput(1, [ok], {"ok": num_tokens}, [], [], ["r"]), [b""])
+    with pytest.raises(StepError, match="preempted"):
+        runner.execute(SchedulerOutput(2, [], {"ok": 1}, [], [], [], preempted_req_ids=["ok"]), [b""])
+    assert runner.requests["ok"].token_ids[num_tokens:] == prompt.reference[:1]
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs /proc")
+def test_memory_stays_flat_across_many_requests(runner, prompts):
+    sampling = SamplingParams(max_tokens=3, temperature=1.0)
+
+    def serve(num_requests: int) -> None:
+        engine = FakeEngine(runner)
+        for i in range(0, num_requests, 25):
+            for j in range(i, i + 25):
+                engine.add(f"r{j}", prompts["text"], sampling)
+            engine.run()
+        assert not runner.requests and not engine.allocator.refs
+
+    serve(100)  # warm up allocators and touch the pool's pages that short requests use
+    before = _rss_bytes()
+    serve(200)
+    assert _rss_bytes() - before < 8 * 2**20
 
 
 # ---------------------------------------------------------------- sampling
@@ -358,8 +461,17 @@ def test_min_tokens_masks_eos(runner, hf_model, prompts):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_runs_bf16(tiny_model_dir, hf_model, prompts):
-    runner = ModelRunner(str(tiny_model_dir))  # "auto"
+    runner = ModelRunner(str(tiny_model_dir), kv_cache_tokens=KV_CACHE_TOKENS)  # device "auto"
     assert runner.device.type == "cuda" and runner.dtype == torch.bfloat16
+    # Without kv_cache_tokens the pool takes gpu_memory_utilization x total, less what is in use.
+    free_bytes, total_bytes = torch.cuda.mem_get_info(runner.device)
+    headroom_bytes = 64 * 2**20
+    plan = {"block_size": 16, "bytes_per_token": 1024, "device": runner.device, "kv_cache_tokens": None}
+    utilization = (total_bytes - free_bytes + headroom_bytes) / total_bytes
+    num_blocks = plan_num_kv_blocks(gpu_memory_utilization=utilization, **plan)
+    assert num_blocks == pytest.approx(headroom_bytes // (16 * 1024), rel=0.05)
+    with pytest.raises(RuntimeError, match="no GPU memory left"):
+        plan_num_kv_blocks(gpu_memory_utilization=(total_bytes - free_bytes) / total_bytes / 2, **plan)
     engine = FakeEngine(runner, chunk_tokens=100)
     engine.add("greedy", prompts["two"], greedy(hf_model))
     for req_id in ("s1", "s2"):
@@ -408,17 +520,19 @@ def router(tmp_path):
 
 def test_worker_over_zmq(router, tiny_model_dir, hf_model, prompts):
     router, addr = router
-    config = WorkerConfig(str(tiny_model_dir), addr, device="cpu")
+    config = WorkerConfig(str(tiny_model_dir), addr, device="cpu", block_size=32, kv_cache_tokens=1000)
     thread = threading.Thread(target=run_worker, args=(config,), daemon=True)
     thread.start()
     assert router.poll(60_000), "no WorkerReady"
     identity, payload = router.recv_multipart()
     try:
-        assert decode_worker_outbound(payload) == WorkerReady(device="cpu", dtype="float32")
+        ready = WorkerReady(device="cpu", dtype="float32", num_kv_blocks=1000 // 32, block_size=32)
+        assert decode_worker_outbound(payload) == ready
 
         prompt = prompts["one"]
         ref, buf = tensor_to_frame(prompt.pixel_values[0], frame=1)
-        new = NewRequestData("r", prompt.input_ids, prompt.features, greedy(hf_model))
+        block_ids = list(range(ready.num_kv_blocks))[::-1][: -(-(len(prompt.input_ids) + 2) // 32)]
+        new = NewRequestData("r", prompt.input_ids, prompt.features, greedy(hf_model), block_ids)
         sched = SchedulerOutput(
             0,
             [new],

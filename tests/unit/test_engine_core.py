@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.core import EngineCore, to_scheduler_output
+from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import (
     Abort,
     AddRequest,
@@ -28,13 +29,15 @@ PIXELS = {"pixel_values": TensorRef("float32", (1, 3, 4, 4), 1)}
 NUM_PIXEL_BYTES = 1 * 3 * 4 * 4 * 4  # 192
 
 
-def config(**overrides: int) -> SchedulerConfig:
+def config(**overrides: int | bool) -> SchedulerConfig:
     values = {
         "max_num_seqs": 8,
         "max_num_batched_tokens": 256,
         "max_model_len": 512,
         "encoder_cache_tokens": 1024,
         "encoder_compute_budget_tokens": 512,
+        "num_kv_blocks": 1024,  # far more than any test needs
+        "enable_prefix_caching": False,
     }
     values.update(overrides)
     return SchedulerConfig(**values)
@@ -317,6 +320,7 @@ def test_stats_counters_gauges_and_drained_observations() -> None:
         "encoder_cache_capacity_tokens": 100.0,
         "num_requests_running": 0.0,
         "num_requests_waiting": 3.0,
+        "kv_cache_usage_ratio": 0.0,
     }
     assert stats.observations == {}
 
@@ -360,7 +364,9 @@ def test_to_scheduler_output_numbers_tensor_frames_from_one() -> None:
         free_mm_hashes=["Z"],
         finished_req_ids=["r0"],
     )
-    sched, out_frames = to_scheduler_output(plan)
+    sched, out_frames = to_scheduler_output(
+        plan, KVCacheManager(num_blocks=4, block_size=16, enable_prefix_caching=False)
+    )
     assert [(e.mm_hash, e.modality, e.tensors) for e in sched.encoder_inputs] == [
         (
             "A",

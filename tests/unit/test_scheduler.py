@@ -20,13 +20,17 @@ Image = tuple[str, int, int]  # (mm_hash, offset, num_tokens)
 DEFAULT_TOKEN = 7
 
 
-def config(**overrides: int) -> SchedulerConfig:
+def config(**overrides: int | bool) -> SchedulerConfig:
     values = {
         "max_num_seqs": 8,
         "max_num_batched_tokens": 2048,
         "max_model_len": 4096,
         "encoder_cache_tokens": 4096,
         "encoder_compute_budget_tokens": 2048,
+        # a pool far larger than any test needs; prefix caching off, so that prompts made of one
+        # repeated token do not share blocks (the KV tests turn both on explicitly)
+        "num_kv_blocks": 4096,
+        "enable_prefix_caching": False,
     }
     values.update(overrides)
     return SchedulerConfig(**values)

@@ -1,0 +1,246 @@
+"""Paged-KV block bookkeeping with image-aware prefix caching. Plain Python: the K/V tensors live in
+the worker, which indexes them by the block ids handed out here.
+
+The scheduler owns one ``KVCacheManager``. Per request it calls, in this order::
+
+    get_computed_blocks(req)                   waiting request: full blocks already cached (no refs)
+    record_prefix_lookup(n_query, n_hit)       once per admission (a blocked head of line is not
+                                               counted again)
+    can_allocate / allocate_slots(req, n, computed_ids)   first call starts the table with computed_ids
+    allocate_slots(req, n)                     every later step: grow the table for n more tokens
+    free(req_id)                               finished, aborted or preempted
+
+A block's identity is a hash chain: block i's hash covers block i-1's hash, its token ids and the
+multimodal items whose placeholders it overlaps (``block_extra_keys``), so equal hashes mean equal
+K/V: the same image at the same place reuses K/V, while a different image behind identical
+placeholder tokens, or the same image shifted, never does.
+
+A block is registered in the prefix cache in the step that computes its last token (at
+``allocate_slots``), so a request admitted later in the same step may already share it: the worker
+must write a step's K/V of a layer before attention of that layer reads it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Protocol
+
+import blake3
+
+from engine.block_pool import BlockHash, BlockPool
+from engine.protocol import MMFeature
+
+_HASH_DOMAIN = b"mmserve.kv_block.v1"
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+
+
+def hash_block(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[tuple[str, int], ...]
+) -> BlockHash:
+    """blake3 over a length-prefixed encoding of the parent hash (tagged, so "no parent" differs from
+    every parent), the block's token ids and the extra keys (mm_hash, placeholder offset)."""
+    hasher = blake3.blake3(_HASH_DOMAIN)
+    if parent is None:
+        hasher.update(b"\x00")
+    else:
+        hasher.update(b"\x01" + _U64.pack(len(parent)) + parent)
+    hasher.update(_U64.pack(len(token_ids)))
+    hasher.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    hasher.update(_U64.pack(len(extra_keys)))
+    for mm_hash, offset in extra_keys:
+        encoded = mm_hash.encode("utf-8")
+        hasher.update(_U64.pack(len(encoded)) + encoded + _I64.pack(offset))
+    return hasher.digest()
+
+
+def block_extra_keys(
+    mm_features: Sequence[MMFeature], block_start: int, block_end: int
+) -> tuple[tuple[str, int], ...]:
+    """``(mm_hash, offset - block_start)`` of every feature whose placeholder range overlaps
+    ``[block_start, block_end)``, in feature order. The relative offset may be negative (an image that
+    began in an earlier block); it pins which part of the image's embeddings the block holds."""
+    return tuple(
+        (f.mm_hash, f.offset - block_start)
+        for f in mm_features
+        if f.offset < block_end and f.offset + f.num_tokens > block_start
+    )
+
+
+class KVRequest(Protocol):
+    """What the manager reads from a request (``engine.request.Request`` satisfies it)."""
+
+    req_id: str
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...  # prompt + generated
+
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...  # prompt + generated
+
+    @property
+    def mm_features(self) -> Sequence[MMFeature]: ...  # placements in the prompt
+
+
+class KVCacheManager:
+    # Invariants (checked by the unit tests after every call), on top of the pool's P1-P6:
+    #   K1  a block's ref_count == the number of tables in _tables that hold it; no table holds a
+    #       block twice
+    #   K2  _block_hashes[r][i] is the hash of request r's block i, chained from block 0; only full
+    #       blocks are hashed, and the list only grows until free(r) drops it
+    #   K3  _num_cached_blocks[r] <= len(_tables[r]): table blocks [0, n) were offered to the prefix
+    #       cache; unless reset_prefix_cache ran since, each such block's hash names a block (this one,
+    #       or another that holds the same K/V)
+    #   K4  prefix caching disabled: no hash is ever computed or registered
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        assert block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._pool = BlockPool(num_blocks)
+        self._tables: dict[str, list[int]] = {}
+        self._block_hashes: dict[str, list[BlockHash]] = {}
+        self._num_cached_blocks: dict[str, int] = {}
+        self.num_prefix_queries_tokens = 0
+        self.num_prefix_hits_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref_count 0, cached-free ones included (they are reusable)."""
+        return self._pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by at least one request."""
+        return self._pool.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return list(self._tables.get(req_id, ()))
+
+    def get_computed_blocks(self, req: KVRequest) -> tuple[list[int], int]:
+        """Called when a waiting request (new or resumed after preemption) is about to be scheduled:
+        the longest run of the request's full blocks, from block 0, whose hashes are cached, and the
+        number of tokens they hold. At least one token is left to compute (its logits are needed).
+        Takes no references: call ``allocate_slots`` with these ids before any other allocation."""
+        assert req.req_id not in self._tables, f"{req.req_id} already holds blocks"
+        if not self.enable_prefix_caching:
+            return [], 0
+        max_hit_blocks = max(0, req.num_tokens - 1) // self.block_size
+        hashes = self._hashes(req, max_hit_blocks)
+        block_ids = []
+        for block_hash in hashes[:max_hit_blocks]:
+            block_id = self._pool.lookup(block_hash)
+            if block_id is None:
+                break
+            block_ids.append(block_id)
+        return block_ids, len(block_ids) * self.block_size
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Called once per admission with the prompt length and the tokens ``get_computed_blocks`` hit."""
+        self.num_prefix_queries_tokens += num_query_tokens
+        self.num_prefix_hits_tokens += num_hit_tokens
+
+    def can_allocate(
+        self, req: KVRequest, num_new_tokens: int, computed_block_ids: Sequence[int] = ()
+    ) -> bool:
+        """True iff ``allocate_slots`` with the same arguments would succeed now."""
+        num_new_blocks, num_revived = self._plan(req, num_new_tokens, computed_block_ids)
+        return num_new_blocks + num_revived <= self._pool.num_free_blocks
+
+    def allocate_slots(
+        self, req: KVRequest, num_new_tokens: int, computed_block_ids: Sequence[int] = ()
+    ) -> list[int] | None:
+        """Grow the request's table to cover ``req.num_computed_tokens + num_new_tokens`` tokens.
+
+        On the request's first call ``computed_block_ids`` (from ``get_computed_blocks``, which
+        ``req.num_computed_tokens`` already counts) start the table, one reference each. New blocks
+        come from the free queue, least recently freed first. Returns the ids appended to the table
+        (the computed ones included), or None, changing nothing, when the free blocks do not suffice.
+        Then registers every block that is full once these tokens are computed in the prefix cache."""
+        num_new_blocks, num_revived = self._plan(req, num_new_tokens, computed_block_ids)
+        if num_new_blocks + num_revived > self._pool.num_free_blocks:
+            return None
+        req_id = req.req_id
+        table = self._tables.get(req_id)
+        appended = list(computed_block_ids)
+        if table is None:
+            if appended:  # still the blocks get_computed_blocks found: no allocation ran in between
+                hashes = self._hashes(req, len(appended))
+                assert all(self._pool.hash_of(b) == h for b, h in zip(appended, hashes, strict=False)), (
+                    "computed blocks were evicted since get_computed_blocks"
+                )
+            self._pool.acquire(appended)
+            table = self._tables[req_id] = []
+            self._num_cached_blocks[req_id] = len(appended)  # they carry their hashes already
+        appended += self._pool.take(num_new_blocks)
+        table += appended
+        if self.enable_prefix_caching:
+            num_tokens = min(req.num_computed_tokens + num_new_tokens, req.num_tokens)
+            self._cache_full_blocks(req, table, num_tokens // self.block_size)
+        return appended
+
+    def free(self, req_id: str) -> None:
+        """The request finished, was aborted or preempted: each of its blocks loses a reference.
+        Blocks reaching ref_count 0 join the free queue tail-first, so a request's last blocks are
+        evicted before its prefix (more likely shared); they keep their hashes until evicted. Also
+        drops the request's block hashes (a resumed request recomputes them). Idempotent; call it for
+        every request ``get_computed_blocks`` saw, even one that never got blocks."""
+        table = self._tables.pop(req_id, [])
+        self._block_hashes.pop(req_id, None)
+        self._num_cached_blocks.pop(req_id, None)
+        self._pool.release(reversed(table))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every block hash, those of blocks in use included (their K/V stays where it is for
+        the requests holding it, but no later request shares it, and blocks already offered to the
+        cache are not offered again). Always succeeds, so always True."""
+        self._pool.reset()
+        return True
+
+    # ------------------------------------------------------------------ internals
+
+    def _plan(
+        self, req: KVRequest, num_new_tokens: int, computed_block_ids: Sequence[int]
+    ) -> tuple[int, int]:
+        """(blocks to take from the free queue for new content, computed blocks that are cached-free
+        and leave the free queue when acquired)."""
+        table = self._tables.get(req.req_id)
+        if table is None:
+            assert req.num_computed_tokens == len(computed_block_ids) * self.block_size, (
+                "on the first allocation num_computed_tokens counts exactly the computed blocks"
+            )
+            num_held = len(computed_block_ids)
+            num_revived = self._pool.num_free_among(computed_block_ids)
+        else:
+            assert not computed_block_ids, "computed blocks are only passed on the first allocation"
+            num_held = len(table)
+            num_revived = 0
+        num_tokens = req.num_computed_tokens + num_new_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        return max(0, num_blocks - num_held), num_revived
+
+    def _hashes(self, req: KVRequest, num_blocks: int) -> list[BlockHash]:
+        """The request's block hashes, extended to at least ``num_blocks`` full blocks (K2)."""
+        hashes = self._block_hashes.setdefault(req.req_id, [])
+        if len(hashes) >= num_blocks:
+            return hashes
+        token_ids = req.all_token_ids
+        size = self.block_size
+        assert num_blocks * size <= len(token_ids), "hashing a block that is not full"
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_blocks):
+            start, end = i * size, (i + 1) * size
+            parent = hash_block(parent, token_ids[start:end], block_extra_keys(req.mm_features, start, end))
+            hashes.append(parent)
+        return hashes
+
+    def _cache_full_blocks(self, req: KVRequest, table: list[int], num_full_blocks: int) -> None:
+        num_cached = self._num_cached_blocks[req.req_id]
+        if num_full_blocks <= num_cached:
+            return
+        hashes = self._hashes(req, num_full_blocks)
+        for i in range(num_cached, num_full_blocks):
+            self._pool.cache(table[i], hashes[i])
+        self._num_cached_blocks[req.req_id] = num_full_blocks

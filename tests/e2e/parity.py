@@ -1,0 +1,37 @@
+"""Comparing served greedy output with transformers' ``generate`` (the correctness oracle)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from tests.e2e.conftest import Oracle, greedy_body, user_message
+from tests.e2e.server import Server
+
+NUM_TOKENS = 32
+NEAR_TIE = 1e-3  # a divergence is accepted only where the oracle's top-2 logprobs are this close
+
+
+def greedy_request(server: Server, text: str, images: list[Any], n: int = NUM_TOKENS) -> dict[str, Any]:
+    body = greedy_body([user_message(text, *images)], n, logprobs=True, top_logprobs=2)
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def assert_matches_oracle(response: dict[str, Any], oracle: Oracle, text: str, images: list[Any]) -> None:
+    hf_ids, hf_logprobs = oracle.greedy(text, images, NUM_TOKENS)
+    tokenizer = oracle.processor.tokenizer
+    served = [entry["token"] for entry in response["choices"][0]["logprobs"]["content"]]
+    assert len(served) == NUM_TOKENS == response["usage"]["completion_tokens"]
+    for pos, (token_id, served_token) in enumerate(zip(hf_ids, served, strict=True)):
+        if tokenizer.decode([token_id]) != served_token:
+            top2 = hf_logprobs[pos].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < NEAR_TIE, (
+                f"diverged at token {pos} where the oracle's top-2 logprob gap is {gap:.6f}"
+            )
+            print(f"near-tie at token {pos}: logprob gap {gap:.2e}")
+            return
+    assert response["choices"][0]["message"]["content"] == tokenizer.decode(hf_ids, skip_special_tokens=True)

@@ -1,0 +1,103 @@
+"""The worker's half of the paged KV cache: one pool of fixed-size blocks, allocated once at start.
+
+The engine's block bookkeeping decides which blocks a request owns and sends them as block tables;
+the pool only stores K/V where a table points. Position ``p`` of a request lives in slot::
+
+    slot(p) = table[p // block_size] * block_size + p % block_size
+
+    table [7, 2, 9], block_size 4:  positions 0..3 -> slots 28..31, 4..7 -> 8..11, 8..11 -> 36..39
+
+Invariants:
+- the pool's size is fixed after start (its memory is never grown or returned while serving);
+- the worker writes only the slots of positions it computes in the current step; slots of positions
+  below a request's ``num_computed_tokens`` are read as they are (prefix-cache hits may have been
+  written by another request);
+- block ids come from the engine and are checked against ``num_blocks``, never chosen here.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_CACHE_TOKENS = 65536
+
+
+class KVPool:
+    """K/V of every layer: ``kv[layer, 0 | 1, slot]`` is one position's [num_kv_heads, head_dim] K or V."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"a KV pool needs at least one block of one token, got {num_blocks}x{block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.kv = torch.empty(
+            (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+
+    @property
+    def num_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def slot_ids(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """Slots of positions [0, num_tokens) under ``block_ids`` (a CPU int64 tensor). The caller has
+        checked that the table covers ``num_tokens`` positions with valid ids."""
+        table = torch.tensor(block_ids, dtype=torch.long)
+        offsets = torch.arange(self.block_size, dtype=torch.long)
+        return (table.unsqueeze(1) * self.block_size + offsets).flatten()[:num_tokens]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` ([len(slots), num_kv_heads, head_dim]) of ``layer`` at ``slots``."""
+        self.kv[layer, 0].index_copy_(0, slots, k)
+        self.kv[layer, 1].index_copy_(0, slots, v)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` at ``slots``, in order: two [len(slots), num_kv_heads, head_dim] tensors."""
+        return self.kv[layer, 0].index_select(0, slots), self.kv[layer, 1].index_select(0, slots)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return num_layers * 2 * num_kv_heads * head_dim * dtype.itemsize
+
+
+def plan_num_kv_blocks(
+    *,
+    block_size: int,
+    bytes_per_token: int,
+    device: torch.device,
+    kv_cache_tokens: int | None,
+    gpu_memory_utilization: float,
+) -> int:
+    """How many blocks the pool gets. Called once, after the model is loaded (its weights count as used).
+
+    ``kv_cache_tokens`` wins when set. Otherwise on CUDA the pool takes what is left of
+    ``gpu_memory_utilization`` x the device's memory after everything already in use on it (weights,
+    the CUDA context, other processes: ``mem_get_info`` sees them all, ``memory_allocated`` would not);
+    the rest stays free for activations. On CPU the default is ``CPU_DEFAULT_KV_CACHE_TOKENS``.
+    """
+    if kv_cache_tokens is None and device.type == "cuda":
+        free_bytes, total_bytes = torch.cuda.mem_get_info(device)
+        budget_bytes = int(total_bytes * gpu_memory_utilization) - (total_bytes - free_bytes)
+        num_blocks = budget_bytes // (bytes_per_token * block_size)
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache: {total_bytes - free_bytes} of {total_bytes} bytes are "
+                f"in use, gpu_memory_utilization={gpu_memory_utilization}"
+            )
+        return num_blocks
+    num_tokens = CPU_DEFAULT_KV_CACHE_TOKENS if kv_cache_tokens is None else kv_cache_tokens
+    return max(1, num_tokens // block_size)
