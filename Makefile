@@ -5,7 +5,7 @@ MODEL ?= models/tiny-llava
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: setup serve test test-fast lint bench model
+.PHONY: setup serve test test-fast lint bench bench-throughput model
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -39,3 +39,7 @@ lint: setup
 
 bench: setup model
 	$(PY) bench/bench_api_cache.py --model $(MODEL)
+
+# ~5 min: HEAD vs the pre-paged-KV revision (throughput by concurrency), worker RSS over 2,000 requests
+bench-throughput: setup model
+	$(PY) bench/bench_throughput.py --model $(MODEL)

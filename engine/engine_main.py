@@ -6,6 +6,7 @@ API (DEALER, connect) ──[AddRequest|Abort|ResetCaches|Hello|Shutdown, frames
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import time
@@ -81,17 +82,14 @@ class EngineServer:
             ready = self.worker.poll_ready(timeout_s=0.1)
         if ready is None:
             return
-        c = self.config
+        # the scheduler's knobs come from the engine's settings, the pool's size from the worker
+        shared = {f.name for f in dataclasses.fields(SchedulerConfig)} & {
+            f.name for f in dataclasses.fields(EngineConfig)
+        }
         scheduler_config = SchedulerConfig(
-            max_num_seqs=c.max_num_seqs,
-            max_num_batched_tokens=c.max_num_batched_tokens,
-            max_model_len=c.max_model_len,
-            encoder_cache_tokens=c.encoder_cache_tokens,
-            encoder_compute_budget_tokens=c.encoder_compute_budget_tokens,
+            **{name: getattr(self.config, name) for name in shared},
             num_kv_blocks=ready.num_kv_blocks,
             block_size=ready.block_size,
-            enable_prefix_caching=c.enable_prefix_caching,
-            disable_chunked_mm_input=c.disable_chunked_mm_input,
         )
         self._core = EngineCore(scheduler_config, self.worker)
         log.info("KV pool: %d blocks of %d tokens", ready.num_kv_blocks, ready.block_size)

@@ -45,7 +45,9 @@ class KVPool:
             )
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.kv = torch.empty(
+        # zeros, not empty: every page is committed now, at start, so the worker's memory is what it
+        # will be under full load and does not creep up as requests first touch their blocks
+        self.kv = torch.zeros(
             (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
 

@@ -138,3 +138,8 @@ def parse_metrics(text: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
     return values
+
+
+def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    """How much a metric sample grew between two ``Server.metrics()`` readings."""
+    return after.get(name, 0.0) - before.get(name, 0.0)

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import greedy_body, make_image, user_message
-from tests.e2e.server import Server, start_serve
+from tests.e2e.server import Server, delta, start_serve
 
 pytestmark = pytest.mark.slow
 
@@ -19,10 +19,6 @@ def chat(server: Server, messages: list[dict], max_tokens: int = 12) -> str:
     resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return str(resp.json()["choices"][0]["message"]["content"])
-
-
-def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
-    return after.get(name, 0.0) - before.get(name, 0.0)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.parity import NUM_TOKENS, assert_matches_oracle, greedy_request
-from tests.e2e.server import REPO, Server, start_serve
+from tests.e2e.server import REPO, Server, delta, start_serve
 
 pytestmark = pytest.mark.slow
 
@@ -66,10 +66,6 @@ def tiny_pool_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
         yield srv
     finally:
         srv.process.interrupt()
-
-
-def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
-    return after.get(name, 0.0) - before.get(name, 0.0)
 
 
 def cached_tokens(response: dict[str, Any]) -> int:
