@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 GIB = 1 << 30
@@ -91,12 +91,6 @@ class Settings(BaseSettings):
         if not addr.startswith(("ipc://", "tcp://", "inproc://")):
             raise ValueError(f"ZeroMQ address must start with ipc://, tcp:// or inproc://: {addr!r}")
         return addr
-
-    @model_validator(mode="after")
-    def _check_budgets(self) -> Settings:
-        if self.max_model_len is not None and self.max_model_len < 16:
-            raise ValueError("max_model_len must be at least 16")
-        return self
 
     @property
     def model_name(self) -> str:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import shutil
 import statistics
 import tempfile
@@ -23,9 +21,8 @@ import time
 from types import SimpleNamespace
 
 import httpx
-import numpy as np
-import PIL.Image
 import zmq
+from images import jpeg_data_url  # bench/ is on sys.path: scripts run as bench/<name>.py
 
 from app.engine_client import EngineClient
 from app.input_processor import InputProcessor
@@ -34,15 +31,6 @@ from app.mm_processing import MMProcessor
 from app.processor_cache import ProcessorCache
 from app.settings import Settings
 from engine.protocol import SamplingParams
-
-
-def jpeg_data_url(size: int, seed: int) -> str:
-    rng = np.random.default_rng(seed)
-    low = rng.integers(0, 256, size=(16, 16, 3), dtype=np.uint8)
-    image = PIL.Image.fromarray(low).resize((size, size), PIL.Image.Resampling.BICUBIC)
-    buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=90)
-    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 class ByteSink:

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import json
 import os
 import re
@@ -33,22 +31,12 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
-import numpy as np
-import PIL.Image
+from images import jpeg_data_url  # bench/ is on sys.path: scripts run as bench/<name>.py
 
 REPO = Path(__file__).resolve().parents[1]
 COMMON_FLAGS = ["--max-model-len", "4096"]
 HEAD_KV_FLAGS = ["--kv-cache-tokens", "65536", "--block-size", "16"]  # the CPU defaults, stated
 SAMPLING = {"temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-
-
-def jpeg_data_url(size: int, seed: int) -> str:
-    rng = np.random.default_rng(seed)
-    low = rng.integers(0, 256, size=(16, 16, 3), dtype=np.uint8)
-    image = PIL.Image.fromarray(low).resize((size, size), PIL.Image.Resampling.BICUBIC)
-    buf = io.BytesIO()
-    image.save(buf, format="JPEG", quality=90)
-    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def free_port() -> int:

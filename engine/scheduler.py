@@ -235,7 +235,6 @@ class Scheduler:
         request.encoder_hashes_in_use.clear()
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         self._preempted_req_ids.append(request.req_id)

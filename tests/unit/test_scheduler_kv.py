@@ -8,7 +8,7 @@ import random
 from engine.protocol import FinishReason, RunnerOutput
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler, StepPlan, StepResult
-from tests.unit.test_scheduler import DEFAULT_TOKEN, config, encoded, make_request
+from tests.unit.scheduler_support import DEFAULT_TOKEN, config, encoded, make_request
 
 BLOCK = 16
 

@@ -1,0 +1,73 @@
+"""Shared by the worker tests: the generate oracle's constants, greedy sampling params, block tables
+for hand-made steps, and the parity assertion."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from transformers import LlavaForConditionalGeneration
+
+from engine.protocol import (
+    MMFeature,
+    SamplingParams,
+)
+from tests.integration.fake_engine import FakeEngine, Prompt
+from workers.model_runner import ModelRunner
+
+NUM_NEW_TOKENS = 32
+NEAR_TIE_LOGPROB_GAP = 1e-4
+LOGPROB_ATOL = 2e-5  # observed: <= 2e-6 on CPU fp32
+KV_CACHE_TOKENS = 8192  # room for the largest batch below (3 x "two": ~3,700 tokens) and then some
+
+
+def placements(input_ids: list[int], image_token_id: int, mm_hashes: list[str]) -> list[MMFeature]:
+    """One MMFeature per run of image placeholder tokens."""
+    runs, offset = [], 0
+    for is_image, group in itertools.groupby(input_ids, key=lambda t: t == image_token_id):
+        num_tokens = len(list(group))
+        if is_image:
+            runs.append((offset, num_tokens))
+        offset += num_tokens
+    return [MMFeature(h, offset, n) for h, (offset, n) in zip(mm_hashes, runs, strict=True)]
+
+
+def greedy(hf_model: LlavaForConditionalGeneration, **kwargs) -> SamplingParams:
+    """Like generate(do_sample=False, min_new_tokens=32): argmax with eos masked for 32 tokens; asks for
+    logprobs so that parity checks cover the logits, not only their argmax."""
+    eos = hf_model.generation_config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,)
+    params = {
+        "max_tokens": NUM_NEW_TOKENS,
+        "temperature": 0.0,
+        "min_tokens": NUM_NEW_TOKENS,
+        "num_top_logprobs": 5,
+    }
+    return SamplingParams(**(params | {"eos_token_ids": eos_ids} | kwargs))
+
+
+def blocks(prompt: Prompt, runner: ModelRunner, num_extra_tokens: int = 8) -> list[int]:
+    """A contiguous block table with room for the prompt and a few outputs (hand-made steps)."""
+    return list(range(-(-(len(prompt.input_ids) + num_extra_tokens) // runner.block_size)))
+
+
+def assert_matches_generate(engine: FakeEngine, req_id: str, prompt: Prompt) -> None:
+    """Token-for-token equality with transformers, except a divergence at a true near-tie; up to there,
+    returned logprobs (sampled and top) equal log_softmax of generate's logits."""
+    tokens, ref = engine.outputs[req_id], prompt.reference
+    assert len(tokens) == len(ref)
+    num_equal = next((i for i, (a, b) in enumerate(zip(tokens, ref, strict=True)) if a != b), len(ref))
+    for i, lp in enumerate(engine.logprobs[req_id][:num_equal]):
+        if lp is None:
+            continue
+        expected = prompt.reference_logprobs[i]
+        assert lp.sampled.logprob == pytest.approx(float(expected[tokens[i]]), abs=LOGPROB_ATOL), f"token {i}"
+        for top in lp.top:
+            assert top.logprob == pytest.approx(float(expected[top.token_id]), abs=LOGPROB_ATOL), f"token {i}"
+    if num_equal < len(ref):
+        i = num_equal  # generate's logits at step i saw the same prefix as ours
+        gap = float(prompt.reference_logprobs[i, ref[i]] - prompt.reference_logprobs[i, tokens[i]])
+        assert gap < NEAR_TIE_LOGPROB_GAP, (
+            f"diverged at token {i}: {tokens[i]} vs {ref[i]}, logprob gap {gap:.3g}"
+        )
+        print(f"near-tie at token {i}: logprob gap {gap:.3g}")

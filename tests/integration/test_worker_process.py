@@ -1,0 +1,128 @@
+"""The worker as a process: tensors as zero-copy frames, the DEALER protocol over a real ZeroMQ socket,
+and a clean exit on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from engine.protocol import (
+    EncoderInput,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+    WorkerError,
+    WorkerReady,
+    WorkerShutdown,
+    decode_worker_outbound,
+    encode,
+)
+from tests.integration.runner_support import (
+    greedy,
+)
+from workers.config import WorkerConfig
+from workers.frames import tensor_from_frame, tensor_to_frame
+from workers.worker_main import run_worker
+
+pytestmark = pytest.mark.slow
+
+
+# ---------------------------------------------------------------- frames and socket
+
+
+def test_frames_roundtrip_without_copy():
+    for tensor in (
+        torch.randn(2, 3, 4),
+        torch.arange(6, dtype=torch.int64),
+        torch.ones(3, dtype=torch.bfloat16),
+    ):
+        ref, buf = tensor_to_frame(tensor, frame=1)
+        back = tensor_from_frame(ref, [b"", bytes(buf)])
+        assert back.dtype == tensor.dtype and torch.equal(back, tensor)
+    source = bytearray(np.arange(4, dtype=np.float32).tobytes())
+    ref, _ = tensor_to_frame(torch.zeros(2, 2), frame=1)
+    view = tensor_from_frame(ref, [b"", source])
+    source[0:4] = np.float32(7.0).tobytes()  # same memory: no copy was made
+    assert view[0, 0].item() == 7.0
+
+
+@pytest.fixture
+def router(tmp_path):
+    """The engine's side: a ROUTER bound on an ipc path; yields (socket, address)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.RCVTIMEO, 60_000)  # a dead worker fails the test instead of hanging it
+    addr = f"ipc://{tmp_path}/worker.sock"
+    sock.bind(addr)
+    yield sock, addr
+    sock.close(linger=0)
+    ctx.term()
+
+
+def test_worker_over_zmq(router, tiny_model_dir, hf_model, prompts):
+    router, addr = router
+    config = WorkerConfig(str(tiny_model_dir), addr, device="cpu", block_size=32, kv_cache_tokens=1000)
+    thread = threading.Thread(target=run_worker, args=(config,), daemon=True)
+    thread.start()
+    assert router.poll(60_000), "no WorkerReady"
+    identity, payload = router.recv_multipart()
+    try:
+        ready = WorkerReady(device="cpu", dtype="float32", num_kv_blocks=1000 // 32, block_size=32)
+        assert decode_worker_outbound(payload) == ready
+
+        prompt = prompts["one"]
+        ref, buf = tensor_to_frame(prompt.pixel_values[0], frame=1)
+        block_ids = list(range(ready.num_kv_blocks))[::-1][: -(-(len(prompt.input_ids) + 2) // 32)]
+        new = NewRequestData("r", prompt.input_ids, prompt.features, greedy(hf_model), block_ids)
+        sched = SchedulerOutput(
+            0,
+            [new],
+            {"r": len(prompt.input_ids)},
+            [EncoderInput(prompt.features[0].mm_hash, "image", {"pixel_values": ref})],
+            [],
+            [],
+        )
+        router.send_multipart([identity, encode(sched), buf])
+        out = decode_worker_outbound(router.recv_multipart()[1])
+        assert isinstance(out, RunnerOutput) and out.num_encoded_items == 1
+        assert out.sampled_token_ids == prompt.reference[:1]
+
+        router.send_multipart([identity, encode(SchedulerOutput(1, [], {"nope": 1}, [], [], []))])
+        err = decode_worker_outbound(router.recv_multipart()[1])
+        assert isinstance(err, WorkerError) and err.step_id == 1 and "nope" in err.message
+
+        router.send_multipart([identity, encode(SchedulerOutput(2, [], {"r": 1}, [], [], []))])
+        out = decode_worker_outbound(router.recv_multipart()[1])  # still serving after the error
+        assert isinstance(out, RunnerOutput) and out.sampled_token_ids == prompt.reference[1:2]
+    finally:
+        router.send_multipart([identity, encode(WorkerShutdown())])
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def test_worker_process_stops_on_sigterm(router, tiny_model_dir):
+    router, addr = router
+    code = (
+        "from workers.config import WorkerConfig; from workers.worker_main import run_worker; "
+        f"run_worker(WorkerConfig({str(tiny_model_dir)!r}, {addr!r}, device='cpu'))"
+    )
+    repo_root = Path(__file__).resolve().parents[2]
+    env = os.environ | {"PYTHONPATH": str(repo_root)}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=repo_root, env=env)
+    try:
+        assert router.poll(120_000), "no WorkerReady"
+        assert isinstance(decode_worker_outbound(router.recv_multipart()[1]), WorkerReady)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
