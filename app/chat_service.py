@@ -55,7 +55,7 @@ class ChatService:
         self.inputs = inputs
         self.engine = engine
         self.metrics = metrics
-        self.tokenizer = inputs.mm_processor.tokenizer
+        self.tokenizer = inputs.family.tokenizer
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
         if body.model != self.model_name:
@@ -112,7 +112,7 @@ class ChatService:
             seed=body.seed,
             min_tokens=body.min_tokens or 0,
             ignore_eos=bool(body.ignore_eos),
-            eos_token_ids=tuple(self.inputs.mm_processor.eos_token_ids),
+            eos_token_ids=tuple(self.inputs.family.eos_token_ids),
             num_top_logprobs=body.num_top_logprobs(),
         )
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from app.encoder_budgets import derive_encoder_budgets
 from app.settings import Settings
 from engine.config import EngineConfig
 from workers.config import WorkerConfig
@@ -25,6 +26,8 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         default = "model's own limit" if name == "max_model_len" else field.default
+        if name == "limit_mm_per_prompt":
+            default = ",".join(f"{k}={v}" for k, v in field.default.items())
         help_text = f"{field.description} (default: {default}; env MMSERVE_{name.upper()})"
         if field.annotation is bool:
             action = argparse.BooleanOptionalAction
@@ -57,14 +60,18 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def engine_config(settings: Settings) -> EngineConfig:
+    cache_tokens, compute_tokens = settings.encoder_cache_tokens, settings.encoder_compute_budget_tokens
+    if cache_tokens is None or compute_tokens is None:  # derived from the model's largest item
+        budgets = derive_encoder_budgets(settings)
+        cache_tokens, compute_tokens = budgets.encoder_cache_tokens, budgets.encoder_compute_budget_tokens
     return EngineConfig(
         engine_addr=settings.engine_addr,
         worker_addr=settings.worker_addr,
         max_model_len=settings.resolved_max_model_len(),
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
-        encoder_cache_tokens=settings.encoder_cache_tokens,
-        encoder_compute_budget_tokens=settings.encoder_budget_tokens,
+        encoder_cache_tokens=cache_tokens,
+        encoder_compute_budget_tokens=compute_tokens,
         enable_prefix_caching=settings.enable_prefix_caching,
         disable_chunked_mm_input=settings.disable_chunked_mm_input,
         log_level=settings.log_level,

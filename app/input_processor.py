@@ -1,9 +1,19 @@
-"""From an OpenAI chat request to an ``AddRequest`` on the wire: fetch and hash images, skip the HF
-processor on cache hits, and let the IPC mirror decide which items cross as tensors.
+"""From an OpenAI chat request to an ``AddRequest`` on the wire, as one straight sequence of stages; the
+model's family (``workers.families``) supplies every model-specific step::
 
-    prepare()  fetch + decode + hash every image (concurrently), render the chat template
-    resolve()  per image: processor cache → mirror lookup (pins on hit) → HF processor only if both miss
-    submit()   ONE synchronous step: mirror.record_request → AddRequest + frames → socket → unpin
+    prepare()    1 parse            messages -> chat-template messages + image URLs; per-prompt limit,
+                                    mm_processor_kwargs validated (before anything is fetched)
+                 2 fetch and hash   every image's bytes, concurrently; mm_hash over bytes + options
+                 3 render           the family's chat template
+    resolve()    4 cache lookups    per image: processor cache, then the IPC mirror (pins a hit)
+                 5 process misses   decode + the family's HF processor, concurrently, off the loop
+                 6 tokenize         expand each image to its placeholders -> ids + offsets
+    submit()     7 submit           ONE synchronous step: mirror.record_request -> AddRequest +
+                                    frames -> socket -> unpin (docs/architecture.md, "IPC mirror")
+
+A processor-cache hit and an IPC hit both know the item's placeholder count and grid without running the
+processor. ``resolve`` and ``submit`` may run again for the same request (the mirror changed in between,
+or the engine's safety net asked for payloads).
 """
 
 from __future__ import annotations
@@ -16,14 +26,15 @@ from typing import Any
 import httpx
 
 from app.engine_client import EngineClient, EngineGone
+from app.errors import InvalidRequestError
 from app.hashing import mm_hash
-from app.ipc_mirror import MirrorDecision
+from app.ipc_mirror import MirrorDecision, MirrorItem
 from app.media import decode_image, load_image_bytes
 from app.metrics import ApiMetrics
-from app.mm_processing import MMProcessor, ProcessedItem
 from app.processor_cache import ProcessorCache
 from app.settings import Settings
 from engine.protocol import AddRequest, MMFeature, RequestOutput, SamplingParams, TensorRef
+from workers.families.processing import FamilyProcessor, ProcessedItem
 
 
 @dataclass
@@ -33,6 +44,7 @@ class ImageInput:
     param: str  # where the image sits in the request, for error messages
     item: ProcessedItem | None = None  # processed tensors, when this API process has them
     num_tokens: int | None = None
+    grid_thw: tuple[int, ...] = ()
     pinned: bool = False  # found in the mirror and pinned until the request is sent
 
 
@@ -40,7 +52,7 @@ class ImageInput:
 class PreparedRequest:
     prompt: str
     images: list[ImageInput]
-    mm_processor_kwargs: dict[str, Any]
+    options: dict[str, Any]  # validated mm_processor_kwargs (part of every mm_hash)
     prompt_token_ids: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)
 
@@ -81,27 +93,40 @@ class InputProcessor:
     def __init__(
         self,
         settings: Settings,
-        mm_processor: MMProcessor,
+        family: FamilyProcessor,
         processor_cache: ProcessorCache,
         engine: EngineClient,
         metrics: ApiMetrics,
         http: httpx.AsyncClient,
     ) -> None:
         self.settings = settings
-        self.mm_processor = mm_processor
+        self.family = family
         self.processor_cache = processor_cache
         self.engine = engine
         self.metrics = metrics
         self.http = http
 
+    # -- stages 1-3 -------------------------------------------------------------------------------
+
     async def prepare(self, messages: list[Any], mm_processor_kwargs: dict[str, Any]) -> PreparedRequest:
         rendered, urls = normalise_messages(messages)
-        options = self.mm_processor.hash_options(mm_processor_kwargs)
-        images = await asyncio.gather(*(self._load(url, param, options) for url, param in urls))
-        prompt = self.mm_processor.render_prompt(rendered)
-        return PreparedRequest(prompt, list(images), mm_processor_kwargs)
+        self._check_limit(len(urls))
+        options = self.family.hash_options(mm_processor_kwargs)
+        images = await asyncio.gather(*(self._fetch_and_hash(url, param, options) for url, param in urls))
+        prompt = self.family.render_prompt(rendered)
+        return PreparedRequest(prompt, list(images), options)
 
-    async def _load(self, url: str, param: str, options: dict[str, Any]) -> ImageInput:
+    def _check_limit(self, num_images: int) -> None:
+        limit = self.settings.limit_mm_per_prompt.get("image", 0)
+        if num_images > limit:
+            raise InvalidRequestError(
+                f"At most {limit} images are allowed per prompt (--limit-mm-per-prompt image={limit}); "
+                f"this request has {num_images}.",
+                param="messages",
+                code="mm_limit_exceeded",
+            )
+
+    async def _fetch_and_hash(self, url: str, param: str, options: dict[str, Any]) -> ImageInput:
         start = time.perf_counter()
         s = self.settings
         data = await load_image_bytes(
@@ -109,51 +134,59 @@ class InputProcessor:
         )
         self.metrics.fetch_seconds.observe(time.perf_counter() - start)
         self.metrics.mm_items.inc()
-        digest = mm_hash(model_id=self.mm_processor.model_id, modality="image", data=data, options=options)
+        digest = mm_hash(model_id=self.family.model_id, modality="image", data=data, options=options)
         return ImageInput(mm_hash=digest, data=data, param=param)
 
+    # -- stages 4-6 -------------------------------------------------------------------------------
+
     async def resolve(self, prepared: PreparedRequest) -> None:
-        """Makes every image's size known and its tensors available unless the engine holds it."""
-        for image in prepared.images:
-            if image.item is None:
-                self.metrics.processor_cache_queries.inc()
-                image.item = self.processor_cache.get(image.mm_hash)
-                if image.item is not None:
-                    self.metrics.processor_cache_hits.inc()
-            if not image.pinned:
-                self.metrics.ipc_cache_queries.inc()
-                entry = self.engine.mirror.lookup_and_pin(image.mm_hash)
-                if entry is not None:
-                    self.metrics.ipc_cache_hits.inc()
-                    image.pinned, image.num_tokens = True, entry.num_tokens
-            if image.item is None and not image.pinned:
-                image.item = await self._process(image, prepared.mm_processor_kwargs)
-            if image.item is not None:
-                image.num_tokens = image.item.num_tokens
-        num_tokens = [image.num_tokens for image in prepared.images]
-        assert all(n is not None for n in num_tokens)
-        prepared.prompt_token_ids, prepared.offsets = self.mm_processor.tokenize(
-            prepared.prompt, [n for n in num_tokens if n is not None]
+        """Makes every image's placement known and its tensors available unless the engine holds it."""
+        misses = [image for image in prepared.images if not self._lookup(image)]
+        processed = await asyncio.gather(*(self._process(image, prepared.options) for image in misses))
+        for image, item in zip(misses, processed, strict=True):
+            image.item = item
+            image.num_tokens, image.grid_thw = item.num_tokens, item.grid_thw
+        prepared.prompt_token_ids, prepared.offsets = self.family.tokenize(
+            prepared.prompt, [image.num_tokens or 0 for image in prepared.images]
         )
 
-    async def _process(self, image: ImageInput, kwargs: dict[str, Any]) -> ProcessedItem:
-        """Decodes and processes one image. Only cache misses get here: a hit needs no pixels at all
-        (the hash is over the encoded bytes, and bytes that hit once decoded fine)."""
+    def _lookup(self, image: ImageInput) -> bool:
+        """Processor cache, then the mirror (a hit is pinned). False when the processor must run."""
+        if image.item is None:
+            self.metrics.processor_cache_queries.inc()
+            image.item = self.processor_cache.get(image.mm_hash)
+            if image.item is not None:
+                self.metrics.processor_cache_hits.inc()
+        if not image.pinned:
+            self.metrics.ipc_cache_queries.inc()
+            entry = self.engine.mirror.lookup_and_pin(image.mm_hash)
+            if entry is not None:
+                self.metrics.ipc_cache_hits.inc()
+                image.pinned, image.num_tokens, image.grid_thw = True, entry.num_tokens, entry.grid_thw
+        if image.item is not None:
+            image.num_tokens, image.grid_thw = image.item.num_tokens, image.item.grid_thw
+        return image.item is not None or image.pinned
+
+    async def _process(self, image: ImageInput, options: dict[str, Any]) -> ProcessedItem:
+        """Decodes and processes one image in a thread. Only cache misses get here: a hit needs no pixels
+        at all (the hash is over the encoded bytes, and bytes that hit once decoded fine)."""
         start = time.perf_counter()
-        item = await asyncio.to_thread(self._decode_and_process, image, kwargs)
+        item = await asyncio.to_thread(self._decode_and_process, image, options)
         self.metrics.processor_seconds.observe(time.perf_counter() - start)
         self.processor_cache.put(image.mm_hash, item)
         return item
 
-    def _decode_and_process(self, image: ImageInput, kwargs: dict[str, Any]) -> ProcessedItem:
+    def _decode_and_process(self, image: ImageInput, options: dict[str, Any]) -> ProcessedItem:
         pixels = decode_image(image.data, param=image.param)
-        return self.mm_processor.process_image(pixels, kwargs)
+        return self.family.process_image(pixels, options, param=image.param)
 
     def release_pins(self, prepared: PreparedRequest) -> None:
         for image in prepared.images:
             if image.pinned:
                 self.engine.mirror.unpin(image.mm_hash)
                 image.pinned = False
+
+    # -- stage 7 ----------------------------------------------------------------------------------
 
     def submit(
         self, prepared: PreparedRequest, req_id: str, sampling: SamplingParams, arrival_time: float
@@ -167,7 +200,10 @@ class InputProcessor:
             self.release_pins(prepared)
             return None
         decisions, evicted = mirror.record_request(
-            [(i.mm_hash, i.item.num_bytes if i.item else 0, i.num_tokens or 0) for i in prepared.images]
+            [
+                MirrorItem(i.mm_hash, i.item.num_bytes if i.item else 0, i.num_tokens or 0, i.grid_thw)
+                for i in prepared.images
+            ]
         )
         features: list[MMFeature] = []
         frames: list[memoryview] = []
@@ -175,8 +211,9 @@ class InputProcessor:
         for image, offset, decision in zip(prepared.images, prepared.offsets, decisions, strict=True):
             assert image.num_tokens is not None
             payload_bytes += len(image.mm_hash)
+            placement = MMFeature(image.mm_hash, offset, image.num_tokens, grid_thw=image.grid_thw)
             if decision is MirrorDecision.HIT:
-                features.append(MMFeature(image.mm_hash, offset, image.num_tokens))
+                features.append(placement)
                 continue
             assert image.item is not None, "a mirror miss always has its tensors"
             refs, item_frames = tensor_frames(image.item, first_frame=1 + len(frames))
@@ -189,6 +226,7 @@ class InputProcessor:
                     image.num_tokens,
                     tensors=refs,
                     store=decision is MirrorDecision.STORE,
+                    grid_thw=image.grid_thw,
                 )
             )
         msg = AddRequest(

@@ -22,12 +22,25 @@ import enum
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
 class MirrorEntry:
     num_bytes: int
-    num_tokens: int  # placeholder tokens of the item: a key-only request still needs them
+    # What a key-only request still needs to place the item without its tensors: its placeholder
+    # count and the family's grid (Qwen's (t, h, w); empty for LLaVA).
+    num_tokens: int
+    grid_thw: tuple[int, ...] = ()
+
+
+class MirrorItem(NamedTuple):
+    """One item of a request, as ``record_request`` decides it."""
+
+    mm_hash: str
+    num_bytes: int
+    num_tokens: int
+    grid_thw: tuple[int, ...] = ()
 
 
 class MirrorDecision(enum.Enum):
@@ -94,8 +107,10 @@ class IpcMirror:
         else:
             self._pins[mm_hash] = count - 1
 
-    def record_request(self, items: Sequence[tuple[str, int, int]]) -> tuple[list[MirrorDecision], list[str]]:
-        """Phase 2: decide each ``(mm_hash, num_bytes, num_tokens)`` in prompt order.
+    def record_request(
+        self, items: Sequence[MirrorItem | tuple[str, int, int]]
+    ) -> tuple[list[MirrorDecision], list[str]]:
+        """Phase 2: decide each ``(mm_hash, num_bytes, num_tokens[, grid_thw])`` in prompt order.
 
         Must run in the same synchronous step that hands the message to the socket: the returned
         evicted keys go in the message as ``evicted_mm_hashes`` (the engine applies them before the
@@ -108,7 +123,7 @@ class IpcMirror:
         # for a later item would make the engine evict it first and then store/expect it, so a HIT
         # key would be missing and a STORE key held by the engine but not by the mirror.
         protected: set[str] = set()
-        for mm_hash, num_bytes, num_tokens in items:
+        for mm_hash, num_bytes, num_tokens, grid_thw in (MirrorItem(*item) for item in items):
             if mm_hash in self._entries:
                 self._entries.move_to_end(mm_hash)  # the engine's get() touches it the same way
                 protected.add(mm_hash)
@@ -121,7 +136,7 @@ class IpcMirror:
             for victim in victims:
                 self._num_bytes -= self._entries.pop(victim).num_bytes
                 evicted.append(victim)
-            self._entries[mm_hash] = MirrorEntry(num_bytes, num_tokens)
+            self._entries[mm_hash] = MirrorEntry(num_bytes, num_tokens, grid_thw)
             self._num_bytes += num_bytes
             protected.add(mm_hash)
             decisions.append(MirrorDecision.STORE)

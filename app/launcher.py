@@ -16,7 +16,9 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from app.encoder_budgets import budget_warnings, derive_encoder_budgets, startup_error
 from app.settings import Settings
+from workers.families import UnsupportedModelError
 
 log = logging.getLogger("mmserve")
 
@@ -25,7 +27,9 @@ def run_role(role: str, settings: Settings) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    needs_model = role != "engine" or settings.max_model_len is None  # the engine reads only config.json
+    # The engine reads only JSON from the folder: the model's length limit and its largest image.
+    derived = (settings.max_model_len, settings.encoder_cache_tokens, settings.encoder_compute_budget_tokens)
+    needs_model = role != "engine" or None in derived
     if needs_model and not Path(settings.model).is_dir():
         print(
             f"mmserve: error: model folder {settings.model!r} does not exist "
@@ -33,10 +37,19 @@ def run_role(role: str, settings: Settings) -> int:
             file=sys.stderr,
         )
         return 2
-    error = settings.startup_error()
-    if error is not None:
-        print(f"mmserve: error: {error}", file=sys.stderr)
-        return 2
+    if Path(settings.model).is_dir():
+        try:
+            budgets = derive_encoder_budgets(settings)
+        except UnsupportedModelError as exc:
+            print(f"mmserve: error: {exc}", file=sys.stderr)
+            return 2
+        error = startup_error(settings, budgets)
+        if error is not None:
+            print(f"mmserve: error: {error}", file=sys.stderr)
+            return 2
+        if role in ("serve", "engine"):
+            for warning in budget_warnings(settings, budgets):
+                log.warning("%s", warning)
     if role == "serve":
         return serve(settings)
     from app.cli import engine_config, worker_config

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from app.mm_processing import ProcessedItem
+    from workers.families.processing import ProcessedItem
 
 
 class ProcessorCache:

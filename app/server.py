@@ -15,11 +15,11 @@ from app.engine_client import EngineClient
 from app.error_handlers import install_error_handlers
 from app.input_processor import InputProcessor
 from app.metrics import ApiMetrics
-from app.mm_processing import MMProcessor
 from app.processor_cache import ProcessorCache
 from app.routes import chat, models, ops
 from app.settings import Settings
 from app.state import ApiState
+from workers.families import load_processing
 
 log = logging.getLogger("mmserve.api")
 
@@ -31,11 +31,11 @@ def create_app(settings: Settings, *, shutdown_engine_on_exit: bool = False) -> 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics = ApiMetrics()
         max_model_len = settings.resolved_max_model_len()
-        mm_processor = MMProcessor(settings.model)
+        family = load_processing(settings.model)
         engine = EngineClient(settings.engine_addr, settings.ipc_cache_bytes, metrics)
         http = httpx.AsyncClient(follow_redirects=True)
         inputs = InputProcessor(
-            settings, mm_processor, ProcessorCache(settings.processor_cache_bytes), engine, metrics, http
+            settings, family, ProcessorCache(settings.processor_cache_bytes), engine, metrics, http
         )
         chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics)
         app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, http)

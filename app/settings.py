@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 GIB = 1 << 30
+DEFAULT_ENCODER_CACHE_TOKENS = 8192
+DEFAULT_MM_PER_PROMPT = 999  # vLLM's default per modality
 
 
 class Settings(BaseSettings):
@@ -47,13 +50,22 @@ class Settings(BaseSettings):
         ge=0,
         description="IPC cache size in GiB (API key mirror = engine receiver cache); 0 disables it.",
     )
-    encoder_cache_tokens: int = Field(
-        8192, ge=0, description="Encoder cache space in embeddings (tokens), shared across requests."
+    encoder_cache_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="Encoder cache space in embeddings (tokens), shared across requests; 0 disables "
+        f"caching (default: the larger of {DEFAULT_ENCODER_CACHE_TOKENS} and the model's largest item).",
     )
     encoder_compute_budget_tokens: int | None = Field(
         None,
         ge=0,
-        description="Embeddings the encoder may produce in one step (default: max-num-batched-tokens).",
+        description="Embeddings the encoder may produce in one step (default: the larger of "
+        "max-num-batched-tokens and the model's largest item).",
+    )
+    limit_mm_per_prompt: dict[str, int] = Field(
+        {"image": DEFAULT_MM_PER_PROMPT},
+        description="Most items per prompt by modality, as image=N or a JSON object "
+        f"(default: image={DEFAULT_MM_PER_PROMPT}, as vLLM).",
     )
     device: str = Field(
         "auto", description="Worker device: auto (cuda if available, else cpu), cpu, cuda, cuda:N."
@@ -92,6 +104,33 @@ class Settings(BaseSettings):
             raise ValueError(f"ZeroMQ address must start with ipc://, tcp:// or inproc://: {addr!r}")
         return addr
 
+    @field_validator("limit_mm_per_prompt", mode="before")
+    @classmethod
+    def _parse_limits(cls, value: Any) -> Any:
+        """``image=4`` (also ``image=4,video=0``) or JSON ``{"image": 4}``, as vLLM accepts."""
+        if not isinstance(value, str):
+            return value
+        text = value.strip()
+        if text.startswith("{"):
+            return json.loads(text)
+        limits: dict[str, str] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            modality, sep, count = part.partition("=")
+            if not sep:
+                raise ValueError(f"expected modality=N, got {part!r}")
+            limits[modality.strip()] = count.strip()
+        return limits
+
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _check_limits(cls, limits: dict[str, int]) -> dict[str, int]:
+        unknown = sorted(set(limits) - {"image"})
+        if unknown:
+            raise ValueError(f"unsupported modalities {unknown}; mmserve serves images")
+        if any(count < 0 for count in limits.values()):
+            raise ValueError("limits must be >= 0")
+        return limits
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).resolve().name
@@ -103,36 +142,6 @@ class Settings(BaseSettings):
     @property
     def ipc_cache_bytes(self) -> int:
         return int(self.mm_ipc_cache_gb * GIB)
-
-    @property
-    def encoder_budget_tokens(self) -> int:
-        if self.encoder_compute_budget_tokens is None:
-            return self.max_num_batched_tokens
-        return self.encoder_compute_budget_tokens
-
-    def max_mm_tokens_per_item(self) -> int | None:
-        """Placeholder tokens of the largest image the checkpoint's vision tower produces (LLaVA: one
-        token per patch), or None when the folder has no vision config."""
-        path = Path(self.model) / "config.json"
-        if not path.is_file():
-            return None
-        vision = json.loads(path.read_text()).get("vision_config")
-        if not vision:
-            return None
-        return int((vision.get("image_size", 336) // vision.get("patch_size", 14)) ** 2)
-
-    def startup_error(self) -> str | None:
-        """Settings that cannot work together, found before any process starts. (An image larger than
-        an encoder budget is not one of them: such requests get a 400 at admission, text still works.)"""
-        item_tokens = self.max_mm_tokens_per_item()
-        if item_tokens is None:
-            return None
-        if self.disable_chunked_mm_input and item_tokens > self.max_num_batched_tokens:
-            return (
-                f"--disable-chunked-mm-input needs --max-num-batched-tokens of at least {item_tokens} "
-                f"(the tokens of one image of this model); it is {self.max_num_batched_tokens}"
-            )
-        return None
 
     def resolved_max_model_len(self) -> int:
         """The configured limit, else the LM's ``max_position_embeddings`` from the checkpoint."""

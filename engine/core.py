@@ -12,6 +12,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Protocol
 
+import msgspec
+
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import (
     Abort,
@@ -100,9 +102,7 @@ class EngineCore:
                 client=client,
                 prompt_token_ids=msg.prompt_token_ids,
                 sampling=msg.sampling,
-                mm_features=[
-                    MMFeature(f.mm_hash, f.offset, f.num_tokens, f.modality) for f in msg.mm_features
-                ],
+                mm_features=[msgspec.structs.replace(f, tensors=None, store=False) for f in msg.mm_features],
                 mm_items=mm_items,
                 arrival_time=msg.arrival_time or time.time(),
             )

@@ -63,6 +63,9 @@ class MMFeature(msgspec.Struct, frozen=True):
     modality: str = "image"
     tensors: dict[str, TensorRef] | None = None
     store: bool = False
+    # The family's grid of the item's placeholders (Qwen: (t, h, w) in patches, which decides their
+    # M-RoPE positions); empty where positions do not depend on it. Travels with key-only items too.
+    grid_thw: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------- API -> engine

@@ -103,17 +103,27 @@ class Scheduler:
                 f"({kv_pool_tokens} tokens).",
                 "kv_cache_exceeded",
             )
-        item_budget = self.config.encoder_compute_budget_tokens
-        if self.encoder_cache.enabled:
-            item_budget = min(item_budget, self.config.encoder_cache_tokens)
         for num_tokens in mm_sizes:
-            if num_tokens > item_budget:
+            flag = self._budget_below(num_tokens)
+            if flag is not None:
                 return AdmissionError(
-                    f"A multimodal item needs {num_tokens} encoder tokens, more than the encoder cache "
-                    f"({self.config.encoder_cache_tokens}) or per-step compute budget "
-                    f"({self.config.encoder_compute_budget_tokens}) allows.",
+                    f"An image of this request needs {num_tokens} encoder tokens, more than {flag} "
+                    f"allows; raise {flag} to at least {num_tokens} (or send a smaller image or "
+                    "mm_processor_kwargs.max_pixels).",
                     "mm_item_too_large",
                 )
+        return None
+
+    def _budget_below(self, num_tokens: int) -> str | None:
+        """The flag whose budget an item of ``num_tokens`` embeddings exceeds (it could never be
+        scheduled: one item is encoded whole, in one step), or None."""
+        c = self.config
+        if num_tokens > c.encoder_compute_budget_tokens:
+            return f"--encoder-compute-budget-tokens ({c.encoder_compute_budget_tokens})"
+        if self.encoder_cache.enabled and num_tokens > c.encoder_cache_tokens:
+            return f"--encoder-cache-tokens ({c.encoder_cache_tokens})"
+        if c.disable_chunked_mm_input and num_tokens > c.max_num_batched_tokens:
+            return f"--max-num-batched-tokens ({c.max_num_batched_tokens}) with --disable-chunked-mm-input"
         return None
 
     def add_request(self, request: Request) -> None:

@@ -5,14 +5,17 @@ Per step (``execute``), in this order::
     drop freed encoder outputs, finished requests (all state) and     <- scheduler's decisions
       preempted requests' block tables (tokens and sampling state stay)
     apply resumed requests, new requests (sent once, in full) and new blocks of running requests
-    encode all of the step's encoder inputs as ONE batch -> encoder store (by mm_hash)
+    encode all of the step's encoder inputs as ONE batch (the family's encoder) -> encoder store
     embed every scheduled token; placeholder positions take rows of their item's encoder output
-    ONE varlen LM forward over all scheduled tokens of all requests, K/V in the paged pool
+      (level 0; deeper levels, where the family has them, become the step's deepstack inputs)
+    ONE varlen forward of the family's own text model over all scheduled tokens of all requests, at
+      the family's positions (1-D or M-RoPE), K/V in the paged pool
     sample for requests whose step computed their last known token; append the token to the request
 
 The worker owns no policy: what runs, what is encoded, which blocks hold a request's K/V and what is
 dropped all come from the ``SchedulerOutput``. It only tracks each request's tokens, how many of them
-have K/V in its blocks, and its block table.
+have K/V in its blocks, its block table and its positions. Everything model-specific comes from the
+checkpoint's family (``workers.families``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import LlavaForConditionalGeneration
 
 from engine.protocol import (
     EncoderInput,
@@ -36,9 +38,12 @@ from engine.protocol import (
     TokenLogprobs,
 )
 from workers.encoder_store import EncoderStore
+from workers.families import family_for
+from workers.families.model import RequestPositions
 from workers.frames import Buffer, tensor_from_frame
 from workers.kv_pool import KVPool, kv_bytes_per_token, plan_num_kv_blocks
-from workers.lm_forward import LlamaForward, SeqSpan
+from workers.paged_attention import SeqSpan
+from workers.paged_lm import Deepstack, PagedLanguageModel
 from workers.sampler import SamplingRow, make_generator, sample
 
 logger = logging.getLogger(__name__)
@@ -65,6 +70,7 @@ class RequestState:
     sampling: SamplingParams
     generator: torch.Generator
     block_ids: list[int] | None  # None while preempted: the engine took its blocks back
+    positions: RequestPositions  # rotary positions of its tokens, fixed by the prompt
     num_computed_tokens: int = 0  # leading tokens whose K/V is in its blocks
 
     @property
@@ -84,12 +90,10 @@ class ModelRunner:
     ):
         """Load the model, then allocate the KV pool (sized from what the weights left free)."""
         self.device, self.dtype = resolve_device(device)
-        model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=self.dtype)
-        self.model = model.to(self.device).eval()  # type: ignore[arg-type]  # transformers' typing of .to
-        self.config = model.config
-        language_model = model.model.language_model
-        self.embed_tokens = model.get_input_embeddings()
-        num_layers, num_kv_heads, head_dim = LlamaForward.kv_shape(language_model)
+        self.family = family_for(model_dir)
+        self.model = self.family.model(model_dir, self.device, self.dtype)
+        self.embed_tokens = self.model.embed_tokens
+        num_layers, num_kv_heads, head_dim = PagedLanguageModel.kv_shape(self.model.language_model)
         num_blocks = plan_num_kv_blocks(
             block_size=block_size,
             bytes_per_token=kv_bytes_per_token(num_layers, num_kv_heads, head_dim, self.dtype),
@@ -100,14 +104,15 @@ class ModelRunner:
         self.kv_pool = KVPool(
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, self.device
         )
-        self.lm_forward = LlamaForward(language_model, model.lm_head, self.kv_pool)
+        self.lm_forward = PagedLanguageModel(self.model.language_model, self.model.lm_head, self.kv_pool)
         self.encoder_store = EncoderStore()
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=self.device)  # unseeded requests share it
         self.generator.seed()
         logger.info(
-            "loaded %s on %s (%s); KV pool %d blocks x %d tokens (%.1f MiB)",
+            "loaded %s (%s) on %s (%s); KV pool %d blocks x %d tokens (%.1f MiB)",
             model_dir,
+            self.family.name,
             self.device,
             self.dtype,
             num_blocks,
@@ -174,6 +179,7 @@ class ModelRunner:
                 sampling=new.sampling,
                 generator=make_generator(new.sampling.seed, self.device, self.generator),
                 block_ids=list(new.block_ids),
+                positions=self.model.prompt_positions(len(new.prompt_token_ids), list(new.mm_features)),
                 num_computed_tokens=new.num_computed_tokens,
             )
         for req_id, block_ids in sched.new_block_ids.items():
@@ -199,6 +205,10 @@ class ModelRunner:
                     raise StepError(
                         f"mm item {feat.mm_hash!r} at {feat.offset}+{feat.num_tokens} is outside the prompt"
                     )
+            try:  # positions are built from the placements when the request is added
+                self.model.prompt_positions(len(new.prompt_token_ids), list(new.mm_features))
+            except ValueError as exc:
+                raise StepError(f"request {new.req_id!r}: {exc}") from exc
             self._check_blocks(new.req_id, new.block_ids)
             self._check_num_computed(new, len(new.prompt_token_ids))
         resumed_ids = {r.req_id for r in sched.resumed_requests}
@@ -238,6 +248,7 @@ class ModelRunner:
             return [], [], []
         spans = self._spans(num_scheduled_tokens)
         token_ids: list[int] = []
+        positions: list[torch.Tensor] = []
         req_ids: list[str] = []
         sampling_rows: list[SamplingRow] = []
         logits_rows: list[int] = []  # each sampling request's last scheduled token
@@ -245,11 +256,13 @@ class ModelRunner:
             req = self.requests[span.req_id]
             num_computed = span.num_past_tokens + span.num_new_tokens
             token_ids.extend(req.token_ids[span.num_past_tokens : num_computed])
+            positions.append(req.positions.between(span.num_past_tokens, num_computed))
             if num_computed == len(req.token_ids):
                 req_ids.append(span.req_id)
                 logits_rows.append(len(token_ids) - 1)
                 sampling_rows.append(SamplingRow(req.sampling, req.num_output_tokens, req.generator))
-        logits = self.lm_forward(self._embed(token_ids, spans), spans, logits_rows)
+        embeds, deepstack = self._embed(token_ids, spans)
+        logits = self.lm_forward(embeds, torch.cat(positions, dim=1), spans, logits_rows, deepstack)
         # State changes only once the forward succeeded: a failed step leaves requests as they were.
         for span in spans:
             self.requests[span.req_id].num_computed_tokens += span.num_new_tokens
@@ -259,30 +272,19 @@ class ModelRunner:
         return req_ids, sampled_token_ids, logprobs
 
     def _encode(self, inputs: list[EncoderInput], frames: Sequence[Buffer]) -> int:
-        """Vision tower + projector on all items as one batch; outputs go to the encoder store."""
+        """The family's vision encoder on all items as one batch; outputs go to the encoder store."""
         if not inputs:
             return 0
-        pixel_values, num_images = [], []
+        items = []
         for item in inputs:
             if item.modality != "image" or "pixel_values" not in item.tensors:
                 raise StepError(
                     f"cannot encode {item.modality!r} item {item.mm_hash!r} with {sorted(item.tensors)}"
                 )
-            pixels = tensor_from_frame(item.tensors["pixel_values"], frames)
-            pixels = pixels.unsqueeze(0) if pixels.ndim == 3 else pixels
-            pixel_values.append(pixels)
-            num_images.append(pixels.shape[0])
-        batch = torch.cat(pixel_values).to(self.device, self.dtype)
-        out = self.model.model.get_image_features(
-            pixel_values=batch,
-            vision_feature_layer=self.config.vision_feature_layer,
-            vision_feature_select_strategy=self.config.vision_feature_select_strategy,
-        )
-        features = out.pooler_output  # one [num_tokens, text_hidden] tensor per image
-        first = 0
-        for item, count in zip(inputs, num_images, strict=True):
-            self.encoder_store.put(item.mm_hash, torch.cat(features[first : first + count]))
-            first += count
+            items.append({name: tensor_from_frame(ref, frames) for name, ref in item.tensors.items()})
+        outputs = self.model.encode(items)
+        for item, output in zip(inputs, outputs, strict=True):
+            self.encoder_store.put(item.mm_hash, output)
         return len(inputs)
 
     def _spans(self, num_scheduled_tokens: dict[str, int]) -> list[SeqSpan]:
@@ -307,15 +309,18 @@ class ModelRunner:
             spans.append(SeqSpan(req_id, req.num_computed_tokens, num_new_tokens, req.block_ids))
         return spans
 
-    def _embed(self, token_ids: list[int], spans: list[SeqSpan]) -> torch.Tensor:
+    def _embed(self, token_ids: list[int], spans: list[SeqSpan]) -> tuple[torch.Tensor, Deepstack | None]:
         """Token embeddings with each mm placeholder position replaced by its row of the item's
-        encoder output (what HF's LlavaModel does with masked_scatter), sliced for chunk boundaries."""
+        encoder output (what transformers does with masked_scatter), sliced for chunk boundaries; and,
+        for families whose outputs have deeper levels, those levels' rows for the same positions."""
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         embeds = self.embed_tokens(ids)
+        deep_rows: list[torch.Tensor] = []
+        deep_mask = torch.zeros(len(token_ids), dtype=torch.bool)
         base = 0
         for span in spans:
             start, end = span.num_past_tokens, span.num_past_tokens + span.num_new_tokens
-            for feat in self.requests[span.req_id].mm_features:
+            for feat in sorted(self.requests[span.req_id].mm_features, key=lambda f: f.offset):
                 lo, hi = max(start, feat.offset), min(end, feat.offset + feat.num_tokens)
                 if lo >= hi:
                     continue
@@ -326,6 +331,14 @@ class ModelRunner:
                         f"its placement {feat.num_tokens}"
                     )
                 rows = output[lo - feat.offset : hi - feat.offset]
+                if rows.ndim == 3:  # [rows, levels, hidden]
+                    deep_rows.append(rows[:, 1:])
+                    deep_mask[base + lo - start : base + hi - start] = True
+                    rows = rows[:, 0]
                 embeds[base + lo - start : base + hi - start] = rows.to(embeds.dtype)
             base += span.num_new_tokens
-        return embeds
+        if not deep_rows:
+            return embeds, None
+        # Placements were visited in token order, so the rows line up with the mask's True positions.
+        levels = torch.cat(deep_rows).to(embeds.dtype).unbind(dim=1)
+        return embeds, Deepstack(mask=deep_mask.to(self.device), levels=list(levels))

@@ -1,4 +1,5 @@
-"""MMProcessor on the tiny checkpoint: the split steps give exactly what the HF processor gives."""
+"""The LLaVA family's processing on the tiny checkpoint: the split steps give exactly what the HF processor
+gives."""
 
 from __future__ import annotations
 
@@ -13,19 +14,25 @@ from transformers import AutoProcessor
 
 from app.errors import InvalidRequestError
 from app.hashing import mm_hash
-from app.mm_processing import MMProcessor
+from workers.families import load_processing
+from workers.families.processing import FamilyProcessor as MMProcessor
+from workers.families.processing import ProcessedItem
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def mm(tiny_model_dir: Path) -> MMProcessor:
-    return MMProcessor.from_pretrained(tiny_model_dir)
+    return load_processing(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def hf(tiny_model_dir: Path) -> Any:
     return AutoProcessor.from_pretrained(tiny_model_dir)
+
+
+def process(mm: MMProcessor, image: Image.Image, kwargs: dict[str, Any]) -> ProcessedItem:
+    return mm.process_image(image, mm.hash_options(kwargs), param="messages[0].content[0].image_url.url")
 
 
 def make_image(seed: int, size: tuple[int, int]) -> Image.Image:
@@ -48,7 +55,7 @@ def test_identity(mm: MMProcessor, hf: Any, tiny_model_dir: Path) -> None:
     assert mm.image_token_id == hf.image_token_id == hf.tokenizer.convert_tokens_to_ids("<image>")
     assert mm.tokenizer.eos_token_id in mm.eos_token_ids
     assert mm.model_id.startswith("llava:")
-    assert MMProcessor(tiny_model_dir).model_id == mm.model_id  # stable across loads
+    assert load_processing(tiny_model_dir).model_id == mm.model_id  # stable across loads
 
 
 @pytest.mark.parametrize(("messages", "num_images"), [(ONE_IMAGE, 1), (TWO_IMAGES, 2)])
@@ -60,7 +67,7 @@ def test_render_and_tokenize_equal_the_hf_processor(
     assert prompt == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert prompt.count("<image>") == num_images and prompt.endswith("ASSISTANT:")
 
-    items = [mm.process_image(image, {}) for image in images]
+    items = [process(mm, image, {}) for image in images]
     token_ids, offsets = mm.tokenize(prompt, [item.num_tokens for item in items])
 
     expected = hf(text=prompt, images=images, return_tensors="pt")
@@ -82,7 +89,7 @@ def test_string_content_renders_like_a_text_part(mm: MMProcessor) -> None:
 
 
 def test_process_image_matches_the_hf_image_processor(mm: MMProcessor, hf: Any) -> None:
-    item = mm.process_image(IMAGES[1], {})
+    item = process(mm, IMAGES[1], {})
     assert set(item.tensors) == {"pixel_values"}
     assert item.tensors["pixel_values"].shape == (1, 3, 336, 336)
     assert item.num_tokens == 576
@@ -98,8 +105,8 @@ def test_process_image_matches_the_hf_image_processor(mm: MMProcessor, hf: Any) 
     "kwargs", [{"do_normalize": False}, {"resample": 0}, {"image_mean": [0.5, 0.5, 0.5]}]
 )
 def test_kwargs_change_tensors_and_hash(mm: MMProcessor, hf: Any, kwargs: dict[str, Any]) -> None:
-    default = mm.process_image(IMAGES[0], {})
-    changed = mm.process_image(IMAGES[0], kwargs)
+    default = process(mm, IMAGES[0], {})
+    changed = process(mm, IMAGES[0], kwargs)
     assert not torch.equal(default.tensors["pixel_values"], changed.tensors["pixel_values"])
     expected = hf(text="<image>", images=[IMAGES[0]], images_kwargs=kwargs, return_tensors="pt").pixel_values
     assert torch.equal(changed.tensors["pixel_values"], expected)
@@ -148,7 +155,7 @@ def test_invalid_kwargs_are_rejected_up_front(mm: MMProcessor, kwargs: dict[str,
 )
 def test_kwargs_the_processor_or_model_cannot_take(mm: MMProcessor, kwargs: dict[str, Any]) -> None:
     with pytest.raises(InvalidRequestError) as info:
-        mm.process_image(IMAGES[1], kwargs)
+        process(mm, IMAGES[1], kwargs)
     assert info.value.param == "mm_processor_kwargs"
 
 
@@ -164,9 +171,3 @@ def test_image_count_mismatch(mm: MMProcessor) -> None:
     )
     with pytest.raises(InvalidRequestError):
         mm.tokenize(typed, [576])
-
-
-def test_unsupported_content_part(mm: MMProcessor) -> None:
-    with pytest.raises(InvalidRequestError) as info:
-        mm.render_prompt([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "audio"}]}])
-    assert info.value.param == "messages[0].content[1]"

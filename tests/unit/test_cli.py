@@ -29,7 +29,10 @@ def test_flags_override_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_settings_reach_engine_and_worker_configs(tmp_path) -> None:
-    (tmp_path / "config.json").write_text('{"text_config": {"max_position_embeddings": 1234}}')
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llava", "text_config": {"max_position_embeddings": 1234},'
+        ' "vision_config": {"image_size": 336, "patch_size": 14}}'
+    )
     args = build_parser().parse_args(
         [
             "serve",
@@ -48,7 +51,8 @@ def test_settings_reach_engine_and_worker_configs(tmp_path) -> None:
     settings = settings_from_args(args)
     engine = engine_config(settings)
     assert engine.max_model_len == 1234  # from the checkpoint when --max-model-len is not given
-    assert engine.encoder_compute_budget_tokens == 512  # defaults to the step's token budget
+    # defaults to the step's token budget, but never below the largest image (576 LLaVA tokens)
+    assert engine.encoder_compute_budget_tokens == 576
     assert engine.encoder_cache_tokens == 0
     assert worker_config(settings).worker_addr == engine.worker_addr == "tcp://127.0.0.1:7001"
     assert settings.model_name == tmp_path.name

@@ -1,12 +1,14 @@
-"""The model's own HF processor, split into the steps the API runs apart (the middle one is skipped
-on a processor-cache hit):
+"""The API half of a model family: the checkpoint's own HF processor, split into the steps the API runs
+apart (the middle one is skipped on a processor-cache hit or an IPC hit)::
 
-    render_prompt(messages)        chat template -> text with one image token per image
-    process_image(image, kwargs)   one image -> tensors + number of placeholder tokens  (cached by mm_hash)
-    tokenize(prompt, num_tokens)   expand each image token, tokenize -> ids + placeholder offsets
+    render_prompt(messages)            chat template -> text with one image token per image
+    process_image(image, options)      one image -> tensors, placeholder count and grid (cached by mm_hash)
+    tokenize(prompt, num_tokens)       expand each image token, tokenize -> ids + placeholder offsets
 
-Together they give exactly the HF processor's ``input_ids`` and ``pixel_values``. ``MMProcessor`` is the
-LLaVA family; another (e.g. Qwen2-VL) subclasses it, overrides the hooks and joins ``FAMILIES``.
+Together they give exactly the HF processor's ``input_ids`` and pixel tensors. ``FamilyProcessor`` holds
+what every family shares; a family subclasses it and fills in the hooks at the bottom (how its HF
+processor is loaded, how many placeholders and which grid an item gets, which options a request may set,
+the largest item its settings can produce). See docs/architecture.md, "Model families".
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import torch
 import transformers
 from huggingface_hub.dataclasses import validate_typed_dict
 from PIL import Image
-from transformers import AutoProcessor
 
 from app.errors import InvalidRequestError
 from app.hashing import canonical_option, framed_digest
@@ -30,57 +31,51 @@ from app.hashing import canonical_option, framed_digest
 MODEL_ID_DOMAIN = b"mmserve.model_id.v1"
 KWARGS_PARAM = "mm_processor_kwargs"
 
-# Image-processor kwargs a request may not set: they change where or in which layout tensors come out,
+# Image-processor kwargs no request may set: they change where or in which layout tensors come out,
 # not what the model sees, and the worker relies on the defaults.
 _RESERVED_KWARGS = frozenset(
     {"return_tensors", "data_format", "input_data_format", "device", "disable_grouping", "image_seq_length"}
 )
 
-# Pixel sizes (ints or dicts of ints) that a request may set; bounded by MMProcessor.max_size_px.
-_SIZE_KWARGS = frozenset({"size", "crop_size", "pad_size"})
-
 
 @dataclass(frozen=True)
 class ProcessedItem:
-    """One image after the HF image processor: the model inputs and how many placeholder tokens
-    (embeddings) it fills in the prompt."""
+    """One image after the HF image processor: the model inputs, how many placeholder tokens
+    (embeddings) it fills in the prompt, and the family's grid of them (Qwen: (t, h, w) in patches,
+    as ``image_grid_thw``; empty where positions do not depend on it)."""
 
     tensors: dict[str, torch.Tensor]
     num_tokens: int
+    grid_thw: tuple[int, ...] = ()
 
     @property
     def num_bytes(self) -> int:
         return sum(tensor.nbytes for tensor in self.tensors.values())
 
 
-class MMProcessor:
-    """LLaVA-family processing (llava-1.5 and look-alikes: one fixed-size image -> one placeholder run).
+class FamilyProcessor:
+    """Built once per API process; every method may run in a worker thread (none mutates state)."""
 
-    Built once per API process; every method may run in a worker thread (none mutates state).
-    """
-
-    model_types: ClassVar[tuple[str, ...]] = ("llava",)
-    modality: ClassVar[str] = "image"
     # Largest side, in pixels, a request may ask the image processor to resize, crop or pad to.
     max_size_px: ClassVar[int] = 4096
+    # Options that are sizes in pixels (ints or dicts of ints), bounded by ``max_size_px``.
+    size_kwargs: ClassVar[frozenset[str]] = frozenset({"size", "crop_size", "pad_size"})
+    # Options this family's model cannot take from a request (they must match the weights).
+    reserved_kwargs: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
         config_bytes = (self.model_dir / "config.json").read_bytes()
         self.config: dict[str, Any] = json.loads(config_bytes)
-        model_type = self.config.get("model_type")
-        if model_type not in self.model_types:
-            raise ValueError(f"{type(self).__name__} handles {self.model_types}, not {model_type!r}")
-        self.hf_processor = AutoProcessor.from_pretrained(self.model_dir, local_files_only=True)
+        self.hf_processor = self.load_hf_processor(self.model_dir)
         self.tokenizer = self.hf_processor.tokenizer
         self.image_processor = self.hf_processor.image_processor
         self.image_token: str = self.hf_processor.image_token
         self.image_token_id: int = self.hf_processor.image_token_id
         self.eos_token_ids: list[int] = _eos_token_ids(self.model_dir, self.tokenizer)
-        # Everything that decides a processed item: model config, processor config (image processor,
-        # patch size, feature strategy) and the transformers version that implements them. Weights
-        # are left out: processed items do not depend on them.
-        self.model_id = f"{model_type}:" + framed_digest(
+        # Everything that decides a processed item: model config, processor config and the
+        # transformers version that implements them. Weights are left out: items do not depend on them.
+        self.model_id = f"{self.config.get('model_type')}:" + framed_digest(
             MODEL_ID_DOMAIN,
             config_bytes,
             self.hf_processor.to_json_string(),
@@ -89,16 +84,7 @@ class MMProcessor:
             transformers.__version__,
         )
         accepted = set(getattr(self.image_processor.valid_kwargs, "__annotations__", {}))
-        self.accepted_kwargs: frozenset[str] = frozenset(accepted - _RESERVED_KWARGS)
-
-    @staticmethod
-    def from_pretrained(model_dir: str | Path) -> MMProcessor:
-        """The processor class registered (in ``FAMILIES``) for the checkpoint's ``model_type``."""
-        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
-        for cls in FAMILIES:
-            if model_type in cls.model_types:
-                return cls(model_dir)
-        raise ValueError(f"Unsupported model_type {model_type!r}")
+        self.accepted_kwargs: frozenset[str] = frozenset(accepted - _RESERVED_KWARGS - self.reserved_kwargs)
 
     # -- per request ------------------------------------------------------------------------------
 
@@ -123,47 +109,40 @@ class MMProcessor:
             options = {key: canonical_option(value) for key, value in mm_processor_kwargs.items()}
         except Exception as exc:  # huggingface_hub raises its own validation error types
             raise InvalidRequestError(f"Invalid mm_processor_kwargs: {exc}", param=KWARGS_PARAM) from exc
-        for key in _SIZE_KWARGS.intersection(options):
+        for key in self.size_kwargs.intersection(options):
             self._check_size_option(key, options[key])
+        self.check_options(options)
         return {key: options[key] for key in sorted(options) if not self._is_default(key, options[key])}
 
     def render_prompt(self, messages: list[dict[str, Any]]) -> str:
-        """Apply the model's chat template (generation prompt added) to OpenAI-style messages.
-
-        Content is a string or a list of parts ``{"type": "text", "text": ...}`` / ``{"type": "image"}``
-        (``image_url`` parts count as images too). Each image part becomes one ``image_token``.
-        """
-        conversation = [
-            {"role": message.get("role"), "content": _normalise_content(message.get("content"), index)}
-            for index, message in enumerate(messages)
-        ]
+        """Apply the model's chat template (generation prompt added) to chat-template messages whose
+        content is a string or a list of ``{"type": "text", "text": ...}`` / ``{"type": "image"}``
+        parts. Each image part becomes one ``image_token`` (inside the family's image markers)."""
         try:
-            return self.hf_processor.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
-            )
+            return self.hf_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
             raise InvalidRequestError(
                 f"The chat template rejected the messages: {exc}", param="messages"
             ) from exc
 
-    def process_image(
-        self, image: Image.Image, mm_processor_kwargs: Mapping[str, Any] | None
-    ) -> ProcessedItem:
-        """Run the HF image processor on one decoded image (the step the processor cache skips)."""
-        options = self.hash_options(mm_processor_kwargs)
+    def process_image(self, image: Image.Image, options: Mapping[str, Any], *, param: str) -> ProcessedItem:
+        """Run the HF image processor on one decoded image (the step the caches skip). ``options`` come
+        from ``hash_options``. An image the processor cannot take (too small, too elongated, options
+        that contradict each other) is the request's fault: InvalidRequestError naming ``param`` or
+        the options."""
         try:
             batch = self.image_processor([image], return_tensors="pt", **options)
-        except Exception as exc:
-            if not options:
-                raise
+        except (ValueError, TypeError, ZeroDivisionError) as exc:
             raise InvalidRequestError(
-                f"mm_processor_kwargs could not be applied: {exc}", param=KWARGS_PARAM
+                f"The image processor could not process this image: {exc}",
+                param=KWARGS_PARAM if options else param,
             ) from exc
         tensors = {
             name: value.contiguous() for name, value in batch.items() if isinstance(value, torch.Tensor)
         }
-        self._check_processed(tensors)
-        return ProcessedItem(tensors=tensors, num_tokens=self._num_image_tokens(tensors))
+        self.check_processed(tensors)
+        num_tokens, grid_thw = self.item_layout(tensors)
+        return ProcessedItem(tensors=tensors, num_tokens=num_tokens, grid_thw=grid_thw)
 
     def tokenize(self, prompt: str, num_tokens_per_image: list[int]) -> tuple[list[int], list[int]]:
         """Token ids of ``prompt`` with the i-th image token expanded to ``num_tokens_per_image[i]``
@@ -180,7 +159,7 @@ class MMProcessor:
                 param="messages",
             )
         expanded = pieces[0] + "".join(
-            self._image_replacement(num_tokens) + piece
+            self.image_token * num_tokens + piece
             for num_tokens, piece in zip(num_tokens_per_image, pieces[1:], strict=True)
         )
         bos = self.tokenizer.bos_token
@@ -207,34 +186,6 @@ class MMProcessor:
         # Compared as hashed, so 1, 1.0 and True stay different.
         return framed_digest(b"", option) == framed_digest(b"", default)
 
-    # -- family hooks -----------------------------------------------------------------------------
-
-    def _num_image_tokens(self, tensors: dict[str, torch.Tensor]) -> int:
-        """As ``LlavaProcessor.replace_image_token``: one token per patch of the processed image,
-        plus the extra (CLS) tokens, minus the CLS one the "default" feature strategy drops."""
-        height, width = tensors["pixel_values"].shape[-2:]
-        patch_size = self.hf_processor.patch_size
-        num_tokens = (height // patch_size) * (width // patch_size)
-        num_tokens += self.hf_processor.num_additional_image_tokens
-        if self.hf_processor.vision_feature_select_strategy == "default":
-            num_tokens -= 1
-        return int(num_tokens)
-
-    def _check_processed(self, tensors: dict[str, torch.Tensor]) -> None:
-        """LLaVA's vision tower takes exactly ``image_size`` squares; kwargs that resize or skip the crop
-        would give it something it cannot encode, so such requests are refused here."""
-        image_size = self.config.get("vision_config", {}).get("image_size")
-        shape = tuple(tensors["pixel_values"].shape)
-        if image_size is not None and shape[-2:] != (image_size, image_size):
-            raise InvalidRequestError(
-                f"mm_processor_kwargs give {shape[-2]}x{shape[-1]} pixel inputs; this model's vision "
-                f"encoder takes {image_size}x{image_size}.",
-                param=KWARGS_PARAM,
-            )
-
-    def _image_replacement(self, num_tokens: int) -> str:
-        return self.image_token * num_tokens
-
     def _placeholder_offsets(self, token_ids: list[int], num_tokens_per_image: list[int]) -> list[int]:
         positions = [index for index, token_id in enumerate(token_ids) if token_id == self.image_token_id]
         if len(positions) != sum(num_tokens_per_image):
@@ -250,29 +201,30 @@ class MMProcessor:
             start += num_tokens
         return offsets
 
+    # -- family hooks -----------------------------------------------------------------------------
 
-# A new family: subclass MMProcessor, override the hooks, append the class here.
-FAMILIES: list[type[MMProcessor]] = [MMProcessor]
+    @classmethod
+    def load_hf_processor(cls, model_dir: Path) -> Any:
+        """The checkpoint's processor: ``tokenizer``, ``image_processor``, ``image_token(_id)`` and
+        ``apply_chat_template``."""
+        raise NotImplementedError
 
+    @classmethod
+    def largest_item_tokens(cls, model_dir: Path) -> int:
+        """Placeholder tokens of the largest image the checkpoint's processor settings can produce (what
+        vLLM's ``compute_encoder_budget`` derives its defaults from). Reads the folder's JSON files only:
+        the engine calls it without loading a processor."""
+        raise NotImplementedError
 
-def _normalise_content(content: Any, message_index: int) -> list[dict[str, Any]]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [{"type": "text", "text": content}]
-    parts: list[dict[str, Any]] = []
-    for part_index, part in enumerate(content):
-        part_type = part.get("type") if isinstance(part, Mapping) else None
-        if part_type == "text" and isinstance(part.get("text"), str):
-            parts.append({"type": "text", "text": part["text"]})
-        elif part_type in ("image", "image_url"):
-            parts.append({"type": "image"})
-        else:
-            raise InvalidRequestError(
-                f"Unsupported content part {part_type!r}.",
-                param=f"messages[{message_index}].content[{part_index}]",
-            )
-    return parts
+    def item_layout(self, tensors: dict[str, torch.Tensor]) -> tuple[int, tuple[int, ...]]:
+        """(number of placeholder tokens, grid) of one processed item."""
+        raise NotImplementedError
+
+    def check_options(self, options: dict[str, Any]) -> None:
+        """Family-specific checks of a request's options (InvalidRequestError naming the option)."""
+
+    def check_processed(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Refuse a processed item the model could not encode (InvalidRequestError)."""
 
 
 def _eos_token_ids(model_dir: Path, tokenizer: Any) -> list[int]:

@@ -1,0 +1,83 @@
+"""Model families: everything model-specific, one package per family, picked by ``config.model_type``.
+
+    family      model_types    API half (processing.py)   worker half (model.py)   tiny checkpoint
+    llava       llava          LlavaProcessing            LlavaModel               llava/tiny.py
+    qwen2_vl    qwen2_vl       QwenVLProcessing           QwenVLModel              qwen_vl/tiny.py
+    qwen2_5_vl  qwen2_5_vl     QwenVLProcessing           Qwen2_5_VLModel          qwen_vl/tiny.py
+    qwen3_vl    qwen3_vl       QwenVLProcessing           Qwen3VLModel             qwen_vl/tiny.py
+
+Nothing outside this package names a model. Halves are imported on first use, so a process loads only
+the half it runs (the engine needs neither; it asks for the largest item's size, which reads JSON only).
+See docs/architecture.md, "Model families".
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from workers.families.model import FamilyModel
+    from workers.families.processing import FamilyProcessor
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's ``model_type`` belongs to no registered family."""
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    processing_path: str  # "module:Class" of its FamilyProcessor
+    model_path: str  # "module:Class" of its FamilyModel
+
+    @property
+    def processing(self) -> type[FamilyProcessor]:
+        return _load(self.processing_path)
+
+    @property
+    def model(self) -> type[FamilyModel]:
+        return _load(self.model_path)
+
+
+_QWEN_PROCESSING = "workers.families.qwen_vl.processing:QwenVLProcessing"
+FAMILIES: tuple[Family, ...] = (
+    Family("llava", ("llava",), "workers.families.llava.processing:LlavaProcessing",
+           "workers.families.llava.model:LlavaModel"),
+    Family("qwen2_vl", ("qwen2_vl",), _QWEN_PROCESSING, "workers.families.qwen_vl.model:QwenVLModel"),
+    Family("qwen2_5_vl", ("qwen2_5_vl",), _QWEN_PROCESSING, "workers.families.qwen_vl.model:Qwen2_5_VLModel"),
+    Family("qwen3_vl", ("qwen3_vl",), _QWEN_PROCESSING, "workers.families.qwen_vl.model:Qwen3VLModel"),
+)  # fmt: skip
+
+
+def model_type_of(model_dir: str | Path) -> str | None:
+    return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
+
+
+def family_for(model_dir: str | Path) -> Family:
+    """The family registered for the checkpoint's ``config.model_type``."""
+    model_type = model_type_of(model_dir)
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    supported = sorted(t for family in FAMILIES for t in family.model_types)
+    raise UnsupportedModelError(f"unsupported model_type {model_type!r}; supported: {supported}")
+
+
+def load_processing(model_dir: str | Path) -> FamilyProcessor:
+    """The API half for the checkpoint (loads its HF processor)."""
+    return family_for(model_dir).processing(model_dir)
+
+
+def largest_item_tokens(model_dir: str | Path) -> int:
+    """Placeholder tokens of the largest item the checkpoint's processor settings can produce."""
+    return family_for(model_dir).processing.largest_item_tokens(Path(model_dir))
+
+
+def _load(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,1 @@
+"""The LLaVA-1.5 family: processing (API half), model (worker half), tiny checkpoint."""

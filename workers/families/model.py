@@ -1,0 +1,72 @@
+"""The worker half of a model family: load the checkpoint, encode items, give token positions.
+
+``ModelRunner`` (family-agnostic) asks its ``FamilyModel`` for exactly three things::
+
+    encode(items)                    the step's items, one batch -> one encoder output per item
+                                     ([num_tokens, hidden], or [num_tokens, levels, hidden] when the
+                                     family has deepstack levels: level 0 is spliced into the input,
+                                     levels 1.. are added after the first decoder layers)
+    prompt_positions(n, features)    rotary positions of a request's tokens (1-D or M-RoPE)
+    language_model, lm_head, embed_tokens   the transformers modules the paged forward runs
+
+See docs/architecture.md, "Model families".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from engine.protocol import MMFeature
+
+
+@dataclass(frozen=True)
+class RequestPositions:
+    """Rotary positions of one request's tokens (prompt, then everything it generates).
+
+    ``table`` None: token i sits at position i (one row). Otherwise ``table`` ([rows, num_prompt_tokens],
+    CPU int64) holds the prompt's positions and generated token i sits at ``i + delta`` on every row
+    (transformers' ``rope_deltas``)."""
+
+    table: torch.Tensor | None = None
+    delta: int = 0
+
+    def between(self, start: int, end: int) -> torch.Tensor:
+        """Positions of tokens [start, end): a [rows, end - start] int64 CPU tensor."""
+        if self.table is None:
+            return torch.arange(start, end).unsqueeze(0)
+        num_prompt = self.table.shape[1]
+        parts = []
+        if start < num_prompt:
+            parts.append(self.table[:, start : min(end, num_prompt)])
+        if end > num_prompt:
+            generated = torch.arange(max(start, num_prompt), end) + self.delta
+            parts.append(generated.unsqueeze(0).expand(self.table.shape[0], -1))
+        return torch.cat(parts, dim=1)
+
+
+class FamilyModel:
+    """Subclasses name their transformers class and implement ``encode``; 1-D positions by default."""
+
+    hf_class: ClassVar[Any]
+
+    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> None:
+        model = self.hf_class.from_pretrained(model_dir, dtype=dtype)
+        self.hf_model = model.to(device).eval()
+        self.config = model.config
+        self.device = device
+        self.dtype = dtype
+        self.language_model = model.model.language_model
+        self.lm_head = model.lm_head
+        self.embed_tokens = model.get_input_embeddings()
+
+    def encode(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Vision encoder (+ projector / merger) on the step's items as one batch. ``items`` hold each
+        item's processed tensors (CPU, as the API's processor made them)."""
+        raise NotImplementedError
+
+    def prompt_positions(self, num_prompt_tokens: int, mm_features: list[MMFeature]) -> RequestPositions:
+        return RequestPositions()
