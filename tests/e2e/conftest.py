@@ -14,9 +14,10 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
-from transformers import AutoProcessor, GenerationConfig, LlavaForConditionalGeneration
+from transformers import GenerationConfig
 
 from tests.e2e.server import Server, start_serve
+from workers.families import family_for, load_processing
 
 
 def make_image(seed: int, size: tuple[int, int] = (320, 240)) -> PIL.Image.Image:
@@ -61,17 +62,28 @@ class Oracle:
     """Greedy decoding by transformers' ``generate`` on the checkpoint the server serves."""
 
     processor: Any
-    model: LlavaForConditionalGeneration
+    model: Any  # the family's *ForConditionalGeneration
+
+    @classmethod
+    def load(cls, model_dir: Path) -> Oracle:
+        """The checkpoint's own HF processor (the family's loader) and transformers model class."""
+        model = family_for(model_dir).model.hf_class.from_pretrained(model_dir, dtype=torch.float32)
+        return cls(load_processing(model_dir).hf_processor, model.eval())
+
+    def inputs(self, text: str, images: list[PIL.Image.Image]) -> Any:
+        """The processor's full model inputs for one user turn (Qwen: with ``mm_token_type_ids``,
+        without which transformers' Qwen2.5-VL silently falls back to 1-D positions)."""
+        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        prompt = self.processor.apply_chat_template(
+            [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
+        )
+        return self.processor(text=[prompt], images=images or None, return_tensors="pt")
 
     def greedy(
         self, text: str, images: list[PIL.Image.Image], max_new_tokens: int
     ) -> tuple[list[int], torch.Tensor]:
         """Token ids and per-step log-probabilities, EOS ignored (like the server's ``ignore_eos``)."""
-        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-        prompt = self.processor.apply_chat_template(
-            [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
-        )
-        inputs = self.processor(text=prompt, images=images or None, return_tensors="pt")
+        inputs = self.inputs(text, images)
         config = GenerationConfig(
             do_sample=False,
             max_new_tokens=max_new_tokens,
@@ -89,9 +101,7 @@ class Oracle:
 
 @pytest.fixture(scope="session")
 def oracle(tiny_model_dir: Path) -> Oracle:
-    processor = AutoProcessor.from_pretrained(tiny_model_dir)
-    model = LlavaForConditionalGeneration.from_pretrained(tiny_model_dir).eval()
-    return Oracle(processor, model)
+    return Oracle.load(tiny_model_dir)
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,10 @@ NUM_TOKENS = 32
 NEAR_TIE = 1e-3  # a divergence is accepted only where the oracle's top-2 logprobs are this close
 
 
-def greedy_request(server: Server, text: str, images: list[Any], n: int = NUM_TOKENS) -> dict[str, Any]:
-    body = greedy_body([user_message(text, *images)], n, logprobs=True, top_logprobs=2)
+def greedy_request(
+    server: Server, text: str, images: list[Any], n: int = NUM_TOKENS, **extra: Any
+) -> dict[str, Any]:
+    body = greedy_body([user_message(text, *images)], n, logprobs=True, top_logprobs=2, **extra)
     resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return resp.json()

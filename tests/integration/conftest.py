@@ -51,11 +51,11 @@ def prompts(tiny_model_dir, hf_model) -> dict[str, Prompt]:
             )
         logprobs = torch.log_softmax(torch.cat(generated.logits).float(), dim=-1)
         input_ids = inputs["input_ids"][0].tolist()
-        pixels = [p.unsqueeze(0) for p in inputs["pixel_values"]] if images else []
-        hashes = [hashlib.sha256(p.numpy().tobytes()).hexdigest() for p in pixels]
+        items = [{"pixel_values": p.unsqueeze(0)} for p in inputs["pixel_values"]] if images else []
+        hashes = [hashlib.sha256(i["pixel_values"].numpy().tobytes()).hexdigest() for i in items]
         features = placements(input_ids, hf_model.config.image_token_id, hashes)
         reference = generated.sequences[0, len(input_ids) :].tolist()
-        out[name] = Prompt(input_ids, pixels, features, reference, logprobs)
+        out[name] = Prompt(input_ids, items, features, reference, logprobs)
     return out
 
 

@@ -31,7 +31,7 @@ from workers.model_runner import ModelRunner
 @dataclass(frozen=True)
 class Prompt:
     input_ids: list[int]
-    pixel_values: list[torch.Tensor]  # one [1, 3, 336, 336] per image, in prompt order
+    items: list[dict[str, torch.Tensor]]  # each image's processed tensors, in prompt order
     features: list[MMFeature]
     reference: list[int]  # transformers' greedy continuation
     reference_logprobs: torch.Tensor  # [NUM_NEW_TOKENS, vocab]: log_softmax of generate's raw logits
@@ -153,12 +153,14 @@ class FakeEngine:
                 resumed.append(ResumedRequestData(req_id, list(table), start))
             elif fresh:
                 new_block_ids[req_id] = fresh
-            for feat, pixels in zip(prompt.features, prompt.pixel_values, strict=True):
+            for feat, tensors in zip(prompt.features, prompt.items, strict=True):
                 needed = feat.offset < start + num_tokens and start < feat.offset + feat.num_tokens
                 if needed and feat.mm_hash not in self.encoded:
-                    ref, buf = tensor_to_frame(pixels, len(frames))
-                    frames.append(buf)
-                    encoder_inputs.append(EncoderInput(feat.mm_hash, "image", {"pixel_values": ref}))
+                    refs = {}
+                    for name, tensor in tensors.items():
+                        refs[name], buf = tensor_to_frame(tensor, len(frames))
+                        frames.append(buf)
+                    encoder_inputs.append(EncoderInput(feat.mm_hash, "image", refs))
                     self.encoded.add(feat.mm_hash)
         sched = SchedulerOutput(
             self.step_id,

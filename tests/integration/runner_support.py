@@ -21,15 +21,24 @@ LOGPROB_ATOL = 2e-5  # observed: <= 2e-6 on CPU fp32
 KV_CACHE_TOKENS = 8192  # room for the largest batch below (3 x "two": ~3,700 tokens) and then some
 
 
-def placements(input_ids: list[int], image_token_id: int, mm_hashes: list[str]) -> list[MMFeature]:
-    """One MMFeature per run of image placeholder tokens."""
+def placements(
+    input_ids: list[int],
+    image_token_id: int,
+    mm_hashes: list[str],
+    grids: list[tuple[int, ...]] | None = None,
+) -> list[MMFeature]:
+    """One MMFeature per run of image placeholder tokens (with the family's grid, where it has one)."""
     runs, offset = [], 0
     for is_image, group in itertools.groupby(input_ids, key=lambda t: t == image_token_id):
         num_tokens = len(list(group))
         if is_image:
             runs.append((offset, num_tokens))
         offset += num_tokens
-    return [MMFeature(h, offset, n) for h, (offset, n) in zip(mm_hashes, runs, strict=True)]
+    grids = grids or [()] * len(runs)
+    return [
+        MMFeature(h, offset, n, grid_thw=grid)
+        for h, (offset, n), grid in zip(mm_hashes, runs, grids, strict=True)
+    ]
 
 
 def greedy(hf_model: LlavaForConditionalGeneration, **kwargs) -> SamplingParams:

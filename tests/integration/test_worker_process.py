@@ -80,7 +80,7 @@ def test_worker_over_zmq(router, tiny_model_dir, hf_model, prompts):
         assert decode_worker_outbound(payload) == ready
 
         prompt = prompts["one"]
-        ref, buf = tensor_to_frame(prompt.pixel_values[0], frame=1)
+        ref, buf = tensor_to_frame(prompt.items[0]["pixel_values"], frame=1)
         block_ids = list(range(ready.num_kv_blocks))[::-1][: -(-(len(prompt.input_ids) + 2) // 32)]
         new = NewRequestData("r", prompt.input_ids, prompt.features, greedy(hf_model), block_ids)
         sched = SchedulerOutput(

@@ -63,6 +63,28 @@ def test_evicts_oldest_freeable_first() -> None:
     check(m)
 
 
+def test_dynamic_resolution_sizes_evict_by_embeddings_not_entries() -> None:
+    """Qwen-like items (a 224x224 thumbnail is 64 embeddings, a 1024x768 screenshot 1,012): room for a
+    large item is made by evicting exactly as many small freeable entries as needed, oldest first, and
+    never an entry in use, however old."""
+    m = EncoderCacheManager(1400)
+    for h, n in [("in-use", 64), ("t1", 64), ("t2", 64), ("big", 1012), ("t3", 64)]:
+        m.allocate(h, n, "r-" + h)
+    for h in ["t1", "t2", "big", "t3"]:
+        m.release("r-" + h, h)
+    assert m.num_free_tokens == 132
+    assert m.can_allocate(200)  # 68 more: t1 alone frees 64, t1 + t2 free 128
+    assert m.take_evicted() == ["t1", "t2"]
+    m.allocate("mid", 200, "r-mid")
+    assert m.can_allocate(1000)  # 940 more: "big" (1,012) alone is enough, t3 stays
+    assert m.take_evicted() == ["big"]
+    assert "in-use" in m and "t3" in m
+    m.allocate("shot", 1000, "r-shot")
+    assert not m.can_allocate(200)  # only t3 (64) is freeable: evicting it would not make room
+    assert m.take_evicted() == [] and "t3" in m
+    check(m)
+
+
 def test_can_allocate_evicts_nothing_when_it_cannot_succeed() -> None:
     m = EncoderCacheManager(10)
     m.allocate("a", 3, "r1")
