@@ -1,11 +1,12 @@
 # The two commands a new user needs: `make serve` and `make test`.
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
-MODEL ?= models/tiny-llava
+FAMILY ?= llava
+MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: setup serve test test-fast lint bench bench-throughput model
+.PHONY: setup serve test test-fast lint bench bench-throughput bench-families model
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -20,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 $(MODEL)/config.json: | $(VENV)/.installed
-	$(VENV)/bin/mmserve build-tiny-model --family llava --out $(MODEL)
+	$(VENV)/bin/mmserve build-tiny-model --family $(FAMILY) --out $(MODEL)
 
 model: $(MODEL)/config.json
 
@@ -39,6 +40,10 @@ lint: setup
 
 bench: setup model
 	$(PY) bench/bench_api_cache.py --model $(MODEL)
+
+# ~10 min: TTFT cold / encoder-cache warm / all warm, and req/s with 80 % image reuse, tiny Qwen2-VL and Qwen3-VL
+bench-families: setup
+	$(PY) bench/bench_families.py
 
 # ~5 min: HEAD vs the pre-paged-KV revision (throughput by concurrency), worker RSS over 2,000 requests
 bench-throughput: setup model

@@ -13,6 +13,7 @@ from app.encoder_budgets import derive_encoder_budgets
 from app.settings import Settings
 from engine.config import EngineConfig
 from workers.config import WorkerConfig
+from workers.families.tiny import TINY_FAMILIES
 
 ROLES = {
     "serve": "Start the API, engine and worker processes locally (Ctrl-C stops all three).",
@@ -45,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     for role, help_text in ROLES.items():
         _add_settings_flags(sub.add_parser(role, help=help_text, description=help_text))
     tiny = sub.add_parser("build-tiny-model", help="Build a tiny random checkpoint for tests and demos.")
-    tiny.add_argument("--family", choices=["llava"], default="llava", help="Model family (default: llava).")
+    tiny.add_argument(
+        "--family", choices=list(TINY_FAMILIES), default="llava", help="Model family (default: llava)."
+    )
     tiny.add_argument("--out", required=True, help="Output folder (created or overwritten).")
     tiny.add_argument("--seed", type=int, default=0, help="Weight seed; same seed, same files (default: 0).")
     return parser
@@ -93,9 +96,9 @@ def worker_config(settings: Settings) -> WorkerConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "build-tiny-model":
-        from workers.tiny_model import build_tiny_llava
+        from workers.families.tiny import build_tiny_model
 
-        path = build_tiny_llava(args.out, seed=args.seed)
+        path = build_tiny_model(args.family, args.out, seed=args.seed)
         print(f"mmserve: built tiny {args.family} model in {path}")
         return 0
     try:

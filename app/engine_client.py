@@ -5,7 +5,7 @@
 
 Sending is synchronous and never blocks (unbounded send queue), so a request's mirror decisions and
 the hand-off of its message happen in one step with no ``await`` between: socket order is decision
-order (DESIGN §2, mirror invariant point 2). A reader task routes outputs to per-request queues.
+order (docs/architecture.md, "IPC mirror", rule 2). A reader task routes outputs to per-request queues.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""mm_hash: the content identity of one multimodal item (DESIGN §2).
+"""mm_hash: the content identity of one multimodal item (docs/architecture.md, "mm_hash").
 
 The hash is blake3 over a framed byte stream::
 

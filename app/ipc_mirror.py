@@ -1,6 +1,7 @@
 """The API's key-only mirror of the engine's receiver cache, and the only place its evictions are chosen.
 
-Invariant: **the mirror says "cached" => the engine has it** (DESIGN §2). It holds by construction::
+Invariant: **the mirror says "cached" => the engine has it** (docs/architecture.md, "IPC mirror").
+It holds by construction::
 
     phase 1  lookup_and_pin(h)        before any await: a hit pins h (no LRU change)
              ... await fetch / HF processor for the misses; other requests run phases 1 and 2 ...

@@ -1,5 +1,6 @@
 """Prometheus metrics of the API process, including the engine's and workers' figures, which arrive
-in ``EngineStats`` messages (DESIGN §5). One registry per app, no import-time singletons."""
+in ``EngineStats`` messages (docs/architecture.md, "Metrics").
+One registry per app, no import-time singletons."""
 
 from __future__ import annotations
 

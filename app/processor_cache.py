@@ -1,4 +1,5 @@
-"""The API's processor cache: mm_hash -> processed item, LRU bounded in bytes (DESIGN §2).
+"""The API's processor cache: mm_hash -> processed item, LRU bounded in bytes
+(docs/architecture.md, "Processor cache").
 
 On a hit the HF processor does not run. Lives on the API's event loop: ``get``/``put`` are called from
 there only (not thread-safe). Invariants, checked by ``_check`` in tests:

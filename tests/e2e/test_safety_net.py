@@ -1,4 +1,5 @@
-"""The mirror's safety net (DESIGN §2 point 5): if the engine lacks an item the API's mirror claims, the
+"""The mirror's safety net (docs/architecture.md, "IPC mirror", rule 5): if the engine lacks an item
+the API's mirror claims, the
 API invalidates it and re-sends the request with payloads; the client never notices. The invariant
 holds by construction, so the test breaks it on purpose: it drops the engine's receiver-cache partition
 behind the mirror's back, then sends the same image again."""

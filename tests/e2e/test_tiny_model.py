@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoProcessor, AutoTokenizer, LlavaForConditionalGeneration
 
-from workers.tiny_model import build_tiny_llava
+from workers.families.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -83,8 +83,8 @@ def test_geometry(processor) -> None:
 
 
 def test_same_seed_same_files_other_seed_other_weights(tmp_path: Path, tiny_model_dir: Path) -> None:
-    again = build_tiny_llava(tmp_path / "again", seed=0)
-    other = build_tiny_llava(tmp_path / "other", seed=1)
+    again = build_tiny_model("llava", tmp_path / "again", seed=0)
+    other = build_tiny_model("llava", tmp_path / "other", seed=1)
     assert sorted(p.name for p in again.iterdir()) == sorted(p.name for p in tiny_model_dir.iterdir())
     for path in tiny_model_dir.iterdir():
         assert (again / path.name).read_bytes() == path.read_bytes(), path.name
@@ -95,7 +95,7 @@ def test_same_seed_same_files_other_seed_other_weights(tmp_path: Path, tiny_mode
     third = LlavaForConditionalGeneration.from_pretrained(other).state_dict()
     assert not torch.equal(first["lm_head.weight"], third["lm_head.weight"])
     assert (other / "tokenizer.json").read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
-    rebuilt = build_tiny_llava(other, seed=0)  # overwrites in place
+    rebuilt = build_tiny_model("llava", other, seed=0)  # overwrites in place
     assert (rebuilt / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
 
 

@@ -169,7 +169,8 @@ def test_role_environment_builds_valid_settings(compose, role, monkeypatch):
 
 
 def test_ipc_cache_size_is_set_where_it_is_decided(compose):
-    """The API's mirror alone decides what the engine's receiver cache holds (DESIGN §2): the size is
+    """The API's mirror alone decides what the engine's receiver cache holds
+    (docs/architecture.md, "IPC mirror"): the size is
     an API setting; the engine, which obeys, is not given one that could disagree."""
     assert "MMSERVE_MM_IPC_CACHE_GB" in _env(_services(compose)["api"])
     assert "MMSERVE_MM_IPC_CACHE_GB" not in _env(_services(compose)["engine"])

@@ -7,7 +7,8 @@
     qwen3_vl    qwen3_vl       QwenVLProcessing           Qwen3VLModel             qwen_vl/tiny.py
 
 Nothing outside this package names a model. Halves are imported on first use, so a process loads only
-the half it runs (the engine needs neither; it asks for the largest item's size, which reads JSON only).
+the half it runs. The engine process uses neither: the launcher, building its config, asks the API
+half's class for the largest item, which reads the folder's JSON files only.
 See docs/architecture.md, "Model families".
 """
 

@@ -1,0 +1,281 @@
+"""Build tiny, randomly initialised Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints for tests and benchmarks.
+
+Each folder looks like a real Qwen checkpoint: the family's config classes, tokenizer.json and
+tokenizer_config.json, preprocessor_config.json (``Qwen2VLImageProcessorPil`` with the family's real
+pixel bounds), chat_template.jinja, fp32 model.safetensors and a generation config. The model is tiny
+(hidden 128, 2 LM layers, GQA 4/2 heads) but the vision geometry is the real one: patch 14 (Qwen3-VL: 16),
+spatial merge 2, temporal patch 2; Qwen2.5-VL's window attention (window_size 112) with both window and
+full-attention blocks; Qwen3-VL's deepstack levels and interleaved M-RoPE. M-RoPE sections are the real
+ones scaled to the tiny head dim. Everything is generated locally and deterministically from ``seed``.
+Load the processor with ``workers.families.qwen_vl.hf_processor.ImageOnlyQwenVLProcessor``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Regex, normalizers, pre_tokenizers
+from transformers import (
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLConfig,
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessorPil,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
+from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
+
+from workers.families.tiny_common import (
+    construct,
+    init_weights,
+    silent_token_ids,
+    train_byte_level_bpe,
+    write_checkpoint,
+)
+
+BPE_VOCAB_SIZE = 2048  # trained byte-level merges; the 14 Qwen specials come after them, in Qwen's order
+# Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer): digits one by one, words with a leading space
+PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+"""
+)
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+IMAGE_PAD, VIDEO_PAD = "<|image_pad|>", "<|video_pad|>"
+SPECIALS = [
+    ENDOFTEXT, IM_START, IM_END, "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
+    "<|quad_start|>", "<|quad_end|>", VISION_START, VISION_END, "<|vision_pad|>", IMAGE_PAD, VIDEO_PAD,
+]  # fmt: skip
+MAX_POSITION_EMBEDDINGS = 32768
+
+# Why these gains (tiny_common.init_weights has the rest): a variance-preserving init alone already
+# makes greedy text depend on the image; sharper attention makes outputs diverge from the first tokens on.
+# The LM's attention logits ×4: q_proj and k_proj ×2, and for Qwen3-VL, whose q_norm / k_norm undo any
+# projection scale, those norm weights 2. The vision tower's fused qkv: q and k rows ×2. lm_head ×6
+# gives logits of std ≈ 6, mildly peaked (median top-1/top-2 gap ≈ 1.2 logits), so fp32 kernel noise
+# does not flip greedy choices. Measured with seeds 0-3, one prompt, 16 tokens: 8 noise, 8 solid-colour,
+# 8 blob and 8 mixed (noise, colours, shapes) 224x224 images give 8/8 distinct outputs in every family,
+# ~15 different tokens per output, and 7.8-7.9 of 8 differ already in their first 4 tokens (6.5-6.7
+# without the q/k gains).
+GAINS = {"q_proj": 2.0, "k_proj": 2.0, "q_norm": 2.0, "k_norm": 2.0, "lm_head": 6.0}
+VISION_QK_GAIN = 2.0
+EMBEDDINGS = ("embed_tokens", "pos_embed")
+
+
+# Qwen2-VL's template, which Qwen2.5-VL shares: a default system prompt unless the first message is one.
+# Content is a string or an OpenAI-like part list; "image" / "image_url" parts become one
+# <|vision_start|><|image_pad|><|vision_end|> (the processor expands <|image_pad|> to the image's
+# tokens), "text" parts their text. Video parts are dropped: these checkpoints take images only.
+_RENDER_CONTENT = r"""
+{%- macro render_content(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is not none -%}
+        {%- for part in content -%}
+            {%- if part['type'] in ['image', 'image_url'] or 'image' in part or 'image_url' in part -%}
+                {%- set image_count.value = image_count.value + 1 -%}
+                {%- if add_vision_id -%}{{- 'Picture ' ~ image_count.value ~ ': ' -}}{%- endif -%}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+            {%- elif part['type'] == 'text' -%}
+                {{- part['text'] -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- set image_count = namespace(value=0) -%}
+"""
+_QWEN2_TURNS = r"""
+{%- for message in messages -%}
+    {%- if loop.first and message['role'] != 'system' -%}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
+    {%- endif -%}
+    {{- '<|im_start|>' + message['role'] + '\n' + render_content(message['content']) + '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+"""
+# Qwen3-VL's (tools left out): no default system prompt, and a system message may not carry images.
+_QWEN3_TURNS = r"""
+{%- for message in messages -%}
+    {%- set content = render_content(message['content']) -%}
+    {%- if message['role'] == 'system' and '<|vision_start|>' in content -%}
+        {{- raise_exception('System message cannot contain images.') -}}
+    {%- endif -%}
+    {{- '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+"""
+QWEN2_CHAT_TEMPLATE = _RENDER_CONTENT + _QWEN2_TURNS
+QWEN3_CHAT_TEMPLATE = _RENDER_CONTENT + _QWEN3_TURNS
+
+
+@dataclass(frozen=True)
+class _Family:
+    config_class: type
+    model_class: type
+    processor_class: str  # the stock processor a real checkpoint names (it needs torchvision for video)
+    chat_template: str
+    patch_size: int
+    min_pixels: int  # the real checkpoint's preprocessor_config.json
+    max_pixels: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    vision: dict[str, Any]
+    rope_parameters: dict[str, Any]
+    text: dict[str, Any]
+
+
+_QWEN2_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 12845056}  # 4..16384 tokens of 28x28 px
+FAMILIES: dict[str, _Family] = {
+    "qwen2_vl": _Family(
+        Qwen2VLConfig, Qwen2VLForConditionalGeneration, "Qwen2VLProcessor", QWEN2_CHAT_TEMPLATE,
+        patch_size=14, **_QWEN2_PIXELS, image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD,
+        vision={"depth": 2, "embed_dim": 64, "hidden_size": 128, "num_heads": 4, "mlp_ratio": 4},
+        # the real [16, 24, 24] of head_dim 128, scaled to 32
+        rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e6},
+        text={},
+    ),
+    "qwen2_5_vl": _Family(
+        Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, "Qwen2_5_VLProcessor", QWEN2_CHAT_TEMPLATE,
+        patch_size=14, **_QWEN2_PIXELS, image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD,
+        # window_size 112 px = 4x4 merged tokens per window; blocks 1 and 3 attend over the whole image
+        vision={"depth": 4, "hidden_size": 64, "out_hidden_size": 128, "intermediate_size": 128,
+                "num_heads": 4, "window_size": 112, "fullatt_block_indexes": [1, 3]},
+        rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e6},
+        text={},
+    ),
+    "qwen3_vl": _Family(
+        Qwen3VLConfig, Qwen3VLForConditionalGeneration, "Qwen3VLProcessor", QWEN3_CHAT_TEMPLATE,
+        patch_size=16, min_pixels=65536, max_pixels=16777216,  # 64..16384 tokens of 32x32 px
+        image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
+        vision={"depth": 3, "hidden_size": 64, "out_hidden_size": 128, "intermediate_size": 128,
+                "num_heads": 4, "num_position_embeddings": 2304, "deepstack_visual_indexes": [0, 1]},
+        # the real [24, 20, 20] of head_dim 128, interleaved (THWTHW...) rather than in blocks
+        rope_parameters={"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True,
+                         "rope_theta": 5e6},
+        text={"head_dim": 32, "rms_norm_eps": 1e-6},
+    ),
+}  # fmt: skip
+
+
+def build_tiny(out_dir: str | Path, family: str, seed: int = 0) -> Path:
+    """Write the tiny ``family`` checkpoint ("qwen2_vl", "qwen2_5_vl" or "qwen3_vl") into ``out_dir`` and
+    return its path; about a second on a CPU.
+
+    Same ``seed`` ⇒ bit-identical files; the seed changes the weights only (the tokenizer is fixed). An
+    existing checkpoint folder is replaced; a non-empty folder that is not a checkpoint is refused.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown Qwen-VL family {family!r}; known: {sorted(FAMILIES)}")
+    return write_checkpoint(out_dir, lambda folder: _write(folder, FAMILIES[family], seed))
+
+
+def _write(out_path: Path, spec: _Family, seed: int) -> None:
+    tokenizer = _build_tokenizer()
+    tokenizer.chat_template = spec.chat_template
+    tokenizer.save_pretrained(out_path)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    image_processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+        patch_size=spec.patch_size,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=list(spec.image_mean),
+        image_std=list(spec.image_std),
+    )
+    image_processor.processor_class = spec.processor_class
+    image_processor.save_pretrained(out_path)
+
+    model = construct(spec.model_class, _build_config(spec, tokenizer))
+    init_weights(
+        model,
+        seed,
+        gains=GAINS,
+        embeddings=EMBEDDINGS,
+        silent_token_ids=silent_token_ids(tokenizer),
+        rows_gain=_vision_qkv_gain,
+    )
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.pad_token_id,  # Qwen has no BOS; its configs name <|endoftext|>
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(out_path)
+
+
+def _vision_qkv_gain(name: str, param: torch.Tensor) -> torch.Tensor | None:
+    """Per-row gains of a vision block's fused qkv projection: the q and k thirds sharpened, v left."""
+    if not (name.startswith("model.visual.blocks.") and name.endswith("attn.qkv.weight")):
+        return None
+    gains = torch.ones(param.shape[0])
+    gains[: 2 * param.shape[0] // 3] = VISION_QK_GAIN
+    return gains
+
+
+def _build_tokenizer() -> PreTrainedTokenizerFast:
+    """Qwen2's tokenizer shape: byte-level BPE with NFC and Qwen2's split, no BOS, <|im_end|> as EOS and
+    <|endoftext|> as pad; the image, video and vision marker tokens reachable by name."""
+    pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok = train_byte_level_bpe(BPE_VOCAB_SIZE, [], SPECIALS, pre_tokenizer)
+    tok.normalizer = normalizers.NFC()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        extra_special_tokens={
+            "image_token": IMAGE_PAD,
+            "video_token": VIDEO_PAD,
+            "vision_start_token": VISION_START,
+            "vision_end_token": VISION_END,
+        },
+        padding_side="left",
+        model_max_length=MAX_POSITION_EMBEDDINGS,
+    )
+
+
+def _build_config(spec: _Family, tokenizer: PreTrainedTokenizerFast) -> Any:
+    vocab = tokenizer.get_vocab()
+    text_config = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "rope_parameters": dict(spec.rope_parameters),  # the config completes it in place
+        "bos_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+        **spec.text,
+    }
+    vision_config = {
+        "patch_size": spec.patch_size,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        **spec.vision,
+    }
+    return spec.config_class(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=vocab[IMAGE_PAD],
+        video_token_id=vocab[VIDEO_PAD],
+        vision_start_token_id=vocab[VISION_START],
+        vision_end_token_id=vocab[VISION_END],
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
