@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import httpx
@@ -20,6 +21,27 @@ def greedy_request(
     resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     return resp.json()
+
+
+def concurrent_greedy_requests(
+    server: Server, cases: list[tuple[str, list[Any]]], **extra: Any
+) -> list[dict[str, Any]]:
+    """Every ``(text, images)`` case sent at once, as ``greedy_request`` sends one; responses in order."""
+
+    async def run() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=300) as client:
+
+            async def one(text: str, images: list[Any]) -> dict[str, Any]:
+                body = greedy_body(
+                    [user_message(text, *images)], NUM_TOKENS, logprobs=True, top_logprobs=2, **extra
+                )
+                resp = await client.post("/v1/chat/completions", json=body)
+                assert resp.status_code == 200, resp.text
+                return resp.json()
+
+            return await asyncio.gather(*(one(text, images) for text, images in cases))
+
+    return asyncio.run(run())
 
 
 def assert_matches_oracle(response: dict[str, Any], oracle: Oracle, text: str, images: list[Any]) -> None:

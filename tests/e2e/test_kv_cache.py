@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
-from tests.e2e.parity import NUM_TOKENS, assert_matches_oracle, greedy_request
+from tests.e2e.parity import NUM_TOKENS, assert_matches_oracle, concurrent_greedy_requests, greedy_request
 from tests.e2e.server import REPO, Server, delta, start_serve
 
 pytestmark = pytest.mark.slow
@@ -184,20 +184,8 @@ def test_prompt_that_can_never_fit_the_kv_pool_is_rejected(tiny_pool_server: Ser
 
 def test_preempted_requests_resume_exactly(tiny_pool_server: Server, oracle: Oracle) -> None:
     cases = [(f"Preempt me {i}.", [make_image(710 + i)]) for i in range(3)]
-
-    async def run() -> list[dict[str, Any]]:
-        async with httpx.AsyncClient(base_url=tiny_pool_server.base_url, timeout=300) as client:
-
-            async def one(text: str, images: list[Any]) -> dict[str, Any]:
-                body = greedy_body([user_message(text, *images)], NUM_TOKENS, logprobs=True, top_logprobs=2)
-                resp = await client.post("/v1/chat/completions", json=body)
-                assert resp.status_code == 200, resp.text
-                return resp.json()
-
-            return await asyncio.gather(*(one(text, images) for text, images in cases))
-
     before = tiny_pool_server.metrics()
-    responses = asyncio.run(run())
+    responses = concurrent_greedy_requests(tiny_pool_server, cases)
     after = tiny_pool_server.metrics()
     assert delta(before, after, "mmserve_num_preemptions_total") > 0
     for response, (text, images) in zip(responses, cases, strict=True):

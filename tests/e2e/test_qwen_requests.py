@@ -5,7 +5,6 @@ process and items above an explicit budget get a 400 naming the part, and the se
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
-from tests.e2e.parity import NUM_TOKENS, assert_matches_oracle, greedy_request
+from tests.e2e.parity import assert_matches_oracle, concurrent_greedy_requests, greedy_request
 from tests.e2e.server import Server, delta, start_serve
 from workers.families.tiny import build_tiny_model
 
@@ -63,21 +62,8 @@ def test_preempted_qwen_requests_resume_exactly(tiny_pool_server: Server, qwen_o
     # a 640x544 image is 340 placeholders: with 32 outputs each two requests fit the pool, three do not
     cases = [(f"Preempt me {i}.", [make_image(830 + i, (640, 544))]) for i in range(3)]
 
-    async def run() -> list[dict[str, Any]]:
-        async with httpx.AsyncClient(base_url=tiny_pool_server.base_url, timeout=300) as client:
-
-            async def one(text: str, images: list[Any]) -> dict[str, Any]:
-                body = greedy_body(
-                    [user_message(text, *images)], NUM_TOKENS, model=MODEL, logprobs=True, top_logprobs=2
-                )
-                resp = await client.post("/v1/chat/completions", json=body)
-                assert resp.status_code == 200, resp.text
-                return resp.json()
-
-            return await asyncio.gather(*(one(text, images) for text, images in cases))
-
     before = tiny_pool_server.metrics()
-    responses = asyncio.run(run())
+    responses = concurrent_greedy_requests(tiny_pool_server, cases, model=MODEL)
     after = tiny_pool_server.metrics()
     assert delta(before, after, "mmserve_num_preemptions_total") > 0
     for response, (text, images) in zip(responses, cases, strict=True):

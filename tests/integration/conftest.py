@@ -3,8 +3,6 @@ once per session), and a fresh ModelRunner per test."""
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 import pytest
 import torch
@@ -12,7 +10,7 @@ from PIL import Image
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from tests.integration.fake_engine import Prompt
-from tests.integration.runner_support import KV_CACHE_TOKENS, NUM_NEW_TOKENS, placements
+from tests.integration.runner_support import KV_CACHE_TOKENS, reference_prompt
 from workers.model_runner import ModelRunner
 
 
@@ -40,22 +38,8 @@ def prompts(tiny_model_dir, hf_model) -> dict[str, Prompt]:
             [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
         )
         inputs = processor(text=chat, images=images or None, return_tensors="pt")
-        with torch.no_grad():
-            generated = hf_model.generate(
-                **inputs,
-                do_sample=False,
-                max_new_tokens=NUM_NEW_TOKENS,
-                min_new_tokens=NUM_NEW_TOKENS,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        logprobs = torch.log_softmax(torch.cat(generated.logits).float(), dim=-1)
-        input_ids = inputs["input_ids"][0].tolist()
         items = [{"pixel_values": p.unsqueeze(0)} for p in inputs["pixel_values"]] if images else []
-        hashes = [hashlib.sha256(i["pixel_values"].numpy().tobytes()).hexdigest() for i in items]
-        features = placements(input_ids, hf_model.config.image_token_id, hashes)
-        reference = generated.sequences[0, len(input_ids) :].tolist()
-        out[name] = Prompt(input_ids, items, features, reference, logprobs)
+        out[name] = reference_prompt(hf_model, inputs, items)
     return out
 
 

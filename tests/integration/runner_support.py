@@ -3,10 +3,12 @@ for hand-made steps, and the parity assertion."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+from typing import Any
 
 import pytest
-from transformers import LlavaForConditionalGeneration
+import torch
 
 from engine.protocol import (
     MMFeature,
@@ -41,7 +43,7 @@ def placements(
     ]
 
 
-def greedy(hf_model: LlavaForConditionalGeneration, **kwargs) -> SamplingParams:
+def greedy(hf_model: Any, **kwargs) -> SamplingParams:
     """Like generate(do_sample=False, min_new_tokens=32): argmax with eos masked for 32 tokens; asks for
     logprobs so that parity checks cover the logits, not only their argmax."""
     eos = hf_model.generation_config.eos_token_id
@@ -53,6 +55,31 @@ def greedy(hf_model: LlavaForConditionalGeneration, **kwargs) -> SamplingParams:
         "num_top_logprobs": 5,
     }
     return SamplingParams(**(params | {"eos_token_ids": eos_ids} | kwargs))
+
+
+def reference_prompt(
+    hf_model: Any,
+    batch: Any,
+    items: list[dict[str, torch.Tensor]],
+    grids: list[tuple[int, ...]] | None = None,
+) -> Prompt:
+    """A ``Prompt`` whose reference is transformers' greedy ``generate`` on the processor's full ``batch``
+    (``items``: each image's tensors as the API would send them; mm_hash = sha256 of its pixels)."""
+    with torch.no_grad():
+        generated = hf_model.generate(
+            **batch,
+            do_sample=False,
+            max_new_tokens=NUM_NEW_TOKENS,
+            min_new_tokens=NUM_NEW_TOKENS,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    logprobs = torch.log_softmax(torch.cat(generated.logits).float(), dim=-1)
+    input_ids = batch["input_ids"][0].tolist()
+    hashes = [hashlib.sha256(i["pixel_values"].numpy().tobytes()).hexdigest() for i in items]
+    features = placements(input_ids, hf_model.config.image_token_id, hashes, grids)
+    reference = generated.sequences[0, len(input_ids) :].tolist()
+    return Prompt(input_ids, items, features, reference, logprobs)
 
 
 def blocks(prompt: Prompt, runner: ModelRunner, num_extra_tokens: int = 8) -> list[int]:

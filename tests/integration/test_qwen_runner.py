@@ -5,7 +5,6 @@ and exact resumption. ``FakeEngine`` plays the engine (tests/integration/fake_en
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import torch
 from PIL import Image
 
 from tests.integration.fake_engine import FakeEngine, Prompt
-from tests.integration.runner_support import NUM_NEW_TOKENS, assert_matches_generate, greedy, placements
+from tests.integration.runner_support import assert_matches_generate, greedy, reference_prompt
 from workers.families import family_for, load_processing
 from workers.families.tiny import build_tiny_model
 from workers.model_runner import ModelRunner
@@ -70,17 +69,6 @@ def inputs(processor: Any) -> dict[str, Any]:
 def prompts(hf_model: Any, inputs: dict[str, Any]) -> dict[str, Prompt]:
     out = {}
     for name, batch in inputs.items():
-        with torch.no_grad():
-            generated = hf_model.generate(
-                **batch,
-                do_sample=False,
-                max_new_tokens=NUM_NEW_TOKENS,
-                min_new_tokens=NUM_NEW_TOKENS,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        logprobs = torch.log_softmax(torch.cat(generated.logits).float(), dim=-1)
-        input_ids = batch["input_ids"][0].tolist()
         items, grids = [], []
         if "image_grid_thw" in batch:
             grid_thw = batch["image_grid_thw"]
@@ -88,10 +76,7 @@ def prompts(hf_model: Any, inputs: dict[str, Any]) -> dict[str, Prompt]:
             for pixels, grid in zip(batch["pixel_values"].split(sizes), grid_thw, strict=True):
                 items.append({"pixel_values": pixels.contiguous(), "image_grid_thw": grid.reshape(1, 3)})
                 grids.append(tuple(int(x) for x in grid))
-        hashes = [hashlib.sha256(i["pixel_values"].numpy().tobytes()).hexdigest() for i in items]
-        features = placements(input_ids, hf_model.config.image_token_id, hashes, grids)
-        reference = generated.sequences[0, len(input_ids) :].tolist()
-        out[name] = Prompt(input_ids, items, features, reference, logprobs)
+        out[name] = reference_prompt(hf_model, batch, items, grids)
     return out
 
 
