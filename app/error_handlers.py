@@ -58,7 +58,10 @@ def error_detail(exc: BaseException | ErrorInfo) -> tuple[int, ErrorDetail]:
     if isinstance(exc, RequestValidationError):
         return 400, validation_error_detail(exc.errors())
     if isinstance(exc, StarletteHTTPException):
-        return exc.status_code, ErrorDetail(message=str(exc.detail), type=_type_for_status(exc.status_code))
+        code = "request_too_large" if exc.status_code == 413 else None  # a body cut off while streaming
+        return exc.status_code, ErrorDetail(
+            message=str(exc.detail), type=_type_for_status(exc.status_code), code=code
+        )
     return 500, ErrorDetail(message=f"Internal server error ({type(exc).__name__}).", type=SERVER_ERROR)
 
 

@@ -61,6 +61,22 @@ class ContextLengthError(InvalidRequestError):
         super().__init__(message, param=param, code=code)
 
 
+class AuthenticationError(MMServeError):
+    """Missing or wrong ``Authorization: Bearer <key>`` on a guarded route (401, as OpenAI answers)."""
+
+    http_status = 401
+    err_type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+
+class RequestTooLargeError(MMServeError):
+    """The request body is larger than ``--max-request-body-mb`` (413); refused before it is read."""
+
+    http_status = 413
+    err_type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
 class EngineUnavailableError(MMServeError):
     """The engine is not ready, died or was restarted under the request (503)."""
 

@@ -16,6 +16,7 @@ from app.error_handlers import install_error_handlers
 from app.input_processor import InputProcessor
 from app.metrics import ApiMetrics
 from app.processor_cache import ProcessorCache
+from app.request_guards import RequestGuards
 from app.routes import chat, models, ops
 from app.settings import Settings
 from app.state import ApiState
@@ -48,6 +49,9 @@ def create_app(settings: Settings, *, shutdown_engine_on_exit: bool = False) -> 
 
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(
+        RequestGuards, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes
+    )
     for router in (chat.router, models.router, ops.router):
         app.include_router(router)
     return app

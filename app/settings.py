@@ -95,6 +95,14 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(
         20 * 1024 * 1024, gt=0, description="Largest image (encoded bytes) accepted."
     )
+    api_key: str | None = Field(
+        None,
+        min_length=1,
+        description="Require 'Authorization: Bearer <key>' on /v1/* and /reset_mm_cache (default: no auth).",
+    )
+    max_request_body_mb: float = Field(
+        64.0, gt=0, description="Largest request body in MiB; a larger one gets 413 before it is read."
+    )
     log_level: str = Field("info", description="Log level of every process.")
 
     @field_validator("engine_addr", "worker_addr")
@@ -138,6 +146,10 @@ class Settings(BaseSettings):
     @property
     def processor_cache_bytes(self) -> int:
         return int(self.mm_processor_cache_gb * GIB)
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        return int(self.max_request_body_mb * (1 << 20))
 
     @property
     def ipc_cache_bytes(self) -> int:

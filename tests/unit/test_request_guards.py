@@ -1,0 +1,117 @@
+"""RequestGuards (API key, body cap) on a minimal app with mmserve's error handlers: refusals come in the
+OpenAI envelope before any route runs; open routes stay open; bodies are capped declared or streamed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+
+from app.error_handlers import install_error_handlers
+from app.request_guards import RequestGuards
+from app.settings import Settings
+
+KEY = "sk-test-123"
+CAP = 1000
+
+
+def make_app(api_key: str | None) -> tuple[FastAPI, list[int]]:
+    app = FastAPI()
+    install_error_handlers(app)
+    app.add_middleware(RequestGuards, api_key=api_key, max_body_bytes=CAP)
+    seen: list[int] = []  # body sizes the route got to read
+
+    @app.post("/v1/echo")
+    async def echo(request: Request) -> dict[str, int]:
+        body = await request.body()
+        seen.append(len(body))
+        return {"num_bytes": len(body)}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/reset_mm_cache")
+    async def reset() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app, seen
+
+
+def call(app: FastAPI, method: str, path: str, **kwargs: object) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.request(method, path, **kwargs)  # type: ignore[arg-type]
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("headers", "message"),
+    [
+        ({}, "Missing API key"),
+        ({"Authorization": "Bearer wrong"}, "Incorrect"),
+        ({"Authorization": KEY}, "Incorrect"),
+    ],
+)
+def test_guarded_routes_need_the_key(headers: dict[str, str], message: str) -> None:
+    app, seen = make_app(KEY)
+    for path in ("/v1/echo", "/reset_mm_cache"):
+        resp = call(app, "POST", path, content=b"{}", headers=headers)
+        assert resp.status_code == 401 and resp.headers["www-authenticate"] == "Bearer"
+        error = resp.json()["error"]
+        assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
+        assert message in error["message"] and KEY not in error["message"]
+    assert seen == []  # refused before the route read anything
+
+
+def test_the_right_key_passes_and_open_routes_stay_open() -> None:
+    app, seen = make_app(KEY)
+    ok = call(app, "POST", "/v1/echo", content=b"abc", headers={"Authorization": f"Bearer {KEY}"})
+    assert ok.status_code == 200 and ok.json() == {"num_bytes": 3}
+    assert call(app, "GET", "/health").status_code == 200
+    assert call(app, "GET", "/nope").status_code == 404  # unknown paths outside /v1 are just 404
+
+
+def test_without_a_key_nothing_is_guarded() -> None:
+    app, _ = make_app(None)
+    assert call(app, "POST", "/v1/echo", content=b"abc").status_code == 200
+
+
+def test_declared_body_over_the_cap_is_refused_unread() -> None:
+    app, seen = make_app(None)
+    resp = call(app, "POST", "/v1/echo", content=b"x" * (CAP + 1))
+    assert resp.status_code == 413
+    assert resp.json()["error"]["code"] == "request_too_large"
+    assert "--max-request-body-mb" in resp.json()["error"]["message"]
+    assert seen == []
+    assert call(app, "POST", "/v1/echo", content=b"x" * CAP).json() == {"num_bytes": CAP}
+
+
+def test_streamed_body_over_the_cap_is_cut_off() -> None:
+    app, seen = make_app(None)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(5):
+            yield b"x" * 400  # no Content-Length: transfer-encoding chunked
+
+    resp = call(app, "POST", "/v1/echo", content=chunks())
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+    assert seen == []
+
+
+def test_settings() -> None:
+    assert Settings(max_request_body_mb=2).max_request_body_bytes == 2 << 20
+    with pytest.raises(ValueError):
+        Settings(api_key="")
+    with pytest.raises(ValueError):
+        Settings(max_request_body_mb=0)
+
+
+def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MMSERVE_API_KEY", KEY)
+    assert Settings().api_key == KEY
