@@ -22,6 +22,7 @@ from app.errors import (
     InvalidRequestError,
     MMServeError,
     ModelNotFoundError,
+    TooManyRequestsError,
 )
 from app.input_processor import InputProcessor, PreparedRequest
 from app.metrics import ApiMetrics
@@ -36,6 +37,8 @@ DISCONNECT_POLL_S = 0.5
 def error_from_engine(info: ErrorInfo) -> MMServeError:
     if info.code == "context_length_exceeded":
         return ContextLengthError(info.message)
+    if info.http_status == 429:
+        return TooManyRequestsError(info.message, code=info.code)
     if info.http_status >= 500:
         return InternalError(info.message, code=info.code)
     return InvalidRequestError(info.message, code=info.code)

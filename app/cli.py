@@ -77,6 +77,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         encoder_compute_budget_tokens=compute_tokens,
         enable_prefix_caching=settings.enable_prefix_caching,
         disable_chunked_mm_input=settings.disable_chunked_mm_input,
+        max_waiting_requests=settings.max_waiting_requests,
         log_level=settings.log_level,
     )
 

@@ -116,7 +116,8 @@ def validation_error_detail(errors: Sequence[Any]) -> ErrorDetail:
 
 
 async def _on_mmserve_error(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(exc)
+    retry_after_s = getattr(exc, "retry_after_s", None)  # a 429 tells the client when to come back
+    return error_response(exc, headers={"Retry-After": str(retry_after_s)} if retry_after_s else None)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:

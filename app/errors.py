@@ -77,6 +77,15 @@ class RequestTooLargeError(MMServeError):
     default_code = "request_too_large"
 
 
+class TooManyRequestsError(MMServeError):
+    """The engine's waiting queue is full (429 with ``Retry-After``); nothing already accepted is dropped."""
+
+    http_status = 429
+    err_type = "rate_limit_error"
+    default_code = "too_many_requests"
+    retry_after_s = 1
+
+
 class EngineUnavailableError(MMServeError):
     """The engine is not ready, died or was restarted under the request (503)."""
 

@@ -95,6 +95,12 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(
         20 * 1024 * 1024, gt=0, description="Largest image (encoded bytes) accepted."
     )
+    max_waiting_requests: int | None = Field(
+        1024,
+        ge=1,
+        description="Most requests waiting in the engine's queue; one more gets 429 with Retry-After "
+        "(requests already accepted are never dropped).",
+    )
     api_key: str | None = Field(
         None,
         min_length=1,

@@ -16,4 +16,5 @@ class EngineConfig:
     encoder_compute_budget_tokens: int = 2048
     enable_prefix_caching: bool = True
     disable_chunked_mm_input: bool = False
+    max_waiting_requests: int | None = None
     log_level: str = "info"

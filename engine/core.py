@@ -94,7 +94,7 @@ class EngineCore:
             len(msg.prompt_token_ids), msg.sampling.max_tokens, [f.num_tokens for f in msg.mm_features]
         )
         if error is not None:
-            return self._reject(client, msg.req_id, error.message, error.code)
+            return self._reject(client, msg.req_id, error.message, error.code, http_status=error.http_status)
         mm_items = {f.mm_hash: item for f, item in zip(msg.mm_features, items, strict=True) if item}
         self.scheduler.add_request(
             Request(
@@ -110,9 +110,17 @@ class EngineCore:
         return {}
 
     def _reject(
-        self, client: bytes, req_id: str, message: str, code: str, missing: list[str] | None = None
+        self,
+        client: bytes,
+        req_id: str,
+        message: str,
+        code: str,
+        missing: list[str] | None = None,
+        http_status: int = 400,
     ) -> Outputs:
-        error = ErrorInfo(message=message, code=code, missing_mm_hashes=missing or [])
+        error = ErrorInfo(
+            message=message, code=code, http_status=http_status, missing_mm_hashes=missing or []
+        )
         return {client: [RequestOutput(req_id, finish_reason=FinishReason.ABORT, error=error)]}
 
     def abort(self, client: bytes, msg: Abort) -> Outputs:

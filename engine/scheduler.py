@@ -31,12 +31,14 @@ class SchedulerConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     disable_chunked_mm_input: bool = False
+    max_waiting_requests: int | None = None  # None: the queue is unbounded
 
 
 @dataclass(frozen=True)
 class AdmissionError:
     message: str
     code: str  # OpenAI-style error code
+    http_status: int = 400
 
 
 @dataclass
@@ -87,7 +89,16 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
 
     def admission_error(self, prompt_len: int, max_tokens: int, mm_sizes: list[int]) -> AdmissionError | None:
-        """Why a request can never run (checked before it is queued), or None."""
+        """Why a request is refused (checked before it is queued), or None: it could never run (400),
+        or the waiting queue is full (429; requests already queued are never dropped for a new one)."""
+        limit = self.config.max_waiting_requests
+        if limit is not None and self.num_waiting >= limit:
+            return AdmissionError(
+                f"The server is busy: {self.num_waiting} requests are waiting (--max-waiting-requests "
+                f"{limit}). Retry shortly.",
+                "too_many_requests",
+                http_status=429,
+            )
         if prompt_len + max_tokens > self.config.max_model_len:
             return AdmissionError(
                 f"This model's maximum context length is {self.config.max_model_len} tokens. However, "

@@ -14,7 +14,7 @@ Image = tuple[str, int, int]  # (mm_hash, offset, num_tokens)
 DEFAULT_TOKEN = 7
 
 
-def config(**overrides: int | bool) -> SchedulerConfig:
+def config(**overrides: int | bool | None) -> SchedulerConfig:
     values = {
         "max_num_seqs": 8,
         "max_num_batched_tokens": 2048,

@@ -196,3 +196,16 @@ def test_admission_error_item_larger_than_encoder_cache_or_compute_budget() -> N
     s = Scheduler(config(encoder_cache_tokens=0, encoder_compute_budget_tokens=300))  # cache disabled
     assert s.admission_error(600, 1, [300]) is None
     assert s.admission_error(600, 1, [301]) is not None
+
+
+def test_a_full_waiting_queue_refuses_new_requests_with_429_and_keeps_the_queued_ones() -> None:
+    s = Scheduler(config(max_waiting_requests=2, max_num_seqs=1))
+    for req_id in ("a", "b"):
+        assert s.admission_error(10, 4, []) is None
+        s.add_request(make_request(req_id, 10, max_tokens=4))
+    error = s.admission_error(10, 4, [])
+    assert error is not None and (error.code, error.http_status) == ("too_many_requests", 429)
+    assert "--max-waiting-requests 2" in error.message
+    run_step(s)  # "a" starts running: one place frees up, "b" still waits
+    assert s.num_waiting == 1 and s.admission_error(10, 4, []) is None
+    assert set(s.requests) == {"a", "b"}  # nothing already accepted was dropped
