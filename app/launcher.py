@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import setproctitle
 import uvicorn
 
 from app.encoder_budgets import budget_warnings, derive_encoder_budgets, startup_error
@@ -27,6 +28,8 @@ def run_role(role: str, settings: Settings) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # What ps and top show, so an operator can find and signal each role ("serve" runs the API itself).
+    setproctitle.setproctitle(f"mmserve: {'api' if role == 'serve' else role}")
     # The engine reads only JSON from the folder: the model's length limit and its largest image.
     derived = (settings.max_model_len, settings.encoder_cache_tokens, settings.encoder_compute_budget_tokens)
     needs_model = role != "engine" or None in derived
