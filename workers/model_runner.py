@@ -166,7 +166,7 @@ class ModelRunner:
                 # the resumed request continues exactly where it stopped.
                 req.block_ids, req.num_computed_tokens = None, 0
 
-        self._check_additions(sched)
+        positions = self._check_additions(sched)
         for resumed in sched.resumed_requests:
             req = self.requests[resumed.req_id]
             req.block_ids, req.num_computed_tokens = list(resumed.block_ids), resumed.num_computed_tokens
@@ -179,7 +179,7 @@ class ModelRunner:
                 sampling=new.sampling,
                 generator=make_generator(new.sampling.seed, self.device, self.generator),
                 block_ids=list(new.block_ids),
-                positions=self.model.prompt_positions(len(new.prompt_token_ids), list(new.mm_features)),
+                positions=positions[new.req_id],
                 num_computed_tokens=new.num_computed_tokens,
             )
         for req_id, block_ids in sched.new_block_ids.items():
@@ -187,7 +187,10 @@ class ModelRunner:
             assert table is not None  # checked
             table.extend(block_ids)
 
-    def _check_additions(self, sched: SchedulerOutput) -> None:
+    def _check_additions(self, sched: SchedulerOutput) -> dict[str, RequestPositions]:
+        """Raises StepError before any state changes; returns the new requests' positions (built from
+        their placements, which checks them too)."""
+        positions: dict[str, RequestPositions] = {}
         for resumed in sched.resumed_requests:
             req = self.requests.get(resumed.req_id)
             if req is None or req.block_ids is not None:
@@ -205,8 +208,10 @@ class ModelRunner:
                     raise StepError(
                         f"mm item {feat.mm_hash!r} at {feat.offset}+{feat.num_tokens} is outside the prompt"
                     )
-            try:  # positions are built from the placements when the request is added
-                self.model.prompt_positions(len(new.prompt_token_ids), list(new.mm_features))
+            try:
+                positions[new.req_id] = self.model.prompt_positions(
+                    len(new.prompt_token_ids), list(new.mm_features)
+                )
             except ValueError as exc:
                 raise StepError(f"request {new.req_id!r}: {exc}") from exc
             self._check_blocks(new.req_id, new.block_ids)
@@ -218,6 +223,7 @@ class ModelRunner:
                 state = "unknown" if req is None else "preempted"
                 raise StepError(f"request {req_id!r} gets new blocks but is {state} on this worker")
             self._check_blocks(req_id, block_ids)
+        return positions
 
     def _check_blocks(self, req_id: str, block_ids: list[int]) -> None:
         bad = [b for b in block_ids if not 0 <= b < self.kv_pool.num_blocks]

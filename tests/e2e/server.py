@@ -8,6 +8,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,6 +130,16 @@ def start_serve(model_dir: Path, log_dir: Path, *flags: str) -> Server:
         process.kill()
         raise
     return server
+
+
+@contextmanager
+def serving(model_dir: Path, log_dir: Path, *flags: str) -> Iterator[Server]:
+    """``start_serve`` for a ``with`` block (a module fixture's body): Ctrl-C when the block ends."""
+    server = start_serve(model_dir, log_dir, *flags)
+    try:
+        yield server
+    finally:
+        server.process.interrupt()
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import greedy_body, make_image, user_message
-from tests.e2e.server import Server, start_serve
+from tests.e2e.server import Server, serving
 
 pytestmark = pytest.mark.slow
 
@@ -22,13 +22,10 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def guarded_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_serve(
+    with serving(
         tiny_model_dir, tmp_path_factory.mktemp("guarded"), "--api-key", KEY, "--max-request-body-mb", "1"
-    )
-    try:
+    ) as srv:
         yield srv
-    finally:
-        srv.process.interrupt()
 
 
 def test_guarded_routes_need_the_key(guarded_server: Server) -> None:

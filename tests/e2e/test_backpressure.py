@@ -13,25 +13,22 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import greedy_body, user_message
-from tests.e2e.server import Server, start_serve
+from tests.e2e.server import Server, serving
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def narrow_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_serve(
+    with serving(
         tiny_model_dir,
         tmp_path_factory.mktemp("narrow"),
         "--max-num-seqs",
         "1",
         "--max-waiting-requests",
         "1",
-    )
-    try:
+    ) as srv:
         yield srv
-    finally:
-        srv.process.interrupt()
 
 
 def test_a_burst_gets_429_and_accepted_requests_all_finish(narrow_server: Server) -> None:

@@ -14,14 +14,14 @@ import pytest
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.parity import assert_matches_oracle, greedy_request
-from tests.e2e.server import Server, delta, start_serve
+from tests.e2e.server import Server, delta, serving
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def small_step_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_serve(
+    with serving(
         tiny_model_dir,
         tmp_path_factory.mktemp("small-step"),
         "--max-num-batched-tokens",
@@ -30,22 +30,16 @@ def small_step_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
         "image=1",
         "--fetch-timeout-s",
         "8",
-    )
-    try:
+    ) as srv:
         yield srv
-    finally:
-        srv.process.interrupt()
 
 
 @pytest.fixture(scope="module")
 def small_budget_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_serve(
+    with serving(
         tiny_model_dir, tmp_path_factory.mktemp("small-budget"), "--encoder-compute-budget-tokens", "100"
-    )
-    try:
+    ) as srv:
         yield srv
-    finally:
-        srv.process.interrupt()
 
 
 def post(server: Server, body: dict) -> httpx.Response:

@@ -14,7 +14,7 @@ import pytest
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.parity import assert_matches_oracle, concurrent_greedy_requests, greedy_request
-from tests.e2e.server import Server, delta, start_serve
+from tests.e2e.server import Server, delta, serving
 from workers.families.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def qwen_oracle(model_dir: Path) -> Oracle:
 @pytest.fixture(scope="module")
 def tiny_pool_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A 1,024-token KV pool, and an explicit encoder budget of 600 (below the largest item)."""
-    srv = start_serve(
+    with serving(
         model_dir,
         tmp_path_factory.mktemp("qwen-pool"),
         "--kv-cache-tokens",
@@ -47,11 +47,8 @@ def tiny_pool_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         "256",
         "--encoder-compute-budget-tokens",
         "600",
-    )
-    try:
+    ) as srv:
         yield srv
-    finally:
-        srv.process.interrupt()
 
 
 def post(server: Server, body: dict[str, Any]) -> httpx.Response:
