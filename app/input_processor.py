@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import msgspec
 
 from app.engine_client import EngineClient, EngineGone
 from app.errors import InvalidRequestError
@@ -219,16 +220,8 @@ class InputProcessor:
             refs, item_frames = tensor_frames(image.item, first_frame=1 + len(frames))
             frames.extend(item_frames)
             payload_bytes += sum(f.nbytes for f in item_frames)
-            features.append(
-                MMFeature(
-                    image.mm_hash,
-                    offset,
-                    image.num_tokens,
-                    tensors=refs,
-                    store=decision is MirrorDecision.STORE,
-                    grid_thw=image.grid_thw,
-                )
-            )
+            store = decision is MirrorDecision.STORE
+            features.append(msgspec.structs.replace(placement, tensors=refs, store=store))
         msg = AddRequest(
             req_id=req_id,
             prompt_token_ids=prepared.prompt_token_ids,

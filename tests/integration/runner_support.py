@@ -82,6 +82,22 @@ def reference_prompt(
     return Prompt(input_ids, items, features, reference, logprobs)
 
 
+def run_staggered(runner: ModelRunner, hf_model: Any, prompts: dict[str, Prompt]) -> FakeEngine:
+    """ "text" starts alone; "one" and "two" join while it decodes, in 200-token prefill chunks, so
+    steps mix prefill chunks with decode tokens. Every request is checked against ``generate``."""
+    engine = FakeEngine(runner, chunk_tokens=200)
+    engine.add("text", prompts["text"], greedy(hf_model))
+    engine.step()
+    engine.step()
+    engine.add("one", prompts["one"], greedy(hf_model))
+    engine.step()
+    engine.add("two", prompts["two"], greedy(hf_model))
+    engine.run()
+    for name in ("text", "one", "two"):
+        assert_matches_generate(engine, name, prompts[name])
+    return engine
+
+
 def blocks(prompt: Prompt, runner: ModelRunner, num_extra_tokens: int = 8) -> list[int]:
     """A contiguous block table with room for the prompt and a few outputs (hand-made steps)."""
     return list(range(-(-(len(prompt.input_ids) + num_extra_tokens) // runner.block_size)))

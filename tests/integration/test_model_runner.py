@@ -21,6 +21,7 @@ from tests.integration.runner_support import (
     assert_matches_generate,
     blocks,
     greedy,
+    run_staggered,
 )
 from workers.encoder_store import MissingEncoderOutput
 from workers.kv_pool import plan_num_kv_blocks
@@ -58,16 +59,7 @@ def test_chunked_prefill_matches_generate(runner, hf_model, prompts, chunk_token
 
 
 def test_batched_mixed_prefill_and_decode(runner, hf_model, prompts):
-    engine = FakeEngine(runner, chunk_tokens=200)
-    engine.add("text", prompts["text"], greedy(hf_model))
-    engine.step()
-    engine.step()
-    engine.add("one", prompts["one"], greedy(hf_model))
-    engine.step()
-    engine.add("two", prompts["two"], greedy(hf_model))
-    engine.run()
-    for name in ("text", "one", "two"):
-        assert_matches_generate(engine, name, prompts[name])
+    engine = run_staggered(runner, hf_model, prompts)
     mixed = [
         s for s, _ in engine.history if len(s) > 1 and 1 in s.values() and any(n > 1 for n in s.values())
     ]

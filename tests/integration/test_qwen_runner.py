@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from tests.integration.fake_engine import FakeEngine, Prompt
-from tests.integration.runner_support import assert_matches_generate, greedy, reference_prompt
+from tests.integration.runner_support import assert_matches_generate, greedy, reference_prompt, run_staggered
 from workers.families import family_for, load_processing
 from workers.families.tiny import build_tiny_model
 from workers.model_runner import ModelRunner
@@ -142,16 +142,7 @@ def test_encoder_output_keeps_its_levels_together(runner, hf_model, prompts):
 
 
 def test_batched_mixed_prefill_and_decode(runner, hf_model, prompts):
-    engine = FakeEngine(runner, chunk_tokens=200)
-    engine.add("text", prompts["text"], greedy(hf_model))
-    engine.step()
-    engine.step()
-    engine.add("one", prompts["one"], greedy(hf_model))
-    engine.step()
-    engine.add("two", prompts["two"], greedy(hf_model))
-    engine.run()
-    for name in ("text", "one", "two"):
-        assert_matches_generate(engine, name, prompts[name])
+    run_staggered(runner, hf_model, prompts)
 
 
 def test_preempted_request_resumes_exactly(runner, hf_model, prompts):
