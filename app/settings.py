@@ -95,6 +95,32 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(
         20 * 1024 * 1024, gt=0, description="Largest image (encoded bytes) accepted."
     )
+    max_request_image_bytes: int = Field(
+        64 * 1024 * 1024,
+        gt=0,
+        description="Most encoded image bytes in one request, all images together.",
+    )
+    max_media_redirects: int = Field(5, ge=0, le=20, description="Most redirects followed per image URL.")
+    allow_private_media_urls: bool = Field(
+        False,
+        description="Fetch image URLs that resolve to loopback, private, link-local or other non-public "
+        "addresses (development only; refused by default).",
+    )
+    allowed_media_domains: list[str] | None = Field(
+        None,
+        description="Only fetch image URLs whose host is one of these domains or their subdomains, "
+        "comma-separated (default: any public host).",
+    )
+    allowed_local_media_path: str | None = Field(
+        None,
+        description="Accept file:// image URLs for files under this folder, never outside it "
+        "(default: file:// refused).",
+    )
+    shutdown_timeout: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM: seconds in-flight requests get to finish while new ones get 503.",
+    )
     max_waiting_requests: int | None = Field(
         1024,
         ge=1,
@@ -117,6 +143,17 @@ class Settings(BaseSettings):
         if not addr.startswith(("ipc://", "tcp://", "inproc://")):
             raise ValueError(f"ZeroMQ address must start with ipc://, tcp:// or inproc://: {addr!r}")
         return addr
+
+    @field_validator("allowed_media_domains", mode="before")
+    @classmethod
+    def _parse_domains(cls, value: Any) -> Any:
+        """``a.com,b.org`` or a JSON list; names are compared lower-case, without a trailing dot."""
+        if isinstance(value, str):
+            text = value.strip()
+            value = json.loads(text) if text.startswith("[") else text.split(",")
+        if isinstance(value, list):
+            return [str(v).strip().lower().rstrip(".") for v in value if str(v).strip()]
+        return value
 
     @field_validator("limit_mm_per_prompt", mode="before")
     @classmethod
