@@ -34,9 +34,12 @@ class InvalidRequestError(MMServeError):
 class MediaError(InvalidRequestError):
     """An image could not be fetched, decoded or accepted (400, never a 500).
 
-    Codes: ``invalid_image_url`` (bad scheme or data URL), ``image_fetch_failed`` (HTTP error, timeout,
-    connection refused), ``image_too_large`` (encoded bytes or pixels over the limit), ``invalid_image``
-    (bytes that do not decode as an image).
+    Codes: ``invalid_image_url`` (bad scheme, host or data URL), ``image_url_forbidden`` (refused by the
+    media policy: a non-public address, a host outside ``--allowed-media-domains``, ``file://`` outside
+    ``--allowed-local-media-path``), ``too_many_redirects`` (over ``--max-media-redirects``),
+    ``image_fetch_failed`` (HTTP error, timeout, connection refused, unknown host), ``image_too_large``
+    (encoded bytes or pixels over the limit), ``request_images_too_large`` (all images of the request
+    over ``--max-request-image-bytes``; param ``messages``), ``invalid_image`` (bytes that do not decode).
     """
 
     default_code = "invalid_image"

@@ -3,7 +3,8 @@ model's family (``workers.families``) supplies every model-specific step::
 
     prepare()    1 parse            messages -> chat-template messages + image URLs; per-prompt limit,
                                     mm_processor_kwargs validated (before anything is fetched)
-                 2 fetch and hash   every image's bytes, concurrently; mm_hash over bytes + options
+                 2 fetch and hash   every image's bytes, concurrently, under the media policy and one
+                                    request-wide byte budget; mm_hash over bytes + options
                  3 render           the family's chat template
     resolve()    4 cache lookups    per image: processor cache, then the IPC mirror (pins a hit)
                  5 process misses   decode + the family's HF processor, concurrently, off the loop
@@ -20,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-import httpx
 import msgspec
 
 from app.engine_client import EngineClient, EngineGone
@@ -31,11 +32,14 @@ from app.errors import InvalidRequestError
 from app.hashing import mm_hash
 from app.ipc_mirror import MirrorDecision, MirrorItem
 from app.media import decode_image, load_image_bytes
+from app.media_fetch import MediaFetcher, RequestImageBudget
 from app.metrics import ApiMetrics
 from app.processor_cache import ProcessorCache
 from app.settings import Settings
 from engine.protocol import AddRequest, MMFeature, RequestOutput, SamplingParams, TensorRef
 from workers.families.processing import FamilyProcessor, ProcessedItem
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -79,6 +83,19 @@ def normalise_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], list[
     return rendered, urls
 
 
+async def gather_or_cancel(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """``asyncio.gather``, but the first failure cancels the others (a refused request stops fetching
+    its remaining images at once)."""
+    tasks = [asyncio.ensure_future(coro) for coro in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 def tensor_frames(item: ProcessedItem, first_frame: int) -> tuple[dict[str, TensorRef], list[memoryview]]:
     """Zero-copy views of an item's tensors, numbered from ``first_frame``."""
     refs: dict[str, TensorRef] = {}
@@ -98,14 +115,14 @@ class InputProcessor:
         processor_cache: ProcessorCache,
         engine: EngineClient,
         metrics: ApiMetrics,
-        http: httpx.AsyncClient,
+        media: MediaFetcher,
     ) -> None:
         self.settings = settings
         self.family = family
         self.processor_cache = processor_cache
         self.engine = engine
         self.metrics = metrics
-        self.http = http
+        self.media = media
 
     # -- stages 1-3 -------------------------------------------------------------------------------
 
@@ -113,7 +130,10 @@ class InputProcessor:
         rendered, urls = normalise_messages(messages)
         self._check_limit(len(urls))
         options = self.family.hash_options(mm_processor_kwargs)
-        images = await asyncio.gather(*(self._fetch_and_hash(url, param, options) for url, param in urls))
+        budget = RequestImageBudget(self.settings.max_request_image_bytes)
+        images = await gather_or_cancel(
+            [self._fetch_and_hash(url, param, options, budget) for url, param in urls]
+        )
         prompt = self.family.render_prompt(rendered)
         return PreparedRequest(prompt, list(images), options)
 
@@ -127,12 +147,11 @@ class InputProcessor:
                 code="mm_limit_exceeded",
             )
 
-    async def _fetch_and_hash(self, url: str, param: str, options: dict[str, Any]) -> ImageInput:
+    async def _fetch_and_hash(
+        self, url: str, param: str, options: dict[str, Any], budget: RequestImageBudget
+    ) -> ImageInput:
         start = time.perf_counter()
-        s = self.settings
-        data = await load_image_bytes(
-            url, client=self.http, timeout_s=s.fetch_timeout_s, max_bytes=s.max_image_bytes, param=param
-        )
+        data = await load_image_bytes(url, fetcher=self.media, param=param, budget=budget)
         self.metrics.fetch_seconds.observe(time.perf_counter() - start)
         self.metrics.mm_items.inc()
         digest = mm_hash(model_id=self.family.model_id, modality="image", data=data, options=options)

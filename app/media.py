@@ -2,22 +2,22 @@
 
 ``load_image_bytes`` returns the image's original encoded bytes whatever the URL kind, because the
 mm_hash is taken over them: the same file sent by ``https://`` or as a ``data:`` URL must hash alike.
+What may be fetched, and how, is ``app.url_policy`` and ``app.media_fetch``.
 ``decode_image`` turns them into an RGB ``PIL.Image``. Every failure is a ``MediaError`` (HTTP 400)
 naming the offending message part in ``param``; nothing here lets a client's bad input become a 500.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import io
 import re
 
-import httpx
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from app.errors import MediaError
+from app.media_fetch import MediaFetcher, RequestImageBudget
 
 # Decoded pixels allowed per image (a 8192 x 8192 image); guards against decompression bombs, where a
 # few KB of PNG claim gigabytes of pixels.
@@ -27,18 +27,25 @@ _WHITESPACE = re.compile(rb"\s+")
 
 
 async def load_image_bytes(
-    url: str, *, client: httpx.AsyncClient, timeout_s: float, max_bytes: int, param: str
+    url: str, *, fetcher: MediaFetcher, param: str, budget: RequestImageBudget | None = None
 ) -> bytes:
-    """The encoded bytes behind an ``image_url``: a ``data:image/...;base64,`` URL or ``http(s)://``.
+    """The encoded bytes behind an ``image_url``: ``data:image/...;base64,``, ``http(s)://`` (under the
+    media policy: public addresses, allowed domains, redirects checked hop by hop) or ``file://`` (only
+    under ``--allowed-local-media-path``).
 
-    Called once per image part while a request is prepared. At most ``max_bytes`` are read; fetches
-    follow redirects and must finish within ``timeout_s`` in total.
+    Called once per image part while a request is prepared. At most ``max_image_bytes`` are read, and
+    every byte counts against ``budget``, the request's total when one is given.
     """
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme == "data":
-        return _decode_data_url(url, max_bytes=max_bytes, param=param)
+        data = _decode_data_url(url, max_bytes=fetcher.policy.max_image_bytes, param=param)
+        if budget is not None:
+            budget.add(len(data))
+        return data
     if scheme in ("http", "https"):
-        return await _fetch(url, client=client, timeout_s=timeout_s, max_bytes=max_bytes, param=param)
+        return await fetcher.fetch_http(url, param=param, budget=budget)
+    if scheme == "file":
+        return await fetcher.read_file(url, param=param, budget=budget)
     raise MediaError(
         "Image URLs must be http://, https:// or data:image/...;base64, URLs.",
         param=param,
@@ -119,48 +126,4 @@ def _decode_data_url(url: str, *, max_bytes: int, param: str) -> bytes:
         raise MediaError(
             f"Image exceeds the limit of {max_bytes} bytes.", param=param, code="image_too_large"
         )
-    return data
-
-
-async def _fetch(
-    url: str, *, client: httpx.AsyncClient, timeout_s: float, max_bytes: int, param: str
-) -> bytes:
-    too_large = MediaError(
-        f"Image at {url!r} exceeds the limit of {max_bytes} bytes.", param=param, code="image_too_large"
-    )
-    try:
-        # httpx timeouts bound each read, not the whole body; the outer timeout bounds a slow drip too.
-        async with asyncio.timeout(timeout_s):
-            async with client.stream("GET", url, timeout=timeout_s, follow_redirects=True) as response:
-                if not response.is_success:
-                    raise MediaError(
-                        f"Fetching image {url!r} failed with HTTP status {response.status_code}.",
-                        param=param,
-                        code="image_fetch_failed",
-                    )
-                declared = response.headers.get("content-length", "")
-                if declared.isdigit() and int(declared) > max_bytes:
-                    raise too_large
-                chunks: list[bytes] = []
-                num_bytes = 0
-                async for chunk in response.aiter_bytes():
-                    num_bytes += len(chunk)
-                    if num_bytes > max_bytes:
-                        raise too_large
-                    chunks.append(chunk)
-    except MediaError:
-        raise
-    except TimeoutError as exc:
-        raise MediaError(
-            f"Fetching image {url!r} timed out after {timeout_s:g} s.", param=param, code="image_fetch_failed"
-        ) from exc
-    except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError, OSError, ValueError) as exc:
-        raise MediaError(
-            f"Fetching image {url!r} failed: {type(exc).__name__}: {exc}".rstrip(": "),
-            param=param,
-            code="image_fetch_failed",
-        ) from exc
-    data = b"".join(chunks)
-    if not data:
-        raise MediaError(f"Image at {url!r} is empty.", param=param, code="invalid_image")
     return data

@@ -14,12 +14,14 @@ from app.chat_service import ChatService
 from app.engine_client import EngineClient
 from app.error_handlers import install_error_handlers
 from app.input_processor import InputProcessor
+from app.media_fetch import MediaFetcher
 from app.metrics import ApiMetrics
 from app.processor_cache import ProcessorCache
 from app.request_guards import RequestGuards
 from app.routes import chat, models, ops
 from app.settings import Settings
 from app.state import ApiState
+from app.url_policy import MediaPolicy
 from workers.families import load_processing
 
 log = logging.getLogger("mmserve.api")
@@ -34,9 +36,12 @@ def create_app(settings: Settings, *, shutdown_engine_on_exit: bool = False) -> 
         max_model_len = settings.resolved_max_model_len()
         family = load_processing(settings.model)
         engine = EngineClient(settings.engine_addr, settings.ipc_cache_bytes, metrics)
-        http = httpx.AsyncClient(follow_redirects=True)
+        # Redirects are followed by the fetcher, each hop checked; proxies from the environment would
+        # connect elsewhere than the checked address, so they are not used for image fetches.
+        http = httpx.AsyncClient(follow_redirects=False, trust_env=False)
+        media = MediaFetcher(MediaPolicy.from_settings(settings), http)
         inputs = InputProcessor(
-            settings, family, ProcessorCache(settings.processor_cache_bytes), engine, metrics, http
+            settings, family, ProcessorCache(settings.processor_cache_bytes), engine, metrics, media
         )
         chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics)
         app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, http)

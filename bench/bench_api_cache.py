@@ -26,9 +26,11 @@ from images import jpeg_data_url  # bench/ is on sys.path: scripts run as bench/
 
 from app.engine_client import EngineClient
 from app.input_processor import InputProcessor
+from app.media_fetch import MediaFetcher
 from app.metrics import ApiMetrics
 from app.processor_cache import ProcessorCache
 from app.settings import Settings
+from app.url_policy import MediaPolicy
 from engine.protocol import SamplingParams
 from workers.families import load_processing
 
@@ -88,7 +90,10 @@ async def run(args: argparse.Namespace) -> None:
     await engine.start()
     processor_cache = ProcessorCache(settings.processor_cache_bytes)
     async with httpx.AsyncClient() as http:
-        inputs = InputProcessor(settings, load_processing(args.model), processor_cache, engine, metrics, http)
+        media = MediaFetcher(MediaPolicy.from_settings(settings), http)
+        inputs = InputProcessor(
+            settings, load_processing(args.model), processor_cache, engine, metrics, media
+        )
         url = jpeg_data_url(args.size, seed=0)
         print(
             f"image: {args.size}x{args.size} JPEG, {len(url) * 3 // 4 / 1024:.0f} KiB encoded; "

@@ -106,9 +106,16 @@ def oracle(tiny_model_dir: Path) -> Oracle:
 
 @pytest.fixture(scope="session")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """One ``mmserve serve`` with every cache on, shared by the e2e tests that only send requests."""
+    """One ``mmserve serve`` with every cache on, shared by the e2e tests that only send requests. It may
+    fetch from loopback (``image_http_server``); tests/e2e/test_media_policy.py checks the default policy."""
     srv = start_serve(
-        tiny_model_dir, tmp_path_factory.mktemp("serve"), "--max-model-len", "2048", "--fetch-timeout-s", "2"
+        tiny_model_dir,
+        tmp_path_factory.mktemp("serve"),
+        "--max-model-len",
+        "2048",
+        "--fetch-timeout-s",
+        "2",
+        "--allow-private-media-urls",
     )
     try:
         yield srv

@@ -18,6 +18,8 @@ from PIL import Image
 from app.errors import MediaError
 from app.hashing import mm_hash
 from app.media import decode_image, load_image_bytes
+from app.media_fetch import MediaFetcher
+from app.url_policy import MediaPolicy
 
 PARAM = "messages[0].content[1].image_url"
 MAX_BYTES = 64 * 1024
@@ -95,11 +97,13 @@ def server() -> Iterator[str]:
 
 
 def load(url: str, *, timeout_s: float = 5.0, max_bytes: int = MAX_BYTES) -> bytes:
+    # The test server is on loopback, so private addresses are allowed here (tests/unit/test_media_fetch.py
+    # covers the policy itself).
+    policy = MediaPolicy(allow_private_addresses=True, timeout_s=timeout_s, max_image_bytes=max_bytes)
+
     async def main() -> bytes:
         async with httpx.AsyncClient(trust_env=False) as client:
-            return await load_image_bytes(
-                url, client=client, timeout_s=timeout_s, max_bytes=max_bytes, param=PARAM
-            )
+            return await load_image_bytes(url, fetcher=MediaFetcher(policy, client), param=PARAM)
 
     return asyncio.run(main())
 
@@ -145,12 +149,15 @@ def test_bad_base64_is_a_media_error_naming_the_part(url: str) -> None:
         "data:image/png," + PNG.hex(),  # not base64-encoded
         "data:image/png;base64" + base64.b64encode(PNG).decode(),  # no comma
         "ftp://127.0.0.1/img.png",
-        "file:///etc/passwd",
         "img.png",
     ],
 )
 def test_unsupported_urls_are_rejected(url: str) -> None:
     assert load_error(url).code == "invalid_image_url"
+
+
+def test_file_urls_are_refused_by_default() -> None:
+    assert load_error("file:///etc/passwd").code == "image_url_forbidden"
 
 
 def test_data_url_over_the_byte_cap() -> None:
