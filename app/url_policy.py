@@ -45,8 +45,9 @@ METADATA_ADDRESSES = frozenset(
     )
 )
 
-# Refused whatever Python's ``is_global`` says (its tables differ between patch releases and miss
-# some: multicast and ::/8 count as global in 3.11). Everything else must also be ``is_global``.
+# Refused whatever Python's ``is_global`` says (its tables differ between patch releases and miss some:
+# multicast and ::/8 count as global in 3.11); the first network holding an address names the reason.
+# Everything else must also be ``is_global``.
 REFUSED_NETWORKS: tuple[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str], ...] = tuple(
     (ipaddress.ip_network(net), reason)
     for net, reason in (
@@ -67,7 +68,6 @@ REFUSED_NETWORKS: tuple[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str
         ("240.0.0.0/4", "reserved"),  # includes the broadcast address
         ("::/128", "unspecified"),
         ("::1/128", "loopback"),
-        ("::/8", "reserved"),  # includes the deprecated IPv4-compatible ::a.b.c.d
         ("64:ff9b:1::/48", "private"),  # local-use NAT64
         ("100::/64", "reserved"),  # discard-only
         ("2001::/23", "reserved"),  # IETF protocol assignments, Teredo included
@@ -78,6 +78,7 @@ REFUSED_NETWORKS: tuple[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, str
         ("fe80::/10", "link-local"),
         ("fec0::/10", "link-local"),  # deprecated site-local
         ("ff00::/8", "multicast"),
+        ("::/8", "reserved"),  # after 64:ff9b:1::/48 (first match names the reason); ::a.b.c.d too
     )
 )
 _IPV4_MAPPED = ipaddress.ip_network("::ffff:0:0/96")
