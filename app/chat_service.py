@@ -39,6 +39,8 @@ def error_from_engine(info: ErrorInfo) -> MMServeError:
         return ContextLengthError(info.message)
     if info.http_status == 429:
         return TooManyRequestsError(info.message, code=info.code)
+    if info.http_status == 503:
+        return EngineUnavailableError(info.message, code=info.code)
     if info.http_status >= 500:
         return InternalError(info.message, code=info.code)
     return InvalidRequestError(info.message, code=info.code)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from app.ipc_mirror import IpcMirror
 from app.metrics import ApiMetrics
@@ -69,7 +70,12 @@ class EngineClient:
 
     async def start(self) -> None:
         self._sock.connect(self.engine_addr)
-        self._tasks = [asyncio.create_task(self._read_loop()), asyncio.create_task(self._heartbeat_loop())]
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._tasks = [
+            asyncio.create_task(self._read_loop()),
+            asyncio.create_task(self._heartbeat_loop()),
+            asyncio.create_task(self._watch_connection(monitor)),
+        ]
 
     async def close(self, *, shutdown_engine: bool = False) -> None:
         """Stops the engine if this API owns it; otherwise frees this API's receiver-cache partition."""
@@ -108,6 +114,9 @@ class EngineClient:
         """Registers the request's output queue and hands the message to the socket. Called in the
         same synchronous step as ``IpcMirror.record_request`` for this message."""
         queue: asyncio.Queue[RequestOutput | EngineGone] = asyncio.Queue()
+        if self.ready is None:  # nothing would answer it: a new engine starts without this request
+            queue.put_nowait(EngineGone("the engine is not ready"))
+            return queue
         self._queues[msg.req_id] = queue
         self._send(msg, frames)
         return queue
@@ -129,6 +138,23 @@ class EngineClient:
             self._send(Hello())
             await asyncio.sleep(HEARTBEAT_S)
 
+    async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
+        """The engine process died (or closed its socket): its requests and its receiver cache are gone.
+        ZeroMQ reconnects by itself; the next EngineReady (a new epoch) makes the API ready again."""
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED:
+                    self._on_engine_lost("the engine process went away")
+        finally:
+            monitor.close(linger=0)
+
+    def _on_engine_lost(self, reason: str) -> None:
+        log.warning("engine gone: %s", reason)
+        self.ready = None
+        self.ready_event.clear()
+        self._fail_in_flight(reason)
+
     async def _read_loop(self) -> None:
         while True:
             parts = await self._sock.recv_multipart()
@@ -148,10 +174,7 @@ class EngineClient:
                 case EngineReady():
                     self._on_ready(msg)
                 case EngineDead():
-                    log.warning("engine gone: %s", msg.reason)
-                    self.ready = None
-                    self.ready_event.clear()
-                    self._fail_in_flight(f"the engine stopped: {msg.reason}")
+                    self._on_engine_lost(f"the engine stopped: {msg.reason}")
 
     def _on_ready(self, msg: EngineReady) -> None:
         self._last_ready_time = asyncio.get_running_loop().time()

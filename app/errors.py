@@ -90,10 +90,12 @@ class TooManyRequestsError(MMServeError):
 
 
 class EngineUnavailableError(MMServeError):
-    """The engine is not ready, died or was restarted under the request (503)."""
+    """The engine is not ready, died or was restarted under the request, or the server is draining
+    (503; codes ``engine_unavailable``, ``worker_unavailable``, ``server_shutting_down``)."""
 
     http_status = 503
     err_type = "server_error"
+    default_code = "engine_unavailable"
 
 
 class InternalError(MMServeError):

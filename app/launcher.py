@@ -71,12 +71,16 @@ def run_role(role: str, settings: Settings) -> int:
 
 
 def run_api(settings: Settings, *, owns_engine: bool) -> None:
+    """Serves HTTP until SIGINT, or until SIGTERM's drain finished (``app.drain``)."""
+    from app.drain import Drain, DrainingServer
     from app.server import create_app
 
-    app = create_app(settings, shutdown_engine_on_exit=owns_engine)
-    uvicorn.run(
+    drain = Drain(settings.shutdown_timeout)
+    app = create_app(settings, shutdown_engine_on_exit=owns_engine, drain=drain)
+    config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5
     )
+    DrainingServer(config, drain).run()
 
 
 def _child_main(role: str, settings: Settings) -> None:
@@ -103,21 +107,16 @@ def serve(settings: Settings) -> int:
 
 
 def _serve(settings: Settings) -> int:
-    ctx = multiprocessing.get_context("spawn")
-    children = [
-        ctx.Process(target=_child_main, args=(role, settings), name=f"mmserve-{role}", daemon=False)
-        for role in ("engine", "worker")
-    ]
-    for child in children:
-        child.start()
+    supervisor = Supervisor(settings)
+    supervisor.start()
     stop = threading.Event()
     threading.Thread(target=_announce_when_ready, args=(settings, stop), daemon=True).start()
-    threading.Thread(target=_watch_children, args=(children, stop), daemon=True).start()
+    threading.Thread(target=supervisor.watch, args=(stop,), daemon=True).start()
     try:
         run_api(settings, owns_engine=True)
     finally:
         stop.set()
-        _stop_children(children)
+        supervisor.stop()
     return 0
 
 
@@ -136,18 +135,70 @@ def _announce_when_ready(settings: Settings, stop: threading.Event) -> None:
             continue
 
 
-def _watch_children(children: list[multiprocessing.process.BaseProcess], stop: threading.Event) -> None:
-    """If the engine or worker dies, the API cannot serve: stop it (uvicorn exits on SIGTERM)."""
-    while not stop.wait(0.5):
-        dead = [c for c in children if not c.is_alive()]
-        if dead:
-            log.error("%s exited (code %s); stopping", dead[0].name, dead[0].exitcode)
-            signal.raise_signal(signal.SIGTERM)
-            return
+class Supervisor:
+    """The engine and worker processes of ``serve``, restarted when they die.
+
+    A dead worker is started again; the engine notices the lost worker, fails its requests with 503 and
+    takes the new worker with a fresh epoch. A dead engine takes its worker with it (that worker's KV
+    and encoder outputs belong to the dead engine's state): both are started again, and the API, which
+    saw the engine go, clears its IPC mirror on the new epoch. A role that dies ``MAX_RESTARTS`` times
+    within ``RESTART_WINDOW_S`` is not restarted again: the API is stopped instead.
+    """
+
+    MAX_RESTARTS = 5
+    RESTART_WINDOW_S = 60.0
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.ctx = multiprocessing.get_context("spawn")
+        self.children: dict[str, multiprocessing.process.BaseProcess] = {}
+        self.restarts: dict[str, list[float]] = {"engine": [], "worker": []}
+        self.lock = threading.Lock()
+
+    def start(self, roles: tuple[str, ...] = ("engine", "worker")) -> None:
+        for role in roles:
+            child = self.ctx.Process(
+                target=_child_main, args=(role, self.settings), name=f"mmserve-{role}", daemon=False
+            )
+            child.start()
+            self.children[role] = child
+
+    def watch(self, stop: threading.Event) -> None:
+        while not stop.wait(0.1):
+            dead = [role for role, child in self.children.items() if not child.is_alive()]
+            if not dead:
+                continue
+            with self.lock:
+                if stop.is_set():
+                    return
+                if not self._restart(dead):
+                    signal.raise_signal(signal.SIGINT)  # the API stops, then stop() ends the rest
+                    return
+
+    def _restart(self, dead: list[str]) -> bool:
+        roles = ("engine", "worker") if "engine" in dead else ("worker",)
+        now = time.monotonic()
+        for role in dead:
+            log.error("%s process exited (code %s)", role, self.children[role].exitcode)
+            recent = [t for t in self.restarts[role] if now - t < self.RESTART_WINDOW_S] + [now]
+            self.restarts[role] = recent
+            if len(recent) > self.MAX_RESTARTS:
+                log.error("%s died %d times in %gs: giving up", role, len(recent), self.RESTART_WINDOW_S)
+                return False
+        if "engine" in dead and self.children["worker"].is_alive():
+            _end([self.children["worker"]], grace_s=0.0)
+        log.warning("restarting %s", " and ".join(roles))
+        self.start(roles)
+        return True
+
+    def stop(self) -> None:
+        with self.lock:
+            _end(list(self.children.values()), grace_s=5.0)
 
 
-def _stop_children(children: list[multiprocessing.process.BaseProcess]) -> None:
-    deadline = time.monotonic() + 5.0
+def _end(children: list[multiprocessing.process.BaseProcess], *, grace_s: float) -> None:
+    """Waits ``grace_s`` for children to exit by themselves, then terminates, then kills them."""
+    deadline = time.monotonic() + grace_s
     for child in children:
         child.join(max(0.0, deadline - time.monotonic()))
     for child in children:

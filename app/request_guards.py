@@ -44,13 +44,13 @@ class RequestGuards:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 message = "Missing API key." if not given else "Incorrect API key provided."
-                await _refuse(
+                await refuse(
                     AuthenticationError(message + " Send 'Authorization: Bearer <key>'."), scope, send
                 )
                 return
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await _refuse(self._too_large(), scope, send)
+            await refuse(self._too_large(), scope, send)
             return
         await self.app(scope, self._counting(receive), send)
 
@@ -77,7 +77,7 @@ class RequestGuards:
         return counted
 
 
-async def _refuse(error: MMServeError, scope: Scope, send: Send) -> None:
+async def refuse(error: MMServeError, scope: Scope, send: Send) -> None:
     response = error_response(error)
     if isinstance(error, AuthenticationError):
         response.headers["WWW-Authenticate"] = "Bearer"

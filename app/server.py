@@ -11,6 +11,7 @@ import httpx
 from fastapi import FastAPI
 
 from app.chat_service import ChatService
+from app.drain import Drain, DrainGuard
 from app.engine_client import EngineClient
 from app.error_handlers import install_error_handlers
 from app.input_processor import InputProcessor
@@ -27,8 +28,12 @@ from workers.families import load_processing
 log = logging.getLogger("mmserve.api")
 
 
-def create_app(settings: Settings, *, shutdown_engine_on_exit: bool = False) -> FastAPI:
-    """``shutdown_engine_on_exit``: the API owns the engine (``mmserve serve``) and tells it to stop."""
+def create_app(
+    settings: Settings, *, shutdown_engine_on_exit: bool = False, drain: Drain | None = None
+) -> FastAPI:
+    """``shutdown_engine_on_exit``: the API owns the engine (``mmserve serve``) and tells it to stop.
+    ``drain``: the SIGTERM drain of the server running this app (a fresh one when none is given)."""
+    drain = drain if drain is not None else Drain(settings.shutdown_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -44,7 +49,7 @@ def create_app(settings: Settings, *, shutdown_engine_on_exit: bool = False) -> 
             settings, family, ProcessorCache(settings.processor_cache_bytes), engine, metrics, media
         )
         chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics)
-        app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, http)
+        app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, http, drain)
         await engine.start()
         try:
             yield
@@ -54,6 +59,7 @@ def create_app(settings: Settings, *, shutdown_engine_on_exit: bool = False) -> 
 
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(DrainGuard, drain=drain)  # added first: runs after the guards below
     app.add_middleware(
         RequestGuards, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes
     )

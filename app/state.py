@@ -9,6 +9,7 @@ import httpx
 from fastapi import Depends, Request
 
 from app.chat_service import ChatService
+from app.drain import Drain
 from app.engine_client import EngineClient
 from app.metrics import ApiMetrics
 from app.settings import Settings
@@ -22,6 +23,7 @@ class ApiState:
     engine: EngineClient
     chat: ChatService
     http: httpx.AsyncClient
+    drain: Drain
 
 
 def get_state(request: Request) -> ApiState:

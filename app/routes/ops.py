@@ -13,7 +13,9 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(state: State) -> JSONResponse:
-    """200 once the engine (and its worker) answered; 503 while it is starting or gone."""
+    """200 once the engine (and its worker) answered; 503 while it is starting, gone or draining."""
+    if state.drain.started:
+        return JSONResponse({"status": "draining"}, status_code=503)
     if state.engine.is_ready:
         return JSONResponse({"status": "ok"})
     return JSONResponse({"status": "engine not ready"}, status_code=503)

@@ -45,6 +45,21 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def process_title(pid: int) -> str:
+    """The command line ``ps`` shows for ``pid`` (a role's process title, e.g. ``mmserve: engine``)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except FileNotFoundError:
+        return ""
+
+
+def role_pid(root_pid: int, role: str) -> int:
+    """The live process under ``root_pid`` titled ``mmserve: <role>``."""
+    found = [pid for pid in descendants(root_pid) if process_title(pid) == f"mmserve: {role}" and alive(pid)]
+    assert len(found) == 1, f"expected one {role} process under {root_pid}, found {found}"
+    return found[0]
+
+
 @dataclass
 class ServerProcess:
     """One process started with ``python -m app.cli ROLE ...``; its output goes to ``log_path``."""

@@ -3,7 +3,6 @@ process, ZeroMQ over TCP, configuration from each service's environment) serves 
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
@@ -12,15 +11,18 @@ import pytest
 import yaml
 
 from tests.e2e.conftest import greedy_body, make_image, user_message
-from tests.e2e.server import REPO, ServerProcess, alive, descendants, free_port, start_serve, wait_healthy
+from tests.e2e.server import (
+    REPO,
+    ServerProcess,
+    alive,
+    descendants,
+    free_port,
+    process_title,
+    start_serve,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def ps_args(pid: int) -> str:
-    return subprocess.run(
-        ["ps", "-o", "args=", "-p", str(pid)], capture_output=True, text=True
-    ).stdout.strip()
 
 
 def test_ctrl_c_stops_every_process(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -37,7 +39,7 @@ def test_ctrl_c_stops_every_process(tiny_model_dir: Path, tmp_path: Path) -> Non
         )
         # each role's process title names it, as ps shows it
         pids = [server.process.proc.pid, *children]
-        titles = {ps_args(pid) for pid in pids}
+        titles = {process_title(pid) for pid in pids}
         assert {"mmserve: api", "mmserve: engine", "mmserve: worker"} <= titles, titles
     except BaseException:
         server.process.kill()

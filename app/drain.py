@@ -1,0 +1,89 @@
+"""Graceful drain of the API process on SIGTERM.
+
+``Drain`` counts the guarded HTTP requests in flight; once started (the first SIGTERM), new ones are
+refused with 503 ``server_shutting_down`` while those in flight run on, and ``finished`` turns true when
+none is left or ``--shutdown-timeout`` has passed. ``DrainingServer`` is uvicorn's server with SIGTERM
+mapped to that drain (a second SIGTERM, or SIGINT, stops at once); it exits once the drain finished, and
+the lifespan then stops the engine as on any shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from types import FrameType
+
+import uvicorn
+
+from app.errors import EngineUnavailableError
+from app.request_guards import GUARDED_PREFIXES, ASGIApp, Receive, Scope, Send, refuse
+
+log = logging.getLogger("mmserve.api")
+
+
+class Drain:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.in_flight = 0
+        self.deadline: float | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.deadline is not None
+
+    def start(self) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.timeout_s
+
+    @property
+    def finished(self) -> bool:
+        return self.deadline is not None and (self.in_flight == 0 or time.monotonic() >= self.deadline)
+
+
+class DrainGuard:
+    """ASGI middleware: counts guarded requests in flight, refuses new ones once the drain started."""
+
+    def __init__(self, app: ASGIApp, *, drain: Drain) -> None:
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(GUARDED_PREFIXES):
+            await self.app(scope, receive, send)
+            return
+        if self.drain.started:
+            error = EngineUnavailableError("The server is shutting down.", code="server_shutting_down")
+            await refuse(error, scope, send)
+            return
+        self.drain.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= 1
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self.drain = drain
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM:
+            super().handle_exit(sig, frame)
+        elif not self.drain.started:
+            log.info(
+                "SIGTERM: draining %d request(s) for up to %gs; new requests get 503",
+                self.drain.in_flight,
+                self.drain.timeout_s,
+            )
+            self.drain.start()
+        else:  # a second SIGTERM: stop now (not re-raised after the shutdown, unlike uvicorn's own)
+            self.should_exit = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain.finished and not self.should_exit:
+            if self.drain.in_flight:
+                log.warning("shutdown timeout: %d request(s) in flight are cut off", self.drain.in_flight)
+            self.should_exit = True
+        return await super().on_tick(counter)

@@ -1,0 +1,161 @@
+"""Process faults on a real ``mmserve serve``: the engine or the worker SIGKILLed mid-request, and
+SIGTERM's graceful drain. The API process survives the first two and serves the same answers again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import greedy_body, make_image, user_message
+from tests.e2e.server import Server, alive, descendants, role_pid, serving, start_serve
+
+pytestmark = pytest.mark.slow
+
+HEALTH_DEADLINE_S = 2.0
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def answer(server: Server, body: dict[str, Any]) -> str:
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["choices"][0]["message"]["content"])
+
+
+def stream_events(server: Server, body: dict[str, Any], events: list[dict[str, Any] | str]) -> None:
+    """Collects a streamed answer's events ("[DONE]" as a string, "cut off" when the connection
+    closed early); run in a thread."""
+    url = f"{server.base_url}/v1/chat/completions"
+    try:
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", url, json={**body, "stream": True}) as r,
+        ):
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    data = line.removeprefix("data: ")
+                    events.append(data if data == "[DONE]" else json.loads(data))
+    except httpx.HTTPError:
+        events.append("cut off")
+
+
+def started_stream(server: Server, body: dict[str, Any]) -> tuple[threading.Thread, list[Any]]:
+    """A streamed request running in a thread, returned once its first tokens arrived."""
+    events: list[Any] = []
+    thread = threading.Thread(target=stream_events, args=(server, body, events), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while len(events) < 3 and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(events) >= 3, events
+    return thread, events
+
+
+def seconds_until_health(server: Server, status: int, timeout_s: float) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=1.0).status_code == status:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"/health did not answer {status} within {timeout_s}s")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with serving(tiny_model_dir, tmp_path_factory.mktemp("faults")) as started:
+        yield started
+
+
+SHORT = greedy_body([user_message("Describe it.", make_image(71))], max_tokens=12)
+LONG = greedy_body([user_message("Go on and on.", make_image(72))], max_tokens=1400)
+
+
+@pytest.mark.parametrize("role", ["worker", "engine"])
+def test_sigkill_fails_in_flight_then_the_server_recovers(server: Server, role: str) -> None:
+    assert server.process.proc is not None
+    api_pid = server.process.proc.pid
+    before = answer(server, SHORT)
+    thread, events = started_stream(server, LONG)
+
+    os.kill(role_pid(api_pid, role), signal.SIGKILL)
+    unhealthy_after = seconds_until_health(server, 503, timeout_s=10)
+    thread.join(10)
+    assert not thread.is_alive(), "the in-flight stream ended"
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 1 and errors[0]["error"]["code"] in ("engine_unavailable", "worker_unavailable")
+    assert "[DONE]" not in events
+    assert unhealthy_after <= HEALTH_DEADLINE_S, f"/health said 503 only after {unhealthy_after:.2f}s"
+
+    # while the dead part restarts, a request gets a clear 503 (or, if the restart was quick, an answer)
+    during = httpx.post(f"{server.base_url}/v1/chat/completions", json=SHORT, timeout=120)
+    assert during.status_code in (200, 503), during.text
+    if during.status_code == 503:
+        assert during.json()["error"]["code"] in ("engine_unavailable", "worker_unavailable")
+
+    seconds_until_health(server, 200, timeout_s=120)
+    assert server.process.proc.poll() is None and alive(api_pid), "the API process was not restarted"
+    role_pid(api_pid, "engine"), role_pid(api_pid, "worker")
+    assert answer(server, SHORT) == before, "the restarted part answers as before"
+    assert answer(server, SHORT) == before, "a repeat (now from the fresh caches) too"
+
+
+def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path) -> None:
+    shm_before = shm_entries()
+    drained = start_serve(tiny_model_dir, tmp_path, "--shutdown-timeout", "60")
+    assert drained.process.proc is not None
+    proc = drained.process.proc
+    children = descendants(proc.pid)
+    body = greedy_body([user_message("Finish this.", make_image(73))], max_tokens=200)
+    thread, events = started_stream(drained, body)
+
+    proc.send_signal(signal.SIGTERM)
+    seconds_until_health(drained, 503, timeout_s=5)
+    refused = httpx.post(f"{drained.base_url}/v1/chat/completions", json=SHORT, timeout=30)
+    assert refused.status_code == 503
+    assert refused.json()["error"]["code"] == "server_shutting_down"
+
+    thread.join(120)
+    assert events[-1] == "[DONE]", events[-3:]
+    choices = [e["choices"][0] for e in events if isinstance(e, dict) and e["choices"]]
+    assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
+    assert proc.wait(30) == 0, drained.process.log()[-3000:]
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if alive(pid)], "no orphan processes"
+    assert shm_entries() <= shm_before, f"leaked shared memory: {shm_entries() - shm_before}"
+
+
+def test_sigterm_cuts_off_what_outlives_the_shutdown_timeout(tiny_model_dir: Path, tmp_path: Path) -> None:
+    hurried = start_serve(tiny_model_dir, tmp_path, "--shutdown-timeout", "1")
+    assert hurried.process.proc is not None
+    proc = hurried.process.proc
+    children = descendants(proc.pid)
+    endless = greedy_body([user_message("Never stop.", make_image(74))], max_tokens=1400)
+    thread, events = started_stream(hurried, endless)
+
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, hurried.process.log()[-3000:]
+    assert time.monotonic() - start < 15
+    thread.join(10)
+    assert "[DONE]" not in events
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if alive(pid)], "no orphan processes"
