@@ -218,6 +218,16 @@ def test_api_is_published_and_health_checked(compose):
     assert "engine" in _services(compose)["worker"]["depends_on"]
 
 
+@pytest.mark.parametrize("role", ROLES)
+def test_dead_roles_restart_and_drain_before_they_are_killed(compose, role):
+    """A SIGKILLed role comes back (restart policy); on stop, Docker's SIGKILL comes only after the
+    role's SIGTERM drain had its --shutdown-timeout."""
+    service = _services(compose)[role]
+    assert service["restart"] in ("always", "unless-stopped", "on-failure")
+    grace = str(service["stop_grace_period"])
+    assert grace.endswith("s") and float(grace[:-1]) > Settings().shutdown_timeout
+
+
 def test_model_volume_is_shared_and_built_first(compose):
     services = _services(compose)
     volume_names = set(compose.get("volumes") or {})
