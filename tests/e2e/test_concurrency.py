@@ -68,6 +68,34 @@ def test_sixteen_concurrent_streams_are_batched(server: Server) -> None:
     assert batched_8_plus > 0, "some steps ran more than four requests together"
 
 
+def wait_until_idle(server: Server) -> dict[str, float]:
+    """Metrics once the engine holds no request (running and waiting gauges at 0), or after 15 s."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        metrics = server.metrics()
+        if (
+            metrics.get("mmserve_num_requests_running", 1) == 0
+            and metrics["mmserve_num_requests_waiting"] == 0
+        ):
+            break
+        time.sleep(0.2)
+    return metrics
+
+
+def test_client_gone_while_waiting_for_a_whole_answer_aborts_it(server: Server) -> None:
+    """A non-streamed request whose client gives up mid-generation: the engine drops it and releases
+    its KV blocks and encoder references."""
+    body = greedy_body([user_message("Take your time.", make_image(498))], max_tokens=1400)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=1.0)
+    metrics = wait_until_idle(server)
+    assert metrics["mmserve_num_requests_running"] == 0
+    assert metrics["mmserve_kv_cache_usage_ratio"] == 0, "no block is held by a request any more"
+    steps = metrics["mmserve_engine_steps_total"]
+    time.sleep(1.0)
+    assert server.metrics()["mmserve_engine_steps_total"] == steps, "the engine stopped working on it"
+
+
 def test_client_disconnect_aborts_the_request(server: Server) -> None:
     body = {
         "model": "tiny-llava",
