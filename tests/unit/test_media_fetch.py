@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -344,6 +347,55 @@ def test_a_slow_drip_is_bounded_by_the_total_timeout(loopback_server: int) -> No
     err = fetch_error(f"http://127.0.0.2:{loopback_server}/drip", no_dns(), policy=policy)
     assert err.code == "image_fetch_failed" and "timed out" in err.message
     assert time.monotonic() - started < 1.0
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path, list[str | None]]]:
+    """https on 127.0.0.2 with a self-signed certificate for ``images.test``; records each SNI name."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a test certificate")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        + ["-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=images.test"]
+        + ["-addext", "subjectAltName=DNS:images.test"],
+        check=True,
+        capture_output=True,
+    )
+    names: list[str | None] = []
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    context.sni_callback = lambda _sock, name, _ctx: names.append(name)  # type: ignore[assignment,func-returns-value]
+    httpd = ThreadingHTTPServer(("127.0.0.2", 0), _Handler)
+    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield int(httpd.server_address[1]), cert, names
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_https_to_the_pinned_address_verifies_the_certificate_for_the_name(
+    tls_server: tuple[int, Path, list[str | None]],
+) -> None:
+    port, cert, names = tls_server
+    trust = ssl.create_default_context(cafile=str(cert))
+    dns = FakeDNS(images_test=["127.0.0.2"], other_test=["127.0.0.2"])
+    names.clear()
+    _Handler.seen.clear()
+
+    async def get(url: str) -> bytes:
+        async with httpx.AsyncClient(verify=trust, trust_env=False) as client:
+            return await MediaFetcher(PRIVATE_POLICY, client, dns).fetch_http(url, param=PARAM)
+
+    assert asyncio.run(get(f"https://images.test:{port}/img.png")) == BODY
+    assert names == ["images.test"]
+    assert _Handler.seen == [("127.0.0.2", f"images.test:{port}", "/img.png")]
+    # Same address, another name: the certificate is checked against the name, so this fails.
+    with pytest.raises(MediaError) as info:
+        asyncio.run(get(f"https://other.test:{port}/img.png"))
+    assert info.value.code == "image_fetch_failed" and "certificate" in info.value.message.lower()
 
 
 def test_a_slow_resolver_counts_against_the_timeout() -> None:
