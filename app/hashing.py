@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import struct
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import blake3
 
@@ -32,14 +32,30 @@ _TAG_LIST = b"l"
 _TAG_DICT = b"d"
 
 
+class _Sink(Protocol):
+    """Where frames go: a blake3 hasher (streamed, no copy of the media bytes) or a ``_Buffer``."""
+
+    def update(self, data: bytes, /) -> object: ...
+
+
+class _Buffer(bytearray):
+    update = bytearray.extend
+
+
 def framed_digest(domain: bytes, *values: Any) -> str:
     """blake3 hex digest of ``values`` framed as above, after a ``domain`` tag that keeps digests made
     for different purposes (mm_hash, model identity) apart."""
     hasher = blake3.blake3()
-    _frame(hasher, _TAG_BYTES, domain)
-    for value in values:
-        _write(hasher, value)
+    _write_all(hasher, domain, values)
     return hasher.hexdigest()
+
+
+def framed_stream(domain: bytes, *values: Any) -> bytes:
+    """The byte stream ``framed_digest`` hashes, whole: for tests of the framing (tests/unit/
+    test_hashing_properties.py parses it back into the values, so no two inputs share one)."""
+    buffer = _Buffer()
+    _write_all(buffer, domain, values)
+    return bytes(buffer)
 
 
 def mm_hash(*, model_id: str, modality: str, data: bytes, options: Mapping[str, Any]) -> str:
@@ -53,40 +69,46 @@ def mm_hash(*, model_id: str, modality: str, data: bytes, options: Mapping[str, 
     return framed_digest(MAGIC, model_id, modality, bytes(data), dict(options))
 
 
-def _frame(hasher: blake3.blake3, tag: bytes, payload: bytes) -> None:
-    hasher.update(tag + struct.pack(">Q", len(payload)))
-    hasher.update(payload)
+def _write_all(sink: _Sink, domain: bytes, values: tuple[Any, ...]) -> None:
+    _frame(sink, _TAG_BYTES, domain)
+    for value in values:
+        _write(sink, value)
 
 
-def _write(hasher: blake3.blake3, value: Any) -> None:
+def _frame(sink: _Sink, tag: bytes, payload: bytes) -> None:
+    sink.update(tag + struct.pack(">Q", len(payload)))
+    sink.update(payload)
+
+
+def _write(sink: _Sink, value: Any) -> None:
     # bool before int: True is an int in Python but must not hash like 1.
     if value is None:
-        _frame(hasher, _TAG_NONE, b"")
+        _frame(sink, _TAG_NONE, b"")
     elif isinstance(value, bool):
-        _frame(hasher, _TAG_BOOL, b"\x01" if value else b"\x00")
+        _frame(sink, _TAG_BOOL, b"\x01" if value else b"\x00")
     elif isinstance(value, int):
         # IntEnum members (e.g. PIL resampling filters) hash as their integer value.
-        _frame(hasher, _TAG_INT, str(int(value)).encode("ascii"))
+        _frame(sink, _TAG_INT, str(int(value)).encode("ascii"))
     elif isinstance(value, float):
         # One canonical NaN; otherwise the exact IEEE-754 bits (0.0 and -0.0 stay distinct).
         payload = struct.pack(">d", math.nan if math.isnan(value) else value)
-        _frame(hasher, _TAG_FLOAT, payload)
+        _frame(sink, _TAG_FLOAT, payload)
     elif isinstance(value, str):
-        _frame(hasher, _TAG_STR, value.encode("utf-8", "surrogatepass"))
+        _frame(sink, _TAG_STR, value.encode("utf-8", "surrogatepass"))
     elif isinstance(value, bytes | bytearray | memoryview):
-        _frame(hasher, _TAG_BYTES, bytes(value))
+        _frame(sink, _TAG_BYTES, bytes(value))
     elif isinstance(value, list | tuple):
-        hasher.update(_TAG_LIST + struct.pack(">Q", len(value)))
+        sink.update(_TAG_LIST + struct.pack(">Q", len(value)))
         for item in value:
-            _write(hasher, item)
+            _write(sink, item)
     elif isinstance(value, Mapping):
         keys = list(value)
         if not all(isinstance(key, str) for key in keys):
             raise TypeError(f"mm_hash options need str keys, got {keys!r}")
-        hasher.update(_TAG_DICT + struct.pack(">Q", len(keys)))
+        sink.update(_TAG_DICT + struct.pack(">Q", len(keys)))
         for key in sorted(keys):
-            _write(hasher, key)
-            _write(hasher, value[key])
+            _write(sink, key)
+            _write(sink, value[key])
     else:
         raise TypeError(f"mm_hash cannot encode a value of type {type(value).__name__}: {value!r}")
 
