@@ -26,6 +26,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 FinishReasonLiteral = Literal["stop", "length", "abort"]  # "abort" as in vLLM; the SDK's Literal lacks it
+# Integers that travel to the engine must fit its wire format and torch (a seed is a torch.long, as in vLLM).
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 # ---------------------------------------------------------------- request
 
@@ -111,7 +113,7 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
     stop: list[str] | None = Field(None, max_length=4)  # a single string is read as a one-item list
     n: int = 1
     logprobs: bool = False
@@ -120,9 +122,9 @@ class ChatCompletionRequest(_Request):
     presence_penalty: float = 0.0
     user: str | None = None  # ignored
     # vLLM extensions
-    top_k: int | None = None  # -1 and 0 mean off and are read as None
+    top_k: int | None = Field(None, le=_INT64_MAX)  # -1 and 0 mean off and are read as None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=_INT64_MAX)
     mm_processor_kwargs: dict[str, Any] | None = None
 
     @field_validator(

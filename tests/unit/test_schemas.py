@@ -108,6 +108,29 @@ def test_top_k_off_is_none(top_k: int) -> None:
     assert request(top_k=top_k).top_k is None
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 0},
+        {"temperature": 2},
+        {"top_p": 1},
+        {"top_p": 1e-9},
+        {"top_k": 1},
+        {"top_k": 2**63 - 1},
+        {"seed": 2**63 - 1},
+        {"seed": -(2**63)},
+        {"max_tokens": 1, "max_completion_tokens": 1},
+        {"logprobs": True, "top_logprobs": 0},
+        {"logprobs": True, "top_logprobs": 20},
+        {"top_logprobs": 0},  # asks for no alternatives, so it needs no logprobs
+        {"stop": ["a", "b", "c", "d"]},
+        {"n": 1},
+    ],
+)
+def test_limits_are_inclusive(fields: dict[str, Any]) -> None:
+    request(**fields)
+
+
 def test_explicit_nulls_mean_defaults() -> None:
     req = request(temperature=None, top_p=None, n=None, stream=None, logprobs=None, presence_penalty=None)
     assert (req.temperature, req.top_p, req.n, req.stream, req.logprobs) == (1.0, 1.0, 1, False, False)
@@ -125,13 +148,28 @@ def test_logprobs_without_alternatives() -> None:
         ({"n": 2}, ("n",), "n=2 is not supported"),
         ({"temperature": 2.5}, ("temperature",), "less than or equal to 2"),
         ({"temperature": -0.1}, ("temperature",), "greater than or equal to 0"),
+        ({"temperature": float("nan")}, ("temperature",), "less than or equal to 2"),
         ({"top_p": 0}, ("top_p",), "greater than 0"),
+        ({"top_p": -0.5}, ("top_p",), "greater than 0"),
+        ({"top_p": 1.01}, ("top_p",), "less than or equal to 1"),
         ({"max_tokens": 0}, ("max_tokens",), "greater than or equal to 1"),
+        ({"max_tokens": -1}, ("max_tokens",), "greater than or equal to 1"),
         ({"max_completion_tokens": 0}, ("max_completion_tokens",), "greater than or equal to 1"),
+        ({"max_tokens": 1.5}, ("max_tokens",), "fractional part"),
         ({"top_logprobs": 21, "logprobs": True}, ("top_logprobs",), "less than or equal to 20"),
+        ({"top_logprobs": -1, "logprobs": True}, ("top_logprobs",), "greater than or equal to 0"),
         ({"top_logprobs": 2}, ("top_logprobs",), "requires logprobs"),
+        ({"top_logprobs": 2, "logprobs": False}, ("top_logprobs",), "requires logprobs"),
         ({"stop": ["a", "b", "c", "d", "e"]}, ("stop",), "at most 4"),
         ({"stop": [""]}, ("stop",), "must not be empty"),
+        ({"stop": ""}, ("stop",), "must not be empty"),
+        ({"stop": ["a", 1]}, ("stop", 1), "valid string"),
+        ({"n": 0}, ("n",), "n=0 is not supported"),
+        # integers the engine's wire format and torch cannot carry (these were 500s)
+        ({"seed": 2**63}, ("seed",), "less than or equal to 9223372036854775807"),
+        ({"seed": -(2**63) - 1}, ("seed",), "greater than or equal to -9223372036854775808"),
+        ({"top_k": 2**70}, ("top_k",), "less than or equal to 9223372036854775807"),
+        ({"min_tokens": 2**70}, ("min_tokens",), "less than or equal to 9223372036854775807"),
         ({"frequency_penalty": 0.5}, ("frequency_penalty",), "not supported"),
         ({"presence_penalty": -1}, ("presence_penalty",), "not supported"),
         ({"top_k": -2}, ("top_k",), "top_k"),
@@ -167,12 +205,16 @@ def test_invalid_parameters(fields: dict[str, Any], loc: tuple[Any, ...], needle
             "'auto', 'low' or 'high'",
         ),
         ({"role": "user", "content": [{"type": "input_audio"}]}, (0, "content", 0, "type"), "'input_audio'"),
+        ({"role": "user", "content": [{"type": "image"}]}, (0, "content", 0, "type"), "'image'"),
+        ({"role": "user", "content": [{"text": "no type"}]}, (0, "content", 0, "type"), "None"),
         ({"role": "user", "content": ["just a string"]}, (0, "content", 0), "'text' or 'image_url'"),
         ({"role": "user", "content": [{"type": "text"}]}, (0, "content", 0, "text"), "required"),
         ({"role": "user", "content": 5}, (0, "content"), "string or a list"),
         ({"role": "user"}, (0, "content"), "content is required"),
         ({"role": "tool", "content": "x"}, (0, "role"), "not supported"),
         ({"role": "robot", "content": "x"}, (0, "role"), "'system', 'user' or 'assistant'"),
+        ({"role": "", "content": "x"}, (0, "role"), "'system', 'user' or 'assistant'"),
+        ({"content": "x"}, (0, "role"), "required"),
     ],
 )
 def test_invalid_messages(message: dict[str, Any], loc: tuple[Any, ...], needle: str) -> None:
