@@ -66,6 +66,50 @@ def test_schema_errors_name_the_param(server: Server) -> None:
     )
 
 
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 2.01}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": -1}, "max_completion_tokens"),
+        ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"n": 2}, "n"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": ["a", ""]}, "stop"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, None),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": []}, "messages"),
+        # numbers the engine cannot carry: these were 500s
+        ({"seed": 2**64}, "seed"),
+        ({"top_k": 2**64}, "top_k"),
+        ({"min_tokens": 2**64}, "min_tokens"),
+    ],
+)
+def test_each_bad_parameter_is_a_400_naming_it(
+    server: Server, fields: dict[str, Any], param: str | None
+) -> None:
+    body = {"model": "tiny-llava", "messages": HI, "max_tokens": 2, **fields}
+    error = assert_error(post(server, body), 400, code="invalid_value")
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == (param or "messages[0].content[0].type"), error
+    assert error["param"] in error["message"]
+
+
+def test_nan_is_a_400(server: Server) -> None:
+    # Python's json (and so FastAPI) reads the non-standard NaN literal.
+    content = b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
+    assert_error(post(server, content=content), 400, code="invalid_value", param="temperature")
+
+
 def test_unknown_model(server: Server) -> None:
     body = {"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}
     assert_error(post(server, body), 404, code="model_not_found", param="model")
