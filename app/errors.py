@@ -39,7 +39,8 @@ class MediaError(InvalidRequestError):
     ``--allowed-local-media-path``), ``too_many_redirects`` (over ``--max-media-redirects``),
     ``image_fetch_failed`` (HTTP error, timeout, connection refused, unknown host), ``image_too_large``
     (encoded bytes or pixels over the limit), ``request_images_too_large`` (all images of the request
-    over ``--max-request-image-bytes``; param ``messages``), ``invalid_image`` (bytes that do not decode).
+    over ``--max-request-image-bytes``; param ``messages``), ``invalid_image`` (bytes that do not decode,
+    or a format outside the decoded ones), ``unsupported_image_format`` (SVG, HEIC/HEIF, AVIF).
     """
 
     default_code = "invalid_image"

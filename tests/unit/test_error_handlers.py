@@ -95,7 +95,7 @@ def test_non_object_body_is_400(client: TestClient, body: object) -> None:
         ("missing", 404, "model_not_found", "invalid_request_error"),
         ("long", 400, "context_length_exceeded", "invalid_request_error"),
         ("badimg", 400, "invalid_image", "invalid_request_error"),
-        ("down", 503, None, "server_error"),
+        ("down", 503, "engine_unavailable", "server_error"),
     ],
 )
 def test_mmserve_errors_keep_their_status(
@@ -137,7 +137,12 @@ def test_sse_error_event() -> None:
     event = sse_error_event(EngineUnavailableError("The engine died."))
     assert event.startswith("data: ") and event.endswith("\n\n")
     error = json.loads(event.removeprefix("data: "))["error"]
-    assert error == {"message": "The engine died.", "type": "server_error", "param": None, "code": None}
+    assert error == {
+        "message": "The engine died.",
+        "type": "server_error",
+        "param": None,
+        "code": "engine_unavailable",
+    }
 
 
 def test_format_loc() -> None:
