@@ -17,6 +17,7 @@ from app.error_handlers import install_error_handlers
 from app.input_processor import InputProcessor
 from app.media_fetch import MediaFetcher
 from app.metrics import ApiMetrics
+from app.openapi_errors import document_error_envelope
 from app.processor_cache import ProcessorCache
 from app.request_guards import RequestGuards
 from app.routes import chat, models, ops
@@ -59,6 +60,7 @@ def create_app(
 
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
+    document_error_envelope(app)
     app.add_middleware(DrainGuard, drain=drain)  # added first: runs after the guards below
     app.add_middleware(
         RequestGuards, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from app.error_handlers import error_response, format_loc, install_error_handlers, sse_error_event
 from app.errors import ContextLengthError, EngineUnavailableError, MediaError, ModelNotFoundError
+from app.openapi_errors import document_error_envelope
 from app.schemas import ChatCompletionRequest
 from engine.protocol import ErrorInfo
 
@@ -151,3 +152,20 @@ def test_format_loc() -> None:
     )
     assert format_loc(("body",)) is None
     assert format_loc(("query", "limit")) == "query.limit"
+
+
+def test_openapi_documents_validation_errors_as_the_400_envelope(client: TestClient) -> None:
+    app = client.app
+    assert isinstance(app, FastAPI)
+    document_error_envelope(app)
+    schema = client.get("/openapi.json").json()
+    responses = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert "422" not in responses
+    ref = responses["400"]["content"]["application/json"]["schema"]["$ref"]
+    envelope = schema["components"]["schemas"][ref.rsplit("/", 1)[-1]]
+    detail_ref = envelope["properties"]["error"]["$ref"]
+    detail = schema["components"]["schemas"][detail_ref.rsplit("/", 1)[-1]]
+    assert set(detail["properties"]) == {"message", "type", "param", "code"}
+    # and that is what the server answers
+    body = client.post("/v1/chat/completions", content=b"{}", headers=JSON)
+    assert body.status_code == 400 and set(body.json()["error"]) == set(detail["properties"])
