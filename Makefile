@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: setup serve test test-fast lint bench bench-throughput bench-families model
+.PHONY: setup serve test test-fast lint bench bench-throughput bench-families model bench-load
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -48,3 +48,8 @@ bench-families: setup
 # ~5 min: HEAD vs the pre-paged-KV revision (throughput by concurrency), worker RSS over 2,000 requests
 bench-throughput: setup model
 	$(PY) bench/bench_throughput.py --model $(MODEL)
+
+# ~2 min: locust, 32 users for 60 s on loopback (text, repeated and unique images, 5 % hostile requests);
+# every answer complete, every hostile request its 4xx, each process's RSS within its cache bounds
+bench-load: setup model
+	$(PY) bench/bench_load.py --model $(MODEL)
