@@ -8,6 +8,8 @@ A block moves between the free queue (ref_count 0) and the block tables (ref_cou
                                                └───acquire (a prefix hit)──────┘        │
     used ◀──take (new content: the hash is evicted)─────────────────────────────────────┘
 
+``uncache`` takes a hash back when the step that was to compute the block's K/V failed.
+
 The ``KVCacheManager`` owns one pool and is its only caller; it keeps the block tables.
 """
 
@@ -29,8 +31,8 @@ class BlockPool:
     #       _block_of[h] == b  <=>  _hash_of[b] == h
     #   P4  a free block may keep its hash (cached-free): a prefix hit revives it with its K/V intact;
     #       ``take`` drops the hash before the block gets new content, so a hash never names stale K/V
-    #   P5  a block's hash is set once while it is used (its content is then final) and only ``take``
-    #       or ``reset`` drop it
+    #   P5  a block's hash is set once while it is used (its content is then final) and only ``take``,
+    #       ``reset`` or ``uncache`` (the step that was to write the content failed) drop it
     #   P6  num_free_blocks + num_used_blocks == num_blocks
     def __init__(self, num_blocks: int) -> None:
         assert num_blocks >= 0
@@ -97,16 +99,23 @@ class BlockPool:
             if self._ref_counts[b] == 0:
                 self._free[b] = None
 
-    def cache(self, block_id: int, block_hash: BlockHash) -> None:
-        """Register a used block whose content (tokens and images) ``block_hash`` names. If the hash
-        already names a block (this one, or another that computed the same prefix first), the
-        existing mapping stays and ``block_id`` stays unhashed (P3)."""
+    def cache(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Register a used block whose content (tokens and images) ``block_hash`` names; True if it
+        now carries the hash. If the hash already names a block (this one, or another that computed
+        the same prefix first), the existing mapping stays and ``block_id`` stays unhashed (P3)."""
         assert self._ref_counts[block_id] > 0, f"caching free block {block_id}"
         if block_hash in self._block_of:
-            return
+            return False
         assert self._hash_of[block_id] is None, f"block {block_id} already carries another hash"
         self._hash_of[block_id] = block_hash
         self._block_of[block_hash] = block_id
+        return True
+
+    def uncache(self, block_id: int, block_hash: BlockHash) -> None:
+        """Drop ``block_hash`` from ``block_id`` if the block still carries it (a ``take`` or ``reset``
+        since may have dropped it already); the block stays where it is, used or free."""
+        if self._hash_of[block_id] == block_hash:
+            self._drop_hash(block_id)
 
     def reset(self) -> None:
         """Forget every hash, used blocks' too: nothing computed so far is found by a lookup again."""

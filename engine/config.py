@@ -17,4 +17,5 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     disable_chunked_mm_input: bool = False
     max_waiting_requests: int | None = None
+    step_timeout_s: float = 600.0  # a step unanswered this long fails its requests (500)
     log_level: str = "info"

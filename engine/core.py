@@ -1,6 +1,12 @@
 """The engine: admits requests (resolving their multimodal items through the receiver cache), runs one
 scheduler step at a time on the worker, and turns results into per-client outputs. No socket IO here:
-``handle`` takes decoded messages, ``step`` calls the executor, the caller publishes what they return.
+the inbox methods take decoded messages, ``step`` calls the executor, the caller publishes what they
+return.
+
+One ``EngineCore`` lives as long as one worker: its caches describe that worker's KV pool and encoder
+store. A step the worker fails (``WorkerFailed``) ends the step's requests with 500 and is rolled back
+(``Scheduler.fail_step``); a lost worker (``WorkerLost``) propagates: the caller fails every request
+(``fail_all``) and builds a fresh core, with a new epoch, for the next worker.
 """
 
 from __future__ import annotations
@@ -10,10 +16,10 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Protocol
 
 import msgspec
 
+from engine.executor import Executor, WorkerFailed, WorkerLost
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import (
     Abort,
@@ -27,7 +33,6 @@ from engine.protocol import (
     RequestOutput,
     ResetCaches,
     ResumedRequestData,
-    RunnerOutput,
     SchedulerOutput,
     TensorRef,
 )
@@ -39,10 +44,6 @@ from engine.stats import EngineMetrics
 log = logging.getLogger(__name__)
 
 Outputs = dict[bytes, list[RequestOutput]]  # client identity -> its outputs of this step
-
-
-class Executor(Protocol):
-    def execute(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> RunnerOutput: ...
 
 
 def item_from_wire(feature: MMFeature, frames: Sequence[memoryview]) -> MMItem:
@@ -63,6 +64,7 @@ class EngineCore:
         self.executor = executor
         self.receiver_caches: ReceiverCachePartitions[MMItem] = ReceiverCachePartitions()
         self.metrics = EngineMetrics()
+        self.draining = False  # set by drain(): new requests are refused, held ones run on
 
     # ------------------------------------------------------------------ inbox
 
@@ -81,6 +83,10 @@ class EngineCore:
             for f in msg.mm_features
         ]
         items, missing = cache.apply(msg.evicted_mm_hashes, features)
+        if self.draining:
+            return self._reject(
+                client, msg.req_id, "The server is shutting down.", "server_shutting_down", http_status=503
+            )
         if missing:
             self.metrics.count("mm_ipc_cache_resends_total", len(missing))
             return self._reject(
@@ -136,6 +142,22 @@ class EngineCore:
             self.scheduler.reset_caches()
         return {}
 
+    def drain(self) -> None:
+        """From now on every new request is refused with 503 ``server_shutting_down`` (after its
+        mirror decisions were applied); the requests already held run to the end."""
+        self.draining = True
+
+    def fail_all(self, error: ErrorInfo) -> Outputs:
+        """Ends every request held, running or waiting, with ``error``: the worker is gone. The core
+        is not used for steps afterwards (its caches describe the lost worker)."""
+        outputs: Outputs = defaultdict(list)
+        for request in list(self.scheduler.requests.values()):
+            self.scheduler.abort(request.req_id)
+            outputs[request.client].append(
+                RequestOutput(request.req_id, finish_reason=FinishReason.ABORT, error=error)
+            )
+        return dict(outputs)
+
     # ------------------------------------------------------------------ step
 
     @property
@@ -143,12 +165,18 @@ class EngineCore:
         return self.scheduler.has_work
 
     def step(self) -> Outputs:
-        """One engine step: schedule → execute on the worker → postprocess."""
+        """One engine step: schedule → execute on the worker → postprocess (or, when the worker failed
+        the step, roll it back and fail its requests). Raises ``WorkerLost``."""
         plan = self.scheduler.schedule()
         if plan.is_empty and not (plan.free_mm_hashes or plan.finished_req_ids or plan.preempted_req_ids):
             return {}
         sched, frames = to_scheduler_output(plan, self.scheduler.kv_cache)
-        runner_output = self.executor.execute(sched, frames)
+        try:
+            runner_output = self.executor.execute(sched, frames)
+        except WorkerLost:
+            raise
+        except WorkerFailed as exc:
+            return self._fail_step(plan, exc)
         result = self.scheduler.postprocess(plan, runner_output)
         self.metrics.record_step(plan, runner_output)
 
@@ -169,6 +197,19 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def _fail_step(self, plan: StepPlan, exc: WorkerFailed) -> Outputs:
+        log.error("step %d failed: %s", plan.step_id, exc)
+        self.metrics.count("engine_failed_steps_total")
+        error = ErrorInfo(
+            message=f"internal error while running the model: {exc}", code="internal_error", http_status=500
+        )
+        outputs: Outputs = defaultdict(list)
+        for request in self.scheduler.fail_step(plan):
+            outputs[request.client].append(
+                RequestOutput(request.req_id, finish_reason=FinishReason.ABORT, error=error)
+            )
+        return dict(outputs)
 
     def stats(self) -> EngineStats:
         return self.metrics.snapshot(self.scheduler)

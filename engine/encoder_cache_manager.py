@@ -10,6 +10,10 @@ The scheduler owns one ``EncoderCacheManager``. Per multimodal item it asks, in 
 
 and once per step ``take_evicted()`` becomes ``SchedulerOutput.free_mm_hashes``: workers drop exactly
 those tensors, so the worker's encoder store holds exactly the keys held here.
+
+If the worker fails a step, ``discard`` drops the entries that step was to encode (after its requests
+released them): no later request may share an output that was maybe never written, and the worker
+is told to drop whatever it did store.
 """
 
 from __future__ import annotations
@@ -129,6 +133,13 @@ class EncoderCacheManager:
         """The request finished or was aborted: release every entry it uses."""
         for mm_hash in list(self._req_entries.get(req_id, ())):
             self.release(req_id, mm_hash)
+
+    def discard(self, mm_hash: str) -> None:
+        """The step that was to encode ``mm_hash`` failed: evict the entry now, so a later request
+        encodes the item again (``take_evicted`` reports it: the worker drops a partial output). Its
+        users, the failed step's requests, must have released it. No-op if it is no longer held."""
+        if mm_hash in self._num_tokens:
+            self._evict(mm_hash)
 
     def take_evicted(self) -> list[str]:
         """The keys evicted since the previous call, in eviction order; each is reported once."""

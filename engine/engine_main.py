@@ -1,7 +1,15 @@
 """Entry point of the engine process: drain inbox → dispatch by message type → ``step()`` → publish.
 
-API (DEALER, connect) ──[AddRequest|Abort|ResetCaches|Hello|Shutdown, frames]──▶ engine (ROUTER, bind)
-                      ◀──[EngineReady|EngineOutputs|EngineDead]──────────────────
+API (DEALER, connect) ──[AddRequest|Abort|ResetCaches|Hello|Drain|Shutdown, frames]──▶ engine (ROUTER)
+                      ◀──[EngineReady|EngineOutputs|EngineDead]──────────────────────
+
+The engine serves only while it has a worker (docs/architecture.md, "Engine step")::
+
+    no worker ──WorkerReady──▶ serving (a fresh EngineCore, new epoch; EngineReady to every API)
+        ▲                          │
+        └──────WorkerLost──────────┘  every request held fails with 503 worker_unavailable;
+                                      EngineDead to every API
+    With no worker, Hello is not answered (API health stays 503) and AddRequest is refused at once.
 """
 
 from __future__ import annotations
@@ -16,9 +24,11 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, Outputs
+from engine.executor import WorkerLost
 from engine.protocol import (
     Abort,
     AddRequest,
+    Drain,
     EngineDead,
     EngineOutputs,
     EngineReady,
@@ -28,11 +38,12 @@ from engine.protocol import (
     RequestOutput,
     ResetCaches,
     Shutdown,
+    WorkerReady,
     decode_engine_inbound,
     encode,
 )
 from engine.scheduler import SchedulerConfig
-from engine.worker_client import WorkerClient, WorkerFailed
+from engine.worker_client import WorkerClient
 
 log = logging.getLogger("mmserve.engine")
 
@@ -43,23 +54,33 @@ CLIENT_TIMEOUT_S = 60.0
 
 
 class EngineServer:
-    """Owns the sockets around an ``EngineCore``."""
+    """Owns the sockets around an ``EngineCore`` (one per worker)."""
 
     def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
         self.config = config
         self.api_sock = ctx.socket(zmq.ROUTER)
         self.api_sock.setsockopt(zmq.LINGER, 0)
         self.api_sock.bind(config.engine_addr)
-        self.worker = WorkerClient(ctx, config.worker_addr)
-        self._core: EngineCore | None = None  # built once the worker says how large its KV pool is
+        self.worker = WorkerClient(ctx, config.worker_addr, step_timeout_s=config.step_timeout_s)
+        self._poller = zmq.Poller()
+        for sock in (self.api_sock, self.worker.sock, self.worker.monitor):
+            self._poller.register(sock, zmq.POLLIN)
+        self._core: EngineCore | None = None  # built once a worker says how large its KV pool is
         self.clients: dict[bytes, float] = {}  # identity -> last time it sent anything
         self.running = True
+        self.draining = False  # Drain: new requests are refused, held ones run on
+        self._stop_when_idle = False  # Shutdown while draining: stop once no request is held
         self._stats_dirty = False
+        self.num_worker_losses = 0
 
     @property
     def core(self) -> EngineCore:
-        assert self._core is not None, "the API socket is read only once the worker is ready"
+        assert self._core is not None, "no worker: no core"
         return self._core
+
+    @property
+    def has_requests(self) -> bool:
+        return self._core is not None and self._core.has_work
 
     def ready_message(self) -> EngineReady:
         c = self.config
@@ -77,11 +98,42 @@ class EngineServer:
             self.config.engine_addr,
             self.config.worker_addr,
         )
-        ready = None
-        while self.running and ready is None:
-            ready = self.worker.poll_ready(timeout_s=0.1)
-        if ready is None:
+        while self.running:
+            events = dict(self._poller.poll(0 if self.has_requests else IDLE_POLL_MS))
+            if self.api_sock in events:
+                self._drain_inbox()
+            if not self.running:
+                break
+            try:
+                self._advance()
+            except WorkerLost as exc:
+                self._on_worker_lost(str(exc))
+
+    def _advance(self) -> None:
+        """One turn of the loop after the inbox: adopt a worker, or run a step, or idle work."""
+        if self._core is None:
+            ready = self.worker.poll_ready(timeout_s=0)
+            if ready is not None:
+                self._start_core(ready)
+            elif self._stop_when_idle:
+                self.running = False
             return
+        self.worker.check()
+        if self._core.has_work:
+            self._publish(self._core.step(), with_stats=True)
+            self._stats_dirty = False
+        elif self._stop_when_idle:
+            log.info("drained: stopping")
+            self.running = False
+        elif self._stats_dirty:  # e.g. an abort emptied the engine: gauges must say so
+            self._publish({}, with_stats=True)
+            self._stats_dirty = False
+        else:
+            self._forget_silent_clients()
+
+    def _start_core(self, ready: WorkerReady) -> None:
+        """A fresh core for a new worker: empty caches, new epoch; every known API hears of it at
+        once (a new epoch empties its mirror)."""
         # the scheduler's knobs come from the engine's settings, the pool's size from the worker
         shared = {f.name for f in dataclasses.fields(SchedulerConfig)} & {
             f.name for f in dataclasses.fields(EngineConfig)
@@ -92,19 +144,32 @@ class EngineServer:
             block_size=ready.block_size,
         )
         self._core = EngineCore(scheduler_config, self.worker)
-        log.info("KV pool: %d blocks of %d tokens", ready.num_kv_blocks, ready.block_size)
-        while self.running:
-            timeout = 0 if self.core.has_work else IDLE_POLL_MS
-            if self.api_sock.poll(timeout):
-                self._drain_inbox()
-            if self.running and self.core.has_work:
-                self._publish(self._step(), with_stats=True)
-                self._stats_dirty = False
-            elif self._stats_dirty:  # e.g. an abort emptied the engine: gauges must say so
-                self._publish({}, with_stats=True)
-                self._stats_dirty = False
-            else:
-                self._forget_silent_clients()
+        if self.draining:
+            self._core.drain()
+        log.info(
+            "serving with epoch %s; KV pool: %d blocks of %d tokens",
+            self._core.epoch,
+            ready.num_kv_blocks,
+            ready.block_size,
+        )
+        for client in self.clients:
+            self._send(client, self.ready_message())
+
+    def _on_worker_lost(self, reason: str) -> None:
+        """Every request held fails with 503 (before EngineDead, so each gets its own error), the
+        APIs hear EngineDead (their health turns 503), and the loop waits for the next worker."""
+        log.error("worker lost: %s", reason)
+        self.num_worker_losses += 1
+        error = ErrorInfo(
+            message=f"The model worker is unavailable ({reason}); retry shortly.",
+            code="worker_unavailable",
+            http_status=503,
+        )
+        self._publish(self.core.fail_all(error), with_stats=True)
+        for client in self.clients:
+            self._send(client, EngineDead(f"worker lost: {reason}"))
+        self._core = None
+        self.worker.forget_worker()
 
     def _drain_inbox(self) -> None:
         while self.running:
@@ -128,42 +193,50 @@ class EngineServer:
         msg = decode_engine_inbound(frames[0])
         self._stats_dirty |= not isinstance(msg, Hello)
         match msg:
+            case Shutdown():
+                self.shutdown()
+                return {}
+            case Drain():
+                self.drain()
+                return {}
+        if self._core is None:  # no worker: nothing to answer Hello with, nothing to run a request on
+            if isinstance(msg, AddRequest):
+                return _refusal(client, msg.req_id, "The model worker is unavailable; retry shortly.")
+            return {}
+        match msg:
             case AddRequest():
-                return self.core.add_request(client, msg, frames)
+                return self._core.add_request(client, msg, frames)
             case Abort():
-                return self.core.abort(client, msg)
+                return self._core.abort(client, msg)
             case ResetCaches():
-                return self.core.reset_caches(client, msg)
+                return self._core.reset_caches(client, msg)
             case Hello():
                 self._send(client, self.ready_message())
                 return {}
-            case Shutdown():
-                log.info("shutdown requested")
-                self.running = False
-                return {}
         raise AssertionError(f"unhandled message {msg!r}")
 
-    def _step(self) -> Outputs:
-        try:
-            return self.core.step()
-        except WorkerFailed as exc:
-            # The worker's state for the running requests is unknown: fail them, keep serving others.
-            log.exception("step failed")
-            outputs: Outputs = {}
-            error = ErrorInfo(
-                message=f"internal error while running the model: {exc}",
-                code="internal_error",
-                http_status=500,
-            )
-            for request in list(self.core.scheduler.running):
-                self.core.scheduler.abort(request.req_id)
-                out = RequestOutput(request.req_id, finish_reason=FinishReason.ABORT, error=error)
-                outputs.setdefault(request.client, []).append(out)
-            return outputs
+    def drain(self) -> None:
+        """Refuse new requests (503 ``server_shutting_down``); the ones held run to the end."""
+        log.info("draining: new requests are refused")
+        self.draining = True
+        if self._core is not None:
+            self._core.drain()
+
+    def shutdown(self) -> None:
+        """Stop now; after ``drain()``, once no request is held."""
+        log.info("shutdown requested")
+        if self.draining:
+            self._stop_when_idle = True
+        else:
+            self.running = False
 
     def _publish(self, outputs: Outputs, *, with_stats: bool) -> None:
-        stats = self.core.stats() if with_stats else None
-        targets = self.clients if with_stats else set(outputs)
+        stats = None
+        if with_stats and self._core is not None:
+            self._core.metrics.set_total("worker_losses_total", self.num_worker_losses)
+            self._core.metrics.set_total("worker_stale_replies_total", self.worker.num_stale_replies)
+            stats = self._core.stats()
+        targets = self.clients if stats is not None else set(outputs)
         for client in targets:
             self._send(client, EngineOutputs(outputs=outputs.get(client, []), stats=stats))
 
@@ -178,6 +251,11 @@ class EngineServer:
             self._send(client, EngineDead(reason))
         self.worker.shutdown()
         self.api_sock.close(linger=100)
+
+
+def _refusal(client: bytes, req_id: str, message: str) -> Outputs:
+    error = ErrorInfo(message=message, code="worker_unavailable", http_status=503)
+    return {client: [RequestOutput(req_id, finish_reason=FinishReason.ABORT, error=error)]}
 
 
 def run_engine(config: EngineConfig) -> None:

@@ -10,6 +10,10 @@ The scheduler owns one ``KVCacheManager``. Per request it calls, in this order::
     allocate_slots(req, n)                     every later step: grow the table for n more tokens
     free(req_id)                               finished, aborted or preempted
 
+and once per step ``take_newly_cached()``: the blocks this step registered in the prefix cache. If the
+worker fails the step, ``uncache`` takes them back (their K/V was never written for certain) after the
+step's requests were freed; blocks registered by earlier, successful steps stay cached.
+
 A block's identity is a hash chain: block i's hash covers block i-1's hash, its token ids and the
 multimodal items whose placeholders it overlaps (``block_extra_keys``), so equal hashes mean equal
 K/V: the same image at the same place reuses K/V, while a different image behind identical
@@ -17,7 +21,9 @@ placeholder tokens, or the same image shifted, never does.
 
 A block is registered in the prefix cache in the step that computes its last token (at
 ``allocate_slots``), so a request admitted later in the same step may already share it: the worker
-must write a step's K/V of a layer before attention of that layer reads it.
+must write a step's K/V of a layer before attention of that layer reads it. Registering at schedule
+time rather than when the step's output arrives is what lets that request share the block; the price is
+the rollback above.
 """
 
 from __future__ import annotations
@@ -103,6 +109,8 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._block_hashes: dict[str, list[BlockHash]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        # (block id, hash) registered since the last take_newly_cached(), in registration order
+        self._newly_cached: list[tuple[int, BlockHash]] = []
         self.num_prefix_queries_tokens = 0
         self.num_prefix_hits_tokens = 0
 
@@ -192,11 +200,26 @@ class KVCacheManager:
         self._num_cached_blocks.pop(req_id, None)
         self._pool.release(reversed(table))
 
+    def take_newly_cached(self) -> list[tuple[int, BlockHash]]:
+        """The (block id, hash) pairs registered in the prefix cache since the previous call; called
+        once per step by ``schedule()``."""
+        newly_cached, self._newly_cached = self._newly_cached, []
+        return newly_cached
+
+    def uncache(self, cached_blocks: Sequence[tuple[int, BlockHash]]) -> None:
+        """The step that registered ``cached_blocks`` (``take_newly_cached``) failed: no later request
+        may hit them. Call after freeing the step's requests, which are the only holders of these
+        blocks (a block is registered by the request computing it, and shared in the same step only
+        by requests admitted in that step); the blocks stay in the free queue, unhashed."""
+        for block_id, block_hash in cached_blocks:
+            self._pool.uncache(block_id, block_hash)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every block hash, those of blocks in use included (their K/V stays where it is for
         the requests holding it, but no later request shares it, and blocks already offered to the
         cache are not offered again). Always succeeds, so always True."""
         self._pool.reset()
+        self._newly_cached.clear()
         return True
 
     # ------------------------------------------------------------------ internals
@@ -242,5 +265,6 @@ class KVCacheManager:
             return
         hashes = self._hashes(req, num_full_blocks)
         for i in range(num_cached, num_full_blocks):
-            self._pool.cache(table[i], hashes[i])
+            if self._pool.cache(table[i], hashes[i]):
+                self._newly_cached.append((table[i], hashes[i]))
         self._num_cached_blocks[req.req_id] = num_full_blocks

@@ -8,8 +8,8 @@ msgpack). A ``TensorRef`` names the frame that holds a tensor's bytes::
     msgpack(message)   pixel bytes A    pixel bytes B ...
        └─ MMFeature.tensors["pixel_values"] = TensorRef(dtype, shape, frame=1)
 
-    API ──AddRequest/Abort/ResetCaches/Shutdown──▶ engine ──SchedulerOutput──▶ worker
-    API ◀──EngineReady/EngineOutputs/EngineDead─── engine ◀──WorkerReady/RunnerOutput── worker
+    API ──AddRequest/Abort/ResetCaches/Drain/Shutdown──▶ engine ──SchedulerOutput──▶ worker
+    API ◀──EngineReady/EngineOutputs/EngineDead───────── engine ◀──WorkerReady/RunnerOutput── worker
 
 This module is the only piece of ``engine`` that ``app`` and ``workers`` import. It imports neither
 torch nor numpy.
@@ -100,11 +100,17 @@ class ResetCaches(msgspec.Struct, frozen=True, tag="reset"):
     encoder: bool = True
 
 
+class Drain(msgspec.Struct, frozen=True, tag="drain"):
+    """Stop admitting: from now on every ``AddRequest`` is answered at once with a 503
+    ``server_shutting_down`` error (its mirror decisions still applied), while the requests already held
+    run to the end. A ``Shutdown`` after ``Drain`` stops the engine once it holds no request."""
+
+
 class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
-    pass
+    """Stop the engine now; after ``Drain``, once the requests it holds have finished."""
 
 
-EngineInbound = Hello | AddRequest | Abort | ResetCaches | Shutdown
+EngineInbound = Hello | AddRequest | Abort | ResetCaches | Drain | Shutdown
 
 
 # ---------------------------------------------------------------- engine -> API
@@ -160,6 +166,10 @@ class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead"):
+    """The engine stopped, or lost its worker (every request it held was failed with 503
+    ``worker_unavailable`` first). It answers no ``Hello`` until it is ready again; then an
+    ``EngineReady`` with a new epoch is sent to every known API process."""
+
     reason: str
 
 
@@ -244,7 +254,14 @@ class RunnerOutput(msgspec.Struct, frozen=True, tag="runner"):
     forward_seconds: float
 
 
+UNDECODABLE_STEP_ID = -1  # WorkerError.step_id when frame 0 was not a valid WorkerInbound message
+
+
 class WorkerError(msgspec.Struct, frozen=True, tag="werror"):
+    """The step ``step_id`` failed (``UNDECODABLE_STEP_ID``: the worker could not decode the message,
+    which the engine takes as the step it is waiting for). A reply for an older step than the one
+    awaited is late (that step timed out): the engine discards it, as it does a late ``RunnerOutput``."""
+
     step_id: int
     message: str
 

@@ -3,7 +3,9 @@ KV blocks they write and which multimodal items the encoder runs on. Policy only
 tensors (block bookkeeping is the ``KVCacheManager``'s, encoder bookkeeping the
 ``EncoderCacheManager``'s).
 
-A step is ``schedule()`` → the worker runs it → ``postprocess(runner_output)``. Requests join (from
+A step is ``schedule()`` → the worker runs it → ``postprocess(runner_output)``, or ``fail_step()`` when
+the worker did not complete it (the step's requests end; what it would have written is forgotten by
+the prefix and encoder caches; its drops are sent again). Requests join (from
 ``waiting``) and leave (finished, aborted) between steps; all running requests advance together. When
 KV blocks run out, the most recently admitted running request is preempted: its blocks are freed, it
 goes back to the front of the queue and is recomputed later (outputs already produced are kept).
@@ -14,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.block_pool import BlockHash
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import FinishReason, RunnerOutput
@@ -54,6 +57,8 @@ class StepPlan:
     resumed_requests: list[Request] = field(default_factory=list)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # blocks appended to running tables
     preempted_req_ids: list[str] = field(default_factory=list)
+    # (block id, hash) this step registered in the prefix cache: taken back if the step fails
+    cached_blocks: list[tuple[int, BlockHash]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -85,6 +90,7 @@ class Scheduler:
         # finished since the last plan; the worker drops their state at the start of the next step
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []  # likewise, their block tables
+        self._resend_free_mm_hashes: list[str] = []  # a failed step's frees, sent again
 
     # ------------------------------------------------------------------ admission
 
@@ -235,16 +241,18 @@ class Scheduler:
         self._step_id += 1
         finished, self._finished_req_ids = self._finished_req_ids, []
         preempted, self._preempted_req_ids = self._preempted_req_ids, []
+        resent, self._resend_free_mm_hashes = self._resend_free_mm_hashes, []
         return StepPlan(
             step_id=self._step_id,
             new_requests=new_requests,
             num_scheduled_tokens=num_scheduled,
             encoder_items=list(encoder_items.items()),
-            free_mm_hashes=self.encoder_cache.take_evicted(),
+            free_mm_hashes=resent + self.encoder_cache.take_evicted(),
             finished_req_ids=finished,
             resumed_requests=resumed_requests,
             new_block_ids=new_block_ids,
             preempted_req_ids=preempted,
+            cached_blocks=self.kv_cache.take_newly_cached(),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -319,6 +327,27 @@ class Scheduler:
                 self._finish(request, reason)
                 result.finished.append(request)
         return result
+
+    def fail_step(self, plan: StepPlan) -> list[Request]:
+        """Called instead of ``postprocess`` when the worker did not complete ``plan`` (an error or a
+        timeout; it is still there). Returns the step's requests, now finished with ABORT: the worker's
+        state for them is unknown. The step is undone from the caches' view: the blocks it registered
+        in the prefix cache and the encoder entries it allocated are forgotten (their K/V and outputs
+        may never have been written), so a later request computes and encodes them again; blocks
+        and entries of earlier steps stay. The step's drops (freed outputs, finished and preempted
+        requests) go out again with the next step: the worker may not have applied them, and
+        applying one twice is harmless. Requests the step did not run are untouched."""
+        failed = [self.requests[req_id] for req_id in plan.num_scheduled_tokens if req_id in self.requests]
+        for request in failed:
+            self._finish(request, FinishReason.ABORT)
+        # Only the step's requests held what it registered or allocated: all released above.
+        self.kv_cache.uncache(plan.cached_blocks)
+        for mm_hash, _ in plan.encoder_items:
+            self.encoder_cache.discard(mm_hash)  # reported in the next step's free_mm_hashes
+        self._resend_free_mm_hashes += plan.free_mm_hashes
+        self._finished_req_ids[:0] = plan.finished_req_ids
+        self._preempted_req_ids[:0] = plan.preempted_req_ids
+        return failed
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.sampling

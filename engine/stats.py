@@ -18,6 +18,10 @@ class EngineMetrics:
     def count(self, name: str, value: float = 1.0) -> None:
         self._counters[name] += value
 
+    def set_total(self, name: str, value: float) -> None:
+        """A counter kept outside the core (already cumulative, across worker restarts)."""
+        self._counters[name] = value
+
     def record_step(self, plan: StepPlan, output: RunnerOutput) -> None:
         """Called after every step that ran on the worker."""
         self.count("engine_steps_total")

@@ -1,23 +1,40 @@
 """The engine's side of the engine⇄worker pipe: a ROUTER bound at ``worker_addr``; the worker's DEALER
 connects and says WorkerReady. One step at a time: send SchedulerOutput (+ tensor frames), wait for
-the RunnerOutput of the same step.
+the reply carrying the same step id.
 
     engine (ROUTER, bind)  ──[id, SchedulerOutput, frame 1..N]──▶  worker (DEALER, connect)
-                           ◀──[id, WorkerReady | RunnerOutput]────
+                           ◀──[id, WorkerReady | RunnerOutput | WorkerError]────
+    socket monitor (inproc PAIR) ◀── ACCEPTED(fd) / DISCONNECTED(fd) of every peer connection
+
+- **Late replies.** A step that timed out may still be answered; that reply arrives while a later step
+  is awaited. Replies carry their step id: one for an older step is discarded (logged, counted in
+  ``num_stale_replies``), so a single timeout never shifts every later reply by one.
+- **Loss.** The kernel closes a dead process's connection and ZeroMQ reports ``EVENT_DISCONNECTED``
+  with the connection's fd (ipc:// and tcp:// alike, within milliseconds of a SIGKILL). The worker's
+  fd is read from its WorkerReady frame (``SRCFD``); its disconnect raises ``WorkerLost`` from
+  ``execute`` (which polls the data socket and the monitor together) and from ``check`` (called by the
+  idle engine loop). A WorkerReady from another peer also means the current worker was replaced: it is
+  kept for the next ``poll_ready``, and the current worker counts as lost.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 
+import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from engine.executor import WorkerFailed, WorkerLost
 from engine.protocol import (
+    UNDECODABLE_STEP_ID,
     RunnerOutput,
     SchedulerOutput,
     WorkerError,
+    WorkerOutbound,
     WorkerReady,
     WorkerShutdown,
     decode_worker_outbound,
@@ -26,9 +43,7 @@ from engine.protocol import (
 
 log = logging.getLogger(__name__)
 
-
-class WorkerFailed(RuntimeError):
-    pass
+__all__ = ["WorkerClient", "WorkerFailed", "WorkerLost"]
 
 
 class WorkerClient:
@@ -37,37 +52,159 @@ class WorkerClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.bind(worker_addr)
-        self.step_timeout_ms = int(step_timeout_s * 1000)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._poller.register(self.monitor, zmq.POLLIN)
+        self.step_timeout_s = step_timeout_s
         self.worker_id: bytes | None = None
         self.ready: WorkerReady | None = None
+        self._worker_fd: int | None = None  # None while no worker, or where libzmq gives no SRCFD
+        self._closed_fds: set[int] = set()  # disconnected, not accepted again since
+        self._lost: str | None = None  # why the current worker is gone, until forget_worker()
+        self._next_ready: tuple[bytes, int | None, WorkerReady] | None = None
+        self.num_stale_replies = 0
+
+    @property
+    def has_worker(self) -> bool:
+        return self.worker_id is not None
 
     def poll_ready(self, timeout_s: float) -> WorkerReady | None:
-        """Waits up to ``timeout_s`` for the worker to connect and load its model."""
-        if not self.sock.poll(int(timeout_s * 1000)):
-            return None
-        identity, payload = self.sock.recv_multipart()
-        msg = decode_worker_outbound(payload)
-        if not isinstance(msg, WorkerReady):
-            raise WorkerFailed(f"expected WorkerReady, got {type(msg).__name__}")
-        self.worker_id, self.ready = identity, msg
-        log.info("worker ready on %s (%s)", msg.device, msg.dtype)
-        return msg
+        """Waits up to ``timeout_s`` for a worker to connect and say WorkerReady (a new process after a
+        loss: a new identity). Called while there is no current worker."""
+        assert self.worker_id is None, "forget_worker() first"
+        deadline = time.monotonic() + timeout_s
+        while self._next_ready is None:
+            if not self._wait(deadline):
+                return None
+            self._read_monitor()
+            self._read_replies(expected_step_id=None)
+        identity, fd, ready = self._next_ready
+        self._next_ready = None
+        self.worker_id, self._worker_fd, self.ready = identity, fd, ready
+        log.info("worker ready on %s (%s)", ready.device, ready.dtype)
+        return ready
+
+    def forget_worker(self) -> None:
+        """Called once the engine handled the loss of the current worker."""
+        self.worker_id = self._worker_fd = self.ready = self._lost = None
+
+    def check(self) -> None:
+        """Non-blocking, between steps: raises ``WorkerLost`` if the current worker is gone; discards
+        stray replies."""
+        self._read_monitor()
+        self._read_replies(expected_step_id=None)
+        self._raise_if_lost()
 
     def execute(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> RunnerOutput:
+        """Sends the step and waits for its reply: ``WorkerFailed`` on ``WorkerError`` or after
+        ``step_timeout_s``, ``WorkerLost`` as soon as the worker's connection closes."""
+        self.check()
         assert self.worker_id is not None, "poll_ready() first"
-        self.sock.send_multipart([self.worker_id, encode(sched), *frames], copy=False)
-        if not self.sock.poll(self.step_timeout_ms):
-            raise WorkerFailed(f"worker did not answer step {sched.step_id}")
-        _identity, payload = self.sock.recv_multipart()
-        msg = decode_worker_outbound(payload)
-        if isinstance(msg, WorkerError):
-            raise WorkerFailed(f"worker failed step {msg.step_id}: {msg.message}")
-        if not isinstance(msg, RunnerOutput) or msg.step_id != sched.step_id:
-            raise WorkerFailed(f"unexpected worker reply {msg!r}")
-        return msg
+        try:
+            self.sock.send_multipart([self.worker_id, encode(sched), *frames], copy=False)
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer's pipe is gone
+            self._lost = f"cannot send step {sched.step_id}: {exc}"
+            self._raise_if_lost()
+        deadline = time.monotonic() + self.step_timeout_s
+        while True:
+            if not self._wait(deadline):
+                raise WorkerFailed(f"worker did not answer step {sched.step_id} in {self.step_timeout_s:g}s")
+            self._read_monitor()
+            reply = self._read_replies(expected_step_id=sched.step_id)
+            if reply is not None:
+                return reply
+            self._raise_if_lost()
 
     def shutdown(self) -> None:
         if self.worker_id is not None:
             with contextlib.suppress(zmq.ZMQError):  # the worker may already be gone
                 self.sock.send_multipart([self.worker_id, encode(WorkerShutdown())], flags=zmq.NOBLOCK)
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
         self.sock.close(linger=100)
+
+    # ------------------------------------------------------------------ internals
+
+    def _wait(self, deadline: float) -> bool:
+        """Polls the data socket and the monitor until either is readable (True) or ``deadline``."""
+        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        return bool(self._poller.poll(remaining_ms))
+
+    def _read_monitor(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._closed_fds.discard(fd)  # the number is reused by a new connection
+                continue
+            self._closed_fds.add(fd)
+            if self.worker_id is not None and self._worker_fd in (fd, None):
+                self._lost = "the worker's connection closed (its process exited or was killed)"
+
+    def _read_replies(self, expected_step_id: int | None) -> RunnerOutput | None:
+        """Reads every waiting message; returns the reply to ``expected_step_id`` (None: no step in
+        flight) or raises ``WorkerFailed`` for that step; discards late replies; keeps a new worker's
+        WorkerReady for ``poll_ready``."""
+        while True:
+            try:
+                parts = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+            identity, fd = parts[0].bytes, _source_fd(parts[-1])
+            try:
+                msg: WorkerOutbound = decode_worker_outbound(parts[-1].buffer)
+            except msgspec.MsgspecError as exc:
+                raise WorkerFailed(f"undecodable worker reply: {exc}") from exc
+            if isinstance(msg, WorkerReady):
+                self._on_ready(identity, fd, msg)
+                continue
+            if identity != self.worker_id:
+                self._discard(msg, "from a worker that is no longer current")
+                continue
+            if expected_step_id is None:
+                self._discard(msg, "with no step in flight")
+                continue
+            step_id = expected_step_id if msg.step_id == UNDECODABLE_STEP_ID else msg.step_id
+            if step_id < expected_step_id:
+                self._discard(msg, f"while step {expected_step_id} is awaited")
+                continue
+            if step_id > expected_step_id:
+                raise WorkerFailed(f"worker answered step {step_id} while step {expected_step_id} is awaited")
+            if isinstance(msg, WorkerError):
+                raise WorkerFailed(f"worker failed step {expected_step_id}: {msg.message}")
+            return msg
+
+    def _on_ready(self, identity: bytes, fd: int | None, msg: WorkerReady) -> None:
+        # The connection's ACCEPTED (and a DISCONNECTED, if it is gone already) was reported before
+        # its message could be read: read the monitor again so a reused fd number is not mistaken.
+        self._read_monitor()
+        if fd is not None and fd in self._closed_fds:
+            log.warning("ignoring WorkerReady of a connection that already closed")
+            return
+        if identity == self.worker_id:
+            raise WorkerFailed("the current worker said WorkerReady again")
+        self._next_ready = (identity, fd, msg)
+        if self.worker_id is not None:
+            self._lost = "another worker connected"
+
+    def _discard(self, msg: WorkerOutbound, why: str) -> None:
+        self.num_stale_replies += 1
+        step_id = getattr(msg, "step_id", None)
+        log.warning("discarding a late %s for step %s %s", type(msg).__name__, step_id, why)
+
+    def _raise_if_lost(self) -> None:
+        if self._lost is not None:
+            raise WorkerLost(self._lost)
+
+
+def _source_fd(frame: zmq.Frame) -> int | None:
+    """The fd of the connection a frame came through (libzmq's deprecated but present ZMQ_SRCFD);
+    None where unsupported, and then any disconnect counts as the worker's."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, ValueError):
+        return None

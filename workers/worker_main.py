@@ -21,6 +21,7 @@ import msgspec
 import zmq
 
 from engine.protocol import (
+    UNDECODABLE_STEP_ID,
     RunnerOutput,
     WorkerError,
     WorkerReady,
@@ -35,7 +36,6 @@ from workers.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 _POLL_INTERVAL_MS = 100  # how quickly a signal ends an idle loop
-UNDECODABLE_STEP_ID = -1  # WorkerError.step_id when frame 0 was not a valid WorkerInbound message
 
 
 def run_worker(config: WorkerConfig) -> None:

@@ -151,6 +151,33 @@ def test_reset_evicts_freeable_only() -> None:
     check(m)
 
 
+def test_discard_evicts_a_failed_steps_entry_and_reports_it() -> None:
+    m = EncoderCacheManager(10)
+    m.allocate("a", 4, "r1")  # an earlier step's entry, freeable
+    m.release_all("r1")
+    m.allocate("b", 4, "r2")  # the failed step's entry, shared by r3 in the same step
+    assert m.lookup("b", "r3")
+    m.release_all("r2")
+    m.release_all("r3")
+    m.discard("b")
+    check(m)
+    assert "b" not in m and "a" in m and m.num_used_tokens == 4
+    assert m.take_evicted() == ["b"]
+    assert not m.lookup("b", "r4")  # encoded again
+    m.discard("b")  # no longer held: nothing happens
+    assert m.take_evicted() == []
+    check(m)
+
+
+def test_discard_with_caching_disabled() -> None:
+    m = EncoderCacheManager(0)
+    m.allocate("a", 4, "r1")
+    m.release_all("r1")  # evicted at zero users already
+    m.discard("a")
+    assert m.take_evicted() == ["a"]
+    check(m)
+
+
 def test_random_operations_keep_invariants() -> None:
     rng = random.Random(7)
     m = EncoderCacheManager(12)

@@ -4,13 +4,17 @@ outputs per client, stats, and the wire form of a step."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+
+import pytest
 
 from engine.core import EngineCore, to_scheduler_output
+from engine.executor import WorkerFailed, WorkerLost
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import (
     Abort,
     AddRequest,
+    ErrorInfo,
     FinishReason,
     Logprob,
     MMFeature,
@@ -60,7 +64,7 @@ class RecordingExecutor:
         self.store.difference_update(sched.free_mm_hashes)
         for new in sched.new_requests:
             self.num_tokens[new.req_id] = len(new.prompt_token_ids)
-            self.num_computed[new.req_id] = 0
+            self.num_computed[new.req_id] = new.num_computed_tokens
         for enc in sched.encoder_inputs:
             assert enc.mm_hash not in self.store
             assert all(1 <= ref.frame <= len(frames) for ref in enc.tensors.values())
@@ -386,3 +390,90 @@ def test_to_scheduler_output_numbers_tensor_frames_from_one() -> None:
         ["Z"],
         ["r0"],
     )
+
+
+# ---------------------------------------------------------------------------- faults
+
+
+class FailingExecutor(RecordingExecutor):
+    """Runs a step like the worker would, up to its encodes included, then fails the steps listed in
+    ``fail`` (``WorkerFailed``) or ``lose`` (``WorkerLost``)."""
+
+    def __init__(self, fail: Collection[int] = (), lose: Collection[int] = ()) -> None:
+        super().__init__()
+        self.fail, self.lose = fail, lose
+
+    def execute(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> RunnerOutput:
+        if sched.step_id in self.lose:
+            raise WorkerLost("the worker's connection closed")
+        output = super().execute(sched, frames)
+        if sched.step_id in self.fail:
+            raise WorkerFailed(f"worker failed step {sched.step_id}: CUDA error")
+        return output
+
+
+def test_failed_step_fails_its_requests_and_a_retry_recomputes_everything() -> None:
+    executor = FailingExecutor(fail={1})
+    core = EngineCore(config(enable_prefix_caching=True, block_size=4), executor)
+    core.add_request(b"a", add("r1", "X"), frames())
+    outputs = core.step()
+    [out] = outputs[b"a"]
+    assert out.req_id == "r1" and out.finish_reason is FinishReason.ABORT and out.new_token_ids == []
+    assert out.error is not None and out.error.code == "internal_error" and out.error.http_status == 500
+    assert "CUDA error" in out.error.message
+    assert not core.has_work and core.stats().counters["engine_failed_steps_total"] == 1
+
+    # the same prompt and image again (key only: the receiver cache kept the item)
+    core.add_request(b"a", add("r2", "X", with_tensors=False), key_only_frames())
+    outputs = run_until_idle(core)
+    sched = executor.steps[1][0]
+    assert sched.new_requests[0].num_computed_tokens == 0  # no prefix hit on the failed step's blocks
+    assert [e.mm_hash for e in sched.encoder_inputs] == ["X"]  # encoded again
+    assert sched.free_mm_hashes == ["X"] and sched.finished_req_ids == ["r1"]  # the worker forgets too
+    assert outputs[b"a"][0].num_cached_tokens == 0 and outputs[b"a"][-1].finish_reason is FinishReason.LENGTH
+
+    core.add_request(b"a", add("r3", "X", with_tensors=False), key_only_frames())
+    run_until_idle(core)
+    sched = [s for s, _ in executor.steps if "r3" in s.num_scheduled_tokens][0]
+    assert sched.new_requests[0].num_computed_tokens == 16  # r2's blocks do hit (4 full of 20 tokens)
+    assert sched.encoder_inputs == []
+
+
+def test_failed_step_spares_requests_it_did_not_run() -> None:
+    core = EngineCore(config(max_num_seqs=1), FailingExecutor(fail={1}))
+    core.add_request(b"a", add("r1", None), frames())
+    core.add_request(b"b", add("r2", None), frames())
+    outputs = core.step()
+    assert list(outputs) == [b"a"] and outputs[b"a"][0].error is not None
+    outputs = run_until_idle(core)
+    assert list(outputs) == [b"b"] and all(o.error is None for o in outputs[b"b"])
+    assert outputs[b"b"][-1].finish_reason is FinishReason.LENGTH
+
+
+def test_lost_worker_propagates_and_fail_all_ends_every_request() -> None:
+    core = EngineCore(config(max_num_seqs=1), FailingExecutor(lose={2}))
+    core.add_request(b"a", add("r1", "X", max_tokens=5), frames())
+    core.add_request(b"b", add("r2", None), frames())
+    core.step()
+    with pytest.raises(WorkerLost):
+        core.step()
+    error = ErrorInfo("The model worker is unavailable.", "worker_unavailable", http_status=503)
+    outputs = core.fail_all(error)
+    assert outputs == {
+        b"a": [RequestOutput("r1", finish_reason=FinishReason.ABORT, error=error)],
+        b"b": [RequestOutput("r2", finish_reason=FinishReason.ABORT, error=error)],  # it was waiting
+    }
+    assert not core.has_work and core.stats().gauges["num_requests_running"] == 0
+
+
+def test_drain_refuses_new_requests_after_applying_their_mirror_decisions() -> None:
+    core = EngineCore(config(), RecordingExecutor())
+    core.add_request(b"a", add("r1", "X", max_tokens=3), frames())
+    core.step()
+    core.drain()
+    [out] = core.add_request(b"a", add("r2", "Y", evicted=["X"]), frames())[b"a"]
+    assert out.req_id == "r2" and out.error is not None
+    assert (out.error.code, out.error.http_status) == ("server_shutting_down", 503)
+    assert core.receiver_caches.for_sender(b"a").keys() == ["Y"]
+    outputs = run_until_idle(core)  # the request held runs to the end
+    assert outputs[b"a"][-1].req_id == "r1" and outputs[b"a"][-1].finish_reason is FinishReason.LENGTH

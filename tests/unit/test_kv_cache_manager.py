@@ -7,6 +7,8 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
+import pytest
+
 from engine.kv_cache_manager import KVCacheManager, block_extra_keys, hash_block
 from engine.protocol import MMFeature
 
@@ -283,6 +285,51 @@ def test_counters_and_reset() -> None:
     assert m._pool.num_cached_blocks == 0
 
 
+def test_a_failed_steps_registrations_are_taken_back() -> None:
+    m = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = Req("a", list(range(10)))
+    admit(m, a, 4)  # a successful step: block 0
+    assert m.take_newly_cached() == [(0, m._pool.hash_of(0))]
+    grow(m, a, 6)  # the step that fails: blocks 1 (full) and 2 (partial)
+    b = Req("b", list(range(10)))
+    assert admit(m, b, 1) == [0, 1, 3]  # admitted in the same step, sharing what a just registered
+    failed = m.take_newly_cached()
+    assert [block for block, _ in failed] == [1]  # only a's new full block; b registered nothing
+    assert m.take_newly_cached() == []
+    m.free("a")
+    m.free("b")
+    m.uncache(failed)
+    check(m)
+    assert m._pool.hash_of(1) is None and m._pool.hash_of(0) is not None
+    assert m.get_computed_blocks(Req("c", list(range(10)))) == ([0], 4)  # block 0 stays cached
+    assert list(m._pool._free) == [4, 5, 6, 7, 2, 3, 1, 0]  # uncache moves nothing
+    m.uncache(failed)  # idempotent
+    check(m)
+
+
+def test_uncache_leaves_a_block_that_was_taken_for_new_content() -> None:
+    m = KVCacheManager(num_blocks=2, block_size=4, enable_prefix_caching=True)
+    a = Req("a", list(range(5)))
+    admit(m, a)
+    failed = m.take_newly_cached()
+    m.free("a")
+    b = Req("b", list(range(50, 58)))
+    admit(m, b)  # takes both blocks (1, then 0): their hashes are now b's
+    m.uncache(failed)
+    check(m)
+    assert m.get_computed_blocks(Req("c", list(range(50, 58)) + [1])) == ([1, 0], 8)
+
+
+def test_no_journal_without_prefix_caching_or_after_reset() -> None:
+    m = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    admit(m, Req("a", list(range(10))))
+    assert m.take_newly_cached() == []
+    m = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    admit(m, Req("a", list(range(10))))
+    m.reset_prefix_cache()
+    assert m.take_newly_cached() == []
+
+
 # ---------------------------------------------------------------- eviction
 
 
@@ -391,7 +438,10 @@ def describe(req: Req) -> list[tuple[object, ...]]:
     return desc
 
 
-def test_soak_random_requests_never_leak_and_every_hit_holds_the_right_kv() -> None:
+@pytest.mark.parametrize("failure_rate", [0.0, 0.15])
+def test_soak_random_requests_never_leak_and_every_hit_holds_the_right_kv(failure_rate: float) -> None:
+    """With ``failure_rate``, that share of the steps fail: their K/V is never written, the request
+    ends (and is retried from scratch) and the step's registrations are taken back (``uncache``)."""
     rng = random.Random(1234)
     bs = 4
     m = KVCacheManager(num_blocks=48, block_size=bs, enable_prefix_caching=True)
@@ -413,7 +463,7 @@ def test_soak_random_requests_never_leak_and_every_hit_holds_the_right_kv() -> N
         max_outputs[f"r{i}"] = rng.randint(1, 10)
     waiting.reverse()  # pop() serves in arrival order
     running: list[Req] = []
-    num_hits = 0
+    num_hits = num_failures = 0
 
     def compute(req: Req, n: int) -> None:
         desc = tuple(describe(req))
@@ -429,6 +479,19 @@ def test_soak_random_requests_never_leak_and_every_hit_holds_the_right_kv() -> N
             else:
                 req.output_token_ids.append(rng.randrange(4))
 
+    def compute_or_fail(req: Req, n: int) -> None:
+        newly_cached = m.take_newly_cached()
+        if rng.random() >= failure_rate:
+            compute(req, n)
+            return
+        running.remove(req)
+        m.free(req.req_id)
+        m.uncache(newly_cached)
+        req.num_computed_tokens = 0
+        waiting.append(req)  # retried as if new
+        nonlocal num_failures
+        num_failures += 1
+
     def preempt(req: Req) -> None:
         running.remove(req)
         m.free(req.req_id)
@@ -442,7 +505,7 @@ def test_soak_random_requests_never_leak_and_every_hit_holds_the_right_kv() -> N
             computed, num_hit = m.get_computed_blocks(req)
             desc = tuple(describe(req))
             for i, b in enumerate(computed):
-                assert content[b] == desc[: (i + 1) * bs], "a prefix hit on the wrong K/V"
+                assert content.get(b) == desc[: (i + 1) * bs], "a prefix hit on the wrong K/V"
             num_hits += num_hit
             req.num_computed_tokens = num_hit
             n = rng.randint(1, req.num_tokens - num_hit)
@@ -458,7 +521,7 @@ def test_soak_random_requests_never_leak_and_every_hit_holds_the_right_kv() -> N
             else:
                 waiting.pop()
                 running.append(req)
-                compute(req, n)
+                compute_or_fail(req, n)
         elif op < 0.9:
             req = rng.choice(running)
             n = rng.randint(1, req.num_tokens - req.num_computed_tokens)
@@ -470,7 +533,7 @@ def test_soak_random_requests_never_leak_and_every_hit_holds_the_right_kv() -> N
                 assert snapshot(m) == before
                 preempt(rng.choice(running))
             else:
-                compute(req, n)
+                compute_or_fail(req, n)
         else:
             preempt(rng.choice(running))
         check(m)
@@ -478,3 +541,4 @@ def test_soak_random_requests_never_leak_and_every_hit_holds_the_right_kv() -> N
     assert m.num_free_blocks == m.num_blocks and m.usage == 0.0
     assert not m._tables and not m._block_hashes and not m._num_cached_blocks
     assert num_hits > 1000  # the shared prefixes were actually reused
+    assert (num_failures > 100) == (failure_rate > 0)

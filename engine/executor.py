@@ -1,0 +1,30 @@
+"""What ``EngineCore`` needs from whatever runs its steps: the worker client, or a test double.
+
+``execute`` either returns the step's ``RunnerOutput`` or raises:
+
+- ``WorkerFailed``: this step did not complete (the worker answered ``WorkerError``, or did not answer
+  in time). The worker is still there; the engine fails the step's requests and rolls back what the
+  step would have written (docs/architecture.md, "Engine step").
+- ``WorkerLost`` (a ``WorkerFailed``): the worker's connection closed (its process died) or another
+  worker took its place. Nothing it held survives: the engine fails every request and waits for a new
+  worker with a fresh ``EngineCore``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from engine.protocol import RunnerOutput, SchedulerOutput
+
+
+class WorkerFailed(RuntimeError):
+    """The worker did not complete a step; it may still serve the next one."""
+
+
+class WorkerLost(WorkerFailed):
+    """The worker is gone (process died, connection closed, replaced by a new worker)."""
+
+
+class Executor(Protocol):
+    def execute(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> RunnerOutput: ...
