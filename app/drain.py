@@ -69,8 +69,11 @@ class DrainingServer(uvicorn.Server):
         self.drain = drain
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Unlike uvicorn's own, no signal is re-raised after the shutdown: ``serve`` then stops its
+        children and exits 0, without a KeyboardInterrupt traceback."""
         if sig != signal.SIGTERM:
             super().handle_exit(sig, frame)
+            self._captured_signals.clear()
         elif not self.drain.started:
             log.info(
                 "SIGTERM: draining %d request(s) for up to %gs; new requests get 503",
@@ -78,7 +81,7 @@ class DrainingServer(uvicorn.Server):
                 self.drain.timeout_s,
             )
             self.drain.start()
-        else:  # a second SIGTERM: stop now (not re-raised after the shutdown, unlike uvicorn's own)
+        else:  # a second SIGTERM: stop now
             self.should_exit = True
 
     async def on_tick(self, counter: int) -> bool:

@@ -136,7 +136,8 @@ def _announce_when_ready(settings: Settings, stop: threading.Event) -> None:
 
 
 class Supervisor:
-    """The engine and worker processes of ``serve``, restarted when they die.
+    """The engine and worker processes of ``serve``, restarted when they die (a non-zero exit: a crash,
+    SIGKILL, the OOM killer); a role that exits 0 was asked to stop, and the server stops with it.
 
     A dead worker is started again; the engine notices the lost worker, fails its requests with 503 and
     takes the new worker with a fresh epoch. A dead engine takes its worker with it (that worker's KV
@@ -170,6 +171,12 @@ class Supervisor:
                 continue
             with self.lock:
                 if stop.is_set():
+                    return
+                if any(self.children[role].exitcode == 0 for role in dead):
+                    # asked to stop (Ctrl-C reaches the whole process group; a signal to one role):
+                    # the server stops as a whole
+                    log.info("%s stopped: stopping the server", " and ".join(dead))
+                    signal.raise_signal(signal.SIGINT)
                     return
                 if not self._restart(dead):
                     signal.raise_signal(signal.SIGINT)  # the API stops, then stop() ends the rest
