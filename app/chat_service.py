@@ -212,6 +212,8 @@ async def _chain(
         out = await queue.get()
         if isinstance(out, EngineGone):
             raise EngineUnavailableError(out.reason)
+        if out.error is not None:  # e.g. the worker died or its step failed under the request
+            raise error_from_engine(out.error)
         yield out
         if out.finish_reason is not None:
             return

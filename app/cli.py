@@ -78,6 +78,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         enable_prefix_caching=settings.enable_prefix_caching,
         disable_chunked_mm_input=settings.disable_chunked_mm_input,
         max_waiting_requests=settings.max_waiting_requests,
+        shutdown_timeout=settings.shutdown_timeout,
         log_level=settings.log_level,
     )
 
@@ -91,6 +92,7 @@ def worker_config(settings: Settings) -> WorkerConfig:
         block_size=settings.block_size,
         kv_cache_tokens=settings.kv_cache_tokens,
         gpu_memory_utilization=settings.gpu_memory_utilization,
+        shutdown_timeout=settings.shutdown_timeout,
     )
 
 

@@ -23,6 +23,8 @@ from workers.families import UnsupportedModelError
 
 log = logging.getLogger("mmserve")
 
+GRACE_AFTER_DRAIN_S = 0.5
+
 
 def run_role(role: str, settings: Settings) -> int:
     logging.basicConfig(
@@ -64,7 +66,7 @@ def run_role(role: str, settings: Settings) -> int:
     elif role == "worker":
         from workers.worker_main import run_worker
 
-        run_worker(worker_config(settings))
+        return run_worker(worker_config(settings))
     else:
         run_api(settings, owns_engine=False)
     return 0
@@ -77,8 +79,14 @@ def run_api(settings: Settings, *, owns_engine: bool) -> None:
 
     drain = Drain(settings.shutdown_timeout)
     app = create_app(settings, shutdown_engine_on_exit=owns_engine, drain=drain)
+    # The drain already waited for requests in flight: what uvicorn's own shutdown finds after it (or
+    # after Ctrl-C) is cut off at once.
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, timeout_graceful_shutdown=5
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
     )
     DrainingServer(config, drain).run()
 

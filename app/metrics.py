@@ -25,6 +25,9 @@ ENGINE_COUNTERS = {
     "prefix_cache_hits_total": "Prompt tokens whose KV came from the prefix cache.",
     "num_preemptions_total": "Requests preempted (KV freed, recomputed later) because KV blocks ran out.",
     "mm_ipc_cache_resends_total": "Items the receiver cache lacked though the mirror said cached (stays 0).",
+    "engine_failed_steps_total": "Engine steps the worker failed or did not answer in time.",
+    "worker_losses_total": "Times the engine lost its worker (the process died or disconnected).",
+    "worker_stale_replies_total": "Late worker replies to an earlier step, discarded.",
 }
 ENGINE_GAUGES = {
     "encoder_cache_usage_tokens": "Encoder-cache space in use (embeddings), freeable entries included.",

@@ -18,4 +18,5 @@ class EngineConfig:
     disable_chunked_mm_input: bool = False
     max_waiting_requests: int | None = None
     step_timeout_s: float = 600.0  # a step unanswered this long fails its requests (500)
+    shutdown_timeout: float = 30.0  # SIGTERM: held requests get this long to finish
     log_level: str = "info"

@@ -70,6 +70,7 @@ class EngineServer:
         self.running = True
         self.draining = False  # Drain: new requests are refused, held ones run on
         self._stop_when_idle = False  # Shutdown while draining: stop once no request is held
+        self._stop_deadline: float | None = None  # ... or at this time (SIGTERM's shutdown timeout)
         self._stats_dirty = False
         self.num_worker_losses = 0
 
@@ -108,6 +109,9 @@ class EngineServer:
                 self._advance()
             except WorkerLost as exc:
                 self._on_worker_lost(str(exc))
+            if self._stop_deadline is not None and time.monotonic() >= self._stop_deadline:
+                log.warning("shutdown timeout: stopping with requests still held")
+                self.running = False
 
     def _advance(self) -> None:
         """One turn of the loop after the inbox: adopt a worker, or run a step, or idle work."""
@@ -222,11 +226,12 @@ class EngineServer:
         if self._core is not None:
             self._core.drain()
 
-    def shutdown(self) -> None:
-        """Stop now; after ``drain()``, once no request is held."""
+    def shutdown(self, deadline: float | None = None) -> None:
+        """Stop now; after ``drain()``, once no request is held (or at ``deadline``, if given)."""
         log.info("shutdown requested")
         if self.draining:
             self._stop_when_idle = True
+            self._stop_deadline = deadline
         else:
             self.running = False
 
@@ -266,7 +271,11 @@ def run_engine(config: EngineConfig) -> None:
     server = EngineServer(config, ctx)
 
     def _stop(signum: int, _frame: object) -> None:
-        server.running = False
+        if signum == signal.SIGTERM and not server.draining:
+            server.drain()
+            server.shutdown(deadline=time.monotonic() + config.shutdown_timeout)
+        else:  # SIGINT, or a second SIGTERM: stop now
+            server.running = False
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)

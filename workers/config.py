@@ -14,3 +14,4 @@ class WorkerConfig:
     block_size: int = 16  # tokens per KV block
     kv_cache_tokens: int | None = None  # KV pool size; None: a memory fraction on CUDA, a default on CPU
     gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_tokens: share of GPU memory to use
+    shutdown_timeout: float = 30.0  # SIGTERM: keep serving steps this long, or until WorkerShutdown

@@ -6,8 +6,11 @@
         ◀── [RunnerOutput]  or  [WorkerError(step_id, message)]   one reply per step
         ──▶ [WorkerShutdown]                             the worker closes and returns
 
-A failing step is answered with ``WorkerError`` and the worker keeps serving. SIGTERM/SIGINT end the
-loop between steps; the socket closes with linger 0.
+A failing step is answered with ``WorkerError`` and the worker keeps serving. SIGINT ends the loop
+between steps; SIGTERM lets it serve on until ``WorkerShutdown`` (the engine drained) or the shutdown
+timeout. If the engine goes away (its connection drops) the worker exits with ``ENGINE_LOST``: its KV
+and encoder outputs belong to that engine, and a new engine needs a new worker (``mmserve serve`` and
+docker-compose's restart policy start one). The socket closes with linger 0.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from engine.protocol import (
     UNDECODABLE_STEP_ID,
@@ -36,10 +41,31 @@ from workers.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 _POLL_INTERVAL_MS = 100  # how quickly a signal ends an idle loop
+ENGINE_LOST = 3  # exit status when the engine's connection dropped
 
 
-def run_worker(config: WorkerConfig) -> None:
-    """Load the model, connect to the engine, serve steps until WorkerShutdown or a signal."""
+class _Stop:
+    """Set by signals: SIGINT stops between steps, SIGTERM at ``deadline`` unless WorkerShutdown comes
+    first."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.now = threading.Event()
+        self.deadline: float | None = None
+
+    def on_sigterm(self) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.timeout_s
+        else:
+            self.now.set()
+
+    def is_set(self) -> bool:
+        return self.now.is_set() or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Load the model, connect to the engine, serve steps until WorkerShutdown or a signal; returns the
+    exit status (0, or ``ENGINE_LOST``)."""
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -50,11 +76,12 @@ def run_worker(config: WorkerConfig) -> None:
         kv_cache_tokens=config.kv_cache_tokens,
         gpu_memory_utilization=config.gpu_memory_utilization,
     )
-    stop = threading.Event()
+    stop = _Stop(config.shutdown_timeout)
     restore_signals = _handle_signals(stop)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     try:
         sock.connect(config.worker_addr)
         ready = WorkerReady(
@@ -65,17 +92,26 @@ def run_worker(config: WorkerConfig) -> None:
         )
         sock.send_multipart([encode(ready)])
         logger.info("worker ready on %s, connected to %s", runner.device, config.worker_addr)
-        _serve(sock, runner, stop)
+        return _serve(sock, monitor, runner, stop)
     finally:
+        sock.disable_monitor()
+        monitor.close(linger=0)
         sock.close(linger=0)
         ctx.term()
         restore_signals()
         logger.info("worker stopped")
 
 
-def _serve(sock: zmq.Socket, runner: ModelRunner, stop: threading.Event) -> None:
+def _serve(sock: zmq.Socket, monitor: zmq.Socket, runner: ModelRunner, stop: _Stop) -> int:
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(monitor, zmq.POLLIN)
     while not stop.is_set():
-        if not sock.poll(_POLL_INTERVAL_MS, zmq.POLLIN):
+        events = dict(poller.poll(_POLL_INTERVAL_MS))
+        if sock not in events:  # messages first: a WorkerShutdown comes just before the disconnect
+            if monitor in events and recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                logger.error("the engine went away: exiting (a new engine needs a new worker)")
+                return ENGINE_LOST
             continue
         frames = sock.recv_multipart(copy=False)
         try:
@@ -86,7 +122,7 @@ def _serve(sock: zmq.Socket, runner: ModelRunner, stop: threading.Event) -> None
             continue
         if isinstance(msg, WorkerShutdown):
             logger.info("shutdown requested by the engine")
-            return
+            return 0
         reply: RunnerOutput | WorkerError
         try:
             reply = runner.execute(msg, frames)
@@ -94,17 +130,22 @@ def _serve(sock: zmq.Socket, runner: ModelRunner, stop: threading.Event) -> None
             logger.exception("step %d failed", msg.step_id)
             reply = WorkerError(step_id=msg.step_id, message=f"{type(exc).__name__}: {exc}")
         sock.send_multipart([encode(reply)])
+    return 0
 
 
-def _handle_signals(stop: threading.Event) -> Callable[[], None]:
-    """SIGTERM/SIGINT set ``stop``. Python only allows handlers in the main thread; elsewhere (a worker
+def _handle_signals(stop: _Stop) -> Callable[[], None]:
+    """SIGINT/SIGTERM set ``stop``. Python only allows handlers in the main thread; elsewhere (a worker
     run in a thread, as tests do) the caller owns signals and this is a no-op."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
     def on_signal(signum: int, _frame: object) -> None:
-        logger.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
+        if signum == signal.SIGTERM:
+            logger.info("SIGTERM: serving until the engine says shutdown, at most %gs", stop.timeout_s)
+            stop.on_sigterm()
+        else:
+            logger.info("received %s, stopping", signal.Signals(signum).name)
+            stop.now.set()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
 

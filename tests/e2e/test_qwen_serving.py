@@ -12,11 +12,11 @@ from typing import Any
 
 import httpx
 import pytest
-from workers.families.tiny import build_tiny_model
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.parity import assert_matches_oracle, greedy_request
 from tests.e2e.server import Server, delta, start_serve
+from workers.families.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
 

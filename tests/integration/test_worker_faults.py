@@ -6,6 +6,7 @@ worker connects, then announces a fresh epoch and answers as before the kill."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -229,3 +230,29 @@ def test_drain_refuses_new_requests_and_shutdown_waits_for_the_held_ones(
     assert len(tokens(held)) == 500 and held[-1].finish_reason == "length" and held[-1].error is None
     assert engine.proc.wait(30) == 0, engine.log()
     assert started[-1].proc.wait(30) == 0
+
+
+def test_sigterm_to_engine_and_worker_together_drains_like_compose_stop(
+    roles: tuple[Api, list[Role], list[str]], tmp_path: Path, prompts: dict[str, Prompt], hf_model: object
+) -> None:
+    """``docker compose stop`` SIGTERMs every service at once: the engine drains (new requests 503,
+    held ones finish), the worker serves on until the engine's WorkerShutdown; both exit 0."""
+    api, started, worker_args = roles
+    engine = started[0]
+    worker = Role(worker_args, tmp_path / "worker.log")
+    started.append(worker)
+    assert api.wait_ready(180) is not None, engine.log() + worker.log()
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    api.submit("held", prompts["text"], long)
+    api.outputs("held", 120, until_tokens=1)
+
+    engine.proc.send_signal(signal.SIGTERM)
+    worker.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    api.submit("new", prompts["one"], greedy(hf_model))
+    [refused] = api.outputs("new", 10)
+    assert refused.error is not None and refused.error.code == "server_shutting_down"
+    held = api.outputs("held", 120)
+    assert len(tokens(held)) == 400 and held[-1].finish_reason == "length" and held[-1].error is None
+    assert engine.proc.wait(30) == 0, engine.log()
+    assert worker.proc.wait(30) == 0, worker.log()

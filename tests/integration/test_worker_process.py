@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +32,7 @@ from tests.integration.runner_support import (
 )
 from workers.config import WorkerConfig
 from workers.frames import tensor_from_frame, tensor_to_frame
-from workers.worker_main import run_worker
+from workers.worker_main import ENGINE_LOST, run_worker
 
 pytestmark = pytest.mark.slow
 
@@ -109,11 +110,14 @@ def test_worker_over_zmq(router, tiny_model_dir, hf_model, prompts):
     assert not thread.is_alive()
 
 
-def test_worker_process_stops_on_sigterm(router, tiny_model_dir):
+def test_worker_process_stops_on_sigterm_after_its_shutdown_timeout(router, tiny_model_dir):
+    """SIGTERM lets the worker serve on (the engine is draining) until WorkerShutdown or, as here, its
+    shutdown timeout; then it exits 0."""
     router, addr = router
     code = (
-        "from workers.config import WorkerConfig; from workers.worker_main import run_worker; "
-        f"run_worker(WorkerConfig({str(tiny_model_dir)!r}, {addr!r}, device='cpu'))"
+        "import sys; from workers.config import WorkerConfig; from workers.worker_main import run_worker; "
+        f"sys.exit(run_worker(WorkerConfig({str(tiny_model_dir)!r}, {addr!r}, device='cpu', "
+        "shutdown_timeout=2.0)))"
     )
     repo_root = Path(__file__).resolve().parents[2]
     env = os.environ | {"PYTHONPATH": str(repo_root)}
@@ -122,7 +126,34 @@ def test_worker_process_stops_on_sigterm(router, tiny_model_dir):
         assert router.poll(120_000), "no WorkerReady"
         assert isinstance(decode_worker_outbound(router.recv_multipart()[1]), WorkerReady)
         proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert proc.poll() is None, "still serving within its shutdown timeout"
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_worker_process_exits_when_its_engine_goes_away(tmp_path, tiny_model_dir):
+    """A dead engine's worker holds that engine's KV and encoder outputs: it exits with ENGINE_LOST so
+    that a new one (started by serve or the compose restart policy) meets the new engine."""
+    ctx = zmq.Context()
+    engine = ctx.socket(zmq.ROUTER)
+    addr = f"ipc://{tmp_path}/lost.sock"
+    engine.bind(addr)
+    code = (
+        "import sys; from workers.config import WorkerConfig; from workers.worker_main import run_worker; "
+        f"sys.exit(run_worker(WorkerConfig({str(tiny_model_dir)!r}, {addr!r}, device='cpu')))"
+    )
+    repo_root = Path(__file__).resolve().parents[2]
+    env = os.environ | {"PYTHONPATH": str(repo_root)}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=repo_root, env=env)
+    try:
+        assert engine.poll(120_000), "no WorkerReady"
+        assert isinstance(decode_worker_outbound(engine.recv_multipart()[1]), WorkerReady)
+        engine.close(linger=0)
+        assert proc.wait(timeout=30) == ENGINE_LOST
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        ctx.term()
