@@ -58,7 +58,8 @@ def compose_services() -> dict[str, dict]:
 
 def test_compose_topology_as_processes(tiny_model_dir: Path, tmp_path: Path) -> None:
     """Each compose service's command, with its environment, as a local process; container host names
-    become loopback and the model volume becomes the tiny model folder."""
+    become loopback and the model volume becomes the tiny model folder. Then the engine dies and
+    comes back, as the restart policy would bring it back."""
     services = compose_services()
     engine_port, worker_port, http_port = free_port(), free_port(), free_port()
     rewrite = {
@@ -90,6 +91,26 @@ def test_compose_topology_as_processes(tiny_model_dir: Path, tmp_path: Path) -> 
         metrics = httpx.get(f"{base_url}/metrics").text
         assert "mmserve_mm_ipc_cache_hits_total 1.0" in metrics
         assert "mmserve_encoder_cache_hits_total 1.0" in metrics
+
+        # The engine container dies: its worker exits for a restart (status 3), the api reports
+        # unhealthy at once; the restart policy starts both again, and the api (never restarted)
+        # answers as before, its IPC mirror emptied for the new engine.
+        engine_proc, worker_proc = processes["engine"].proc, processes["worker"].proc
+        assert engine_proc is not None and worker_proc is not None
+        engine_proc.kill()
+        killed = time.monotonic()
+        while httpx.get(f"{base_url}/health").status_code != 503:
+            assert time.monotonic() - killed < 2.0, "/health still 200 two seconds after the kill"
+            time.sleep(0.05)
+        assert worker_proc.wait(30) == 3, processes["worker"].log()[-2000:]
+        for role in ("engine", "worker"):
+            processes[role] = ServerProcess(
+                [role], tmp_path / f"{role}-restarted.log", env=processes[role].env
+            ).start()
+        wait_healthy(base_url, processes["api"])
+        resp = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == answers[0]
+        assert "mmserve_mm_ipc_cache_resends_total 0.0" in httpx.get(f"{base_url}/metrics").text
     finally:
         for role in ("api", "engine", "worker"):
             if role in processes:

@@ -110,18 +110,23 @@ def test_worker_over_zmq(router, tiny_model_dir, hf_model, prompts):
     assert not thread.is_alive()
 
 
+def worker_process(model_dir: Path, addr: str, **config: float) -> subprocess.Popen[bytes]:
+    """``run_worker`` in a process of its own, exiting with its status."""
+    extra = "".join(f", {name}={value!r}" for name, value in config.items())
+    code = (
+        "import sys; from workers.config import WorkerConfig; from workers.worker_main import run_worker; "
+        f"sys.exit(run_worker(WorkerConfig({str(model_dir)!r}, {addr!r}, device='cpu'{extra})))"
+    )
+    repo_root = Path(__file__).resolve().parents[2]
+    env = os.environ | {"PYTHONPATH": str(repo_root)}
+    return subprocess.Popen([sys.executable, "-c", code], cwd=repo_root, env=env)
+
+
 def test_worker_process_stops_on_sigterm_after_its_shutdown_timeout(router, tiny_model_dir):
     """SIGTERM lets the worker serve on (the engine is draining) until WorkerShutdown or, as here, its
     shutdown timeout; then it exits 0."""
     router, addr = router
-    code = (
-        "import sys; from workers.config import WorkerConfig; from workers.worker_main import run_worker; "
-        f"sys.exit(run_worker(WorkerConfig({str(tiny_model_dir)!r}, {addr!r}, device='cpu', "
-        "shutdown_timeout=2.0)))"
-    )
-    repo_root = Path(__file__).resolve().parents[2]
-    env = os.environ | {"PYTHONPATH": str(repo_root)}
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=repo_root, env=env)
+    proc = worker_process(tiny_model_dir, addr, shutdown_timeout=2.0)
     try:
         assert router.poll(120_000), "no WorkerReady"
         assert isinstance(decode_worker_outbound(router.recv_multipart()[1]), WorkerReady)
@@ -141,13 +146,7 @@ def test_worker_process_exits_when_its_engine_goes_away(tmp_path, tiny_model_dir
     engine = ctx.socket(zmq.ROUTER)
     addr = f"ipc://{tmp_path}/lost.sock"
     engine.bind(addr)
-    code = (
-        "import sys; from workers.config import WorkerConfig; from workers.worker_main import run_worker; "
-        f"sys.exit(run_worker(WorkerConfig({str(tiny_model_dir)!r}, {addr!r}, device='cpu')))"
-    )
-    repo_root = Path(__file__).resolve().parents[2]
-    env = os.environ | {"PYTHONPATH": str(repo_root)}
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=repo_root, env=env)
+    proc = worker_process(tiny_model_dir, addr)
     try:
         assert engine.poll(120_000), "no WorkerReady"
         assert isinstance(decode_worker_outbound(engine.recv_multipart()[1]), WorkerReady)
