@@ -13,12 +13,13 @@ images, unique images and hostile requests (every 20th: 5 %). Checked, each a li
   received, no IPC-cache resend;
 - afterwards ``/health`` is 200 and ``mmserve_num_requests_running`` / ``_waiting`` are 0;
 - the resident memory (VmRSS, sampled every second) of each process stays within
-  bound = baseline + its configured caches + ``--slack`` x baseline, where baseline is its RSS after the
+  bound = baseline + its configured caches + its stated overhead (``STATED_OVERHEAD_MIB``: the work of
+  the requests in flight and allocator slack), where baseline is its RSS after the
   warm-up (the model, the KV pool and one-time initialisation are in it) and its caches are: API, the
   processor cache (the IPC mirror holds keys and sizes, no tensors); engine, the receiver cache
   (= ``--mm-ipc-cache-gb``); worker, the encoder cache (tokens x text hidden size x 4 bytes on CPU);
 - no process restarted; SIGINT to ``mmserve serve`` alone stops it gracefully within 30 s (uvicorn's
-  "Finished server process" logged; status 0, or -SIGINT as uvicorn re-raises the signal it caught),
+  "Finished server process" logged; status 0),
   leaving no child process; the server log before that shows no traceback, ERROR or 5xx.
 
 Exits 1 if any check fails. The server log and locust's CSVs stay in the folder printed at the start.
@@ -241,14 +242,21 @@ def print_requests(kinds: dict[str, dict], duration_s: float) -> None:
     )
 
 
-def print_memory(tracks: dict[str, RssTrack], caches_mib: dict[str, float], slack: float) -> dict[str, bool]:
+# What a process may hold beyond its baseline and its caches while 32 users load it: API, the encoded,
+# decoded and processed images of the requests in flight (a 336x336 image is ~1.3 MiB as float32 pixel
+# values, several copies on the way) plus the malloc arenas of the processing threads; engine, the
+# payload frames of requests in flight; worker, activations of the largest step.
+STATED_OVERHEAD_MIB = {"api": 192.0, "engine": 64.0, "worker": 128.0}
+
+
+def print_memory(tracks: dict[str, RssTrack], caches_mib: dict[str, float]) -> dict[str, bool]:
     print(
         f"\n{'process':<8}{'pid':>8}{'start':>8}{'baseline':>10}{'peak':>8}{'final':>8}{'caches':>8}"
-        f"{'slack':>7}{'bound':>8}{'overhead':>10}  MiB"
+        f"{'stated':>7}{'bound':>8}{'overhead':>10}  MiB"
     )
     passed = {}
     for role, t in tracks.items():
-        slack_mib = slack * t.baseline_mib
+        slack_mib = STATED_OVERHEAD_MIB[role]
         bound_mib = t.baseline_mib + caches_mib[role] + slack_mib
         overhead_mib = t.peak_mib - t.baseline_mib - caches_mib[role]
         passed[role] = t.peak_mib <= bound_mib
@@ -277,7 +285,6 @@ def main() -> int:
     parser.add_argument("--duration", type=int, default=60, help="seconds of load")
     parser.add_argument("--model", default="models/tiny-llava", help="built (tiny llava) if missing")
     parser.add_argument("--port", type=int, default=0, help="0: a free port")
-    parser.add_argument("--slack", type=float, default=0.25, help="RSS slack, a share of the baseline")
     args = parser.parse_args()
     model_dir = Path(args.model).resolve()
     if not (model_dir / "config.json").exists():
@@ -333,7 +340,7 @@ def main() -> int:
         "engine": IPC_CACHE_GB * 1024,
         "worker": encoder_cache_mib(model_dir),
     }
-    rss_passed = print_memory(tracks, caches_mib, args.slack)
+    rss_passed = print_memory(tracks, caches_mib)
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -352,11 +359,8 @@ def main() -> int:
     )
     log_text = (folder / "serve.log").read_text(errors="replace")
     shut_down = "Finished server process" in log_text
-    # What follows uvicorn's last line is the SIGINT it re-raises after a graceful shutdown.
     server_errors = [
-        line
-        for line in log_text.partition("Finished server process")[0].splitlines()
-        if re.search(r'Traceback| ERROR |"POST [^"]*" 5\d\d', line)
+        line for line in log_text.splitlines() if re.search(r'Traceback| ERROR |"POST [^"]*" 5\d\d', line)
     ]
     checks = {
         f"locust finished in time (status {locust_status})": locust_status >= 0 and bool(kinds),
@@ -377,7 +381,7 @@ def main() -> int:
         ),
         "RSS of every process within its bound": all(rss_passed.values()),
         "no process restarted": not sampler.restarted,
-        f"SIGINT stopped serve gracefully (status {status})": shut_down and status in (0, -signal.SIGINT),
+        f"SIGINT stopped serve gracefully (status {status})": shut_down and status == 0,
         "no process left behind": not left,
         f"no error in the server log ({len(server_errors)})": not server_errors,
     }
