@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: setup serve test test-fast lint bench bench-throughput bench-families model bench-load
+.PHONY: setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -53,3 +53,8 @@ bench-throughput: setup model
 # every answer complete, every hostile request its 4xx, each process's RSS within its cache bounds
 bench-load: setup model
 	$(PY) bench/bench_load.py --model $(MODEL)
+
+# ~10 min: issue 8's input path at scale: cold-miss req/s for 1-2 API processes x 1, 2, 4 preprocessing
+# workers; 90 % image reuse, lru vs shm processor cache; bytes copied per miss on each path
+bench-input-scale: setup model
+	$(PY) bench/bench_input_scale.py --model $(MODEL)

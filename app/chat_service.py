@@ -125,7 +125,8 @@ class ChatService:
         self, body: ChatCompletionRequest, prepared: PreparedRequest, req_id: str, arrival: float
     ) -> tuple[asyncio.Queue[RequestOutput | EngineGone], RequestOutput]:
         """Resolves, sends and waits for the first output; re-sends with payloads if the engine lacked an
-        item the mirror claimed (the safety net, counted, normally never taken)."""
+        item the mirror claimed, or found an shm reference stale (the safety net, counted, normally never
+        taken)."""
         for _attempt in range(MAX_RESENDS + 1):
             queue = None
             try:
@@ -149,6 +150,7 @@ class ChatService:
             if not first.error.missing_mm_hashes:
                 raise error_from_engine(first.error)
             self.engine.mirror.invalidate(first.error.missing_mm_hashes)
+            self.inputs.send_payloads(prepared, first.error.missing_mm_hashes)
         raise EngineUnavailableError("the engine kept missing multimodal items")
 
     # ------------------------------------------------------------------ outputs

@@ -5,6 +5,10 @@ refused with 503 ``server_shutting_down`` while those in flight run on, and ``fi
 none is left or ``--shutdown-timeout`` has passed. ``DrainingServer`` is uvicorn's server with SIGTERM
 mapped to that drain (a second SIGTERM, or SIGINT, stops at once); it exits once the drain finished, and
 the lifespan then stops the engine as on any shutdown.
+
+With ``--api-server-count N`` the main ``serve`` process hooks its other API processes in: ``on_start``
+forwards the SIGTERM to them (they drain concurrently, each with its own deadline) and ``waits_for`` keeps
+its own drain, and so the engine, running until they exited (or the deadline passed).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 import uvicorn
@@ -23,10 +28,22 @@ log = logging.getLogger("mmserve.api")
 
 
 class Drain:
-    def __init__(self, timeout_s: float) -> None:
+    """``on_start``: called once, when the drain starts (in the signal handler: keep them short).
+    ``waits_for``: other work the drain waits for besides this process's requests; each says whether
+    it is still busy, polled on every server tick until none is or the deadline passed."""
+
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        on_start: Sequence[Callable[[], None]] = (),
+        waits_for: Sequence[Callable[[], bool]] = (),
+    ) -> None:
         self.timeout_s = timeout_s
         self.in_flight = 0
         self.deadline: float | None = None
+        self.on_start = list(on_start)
+        self.waits_for = list(waits_for)
 
     @property
     def started(self) -> bool:
@@ -35,10 +52,15 @@ class Drain:
     def start(self) -> None:
         if self.deadline is None:
             self.deadline = time.monotonic() + self.timeout_s
+            for callback in self.on_start:
+                callback()
 
     @property
     def finished(self) -> bool:
-        return self.deadline is not None and (self.in_flight == 0 or time.monotonic() >= self.deadline)
+        if self.deadline is None:
+            return False
+        idle = self.in_flight == 0 and not any(busy() for busy in self.waits_for)
+        return idle or time.monotonic() >= self.deadline
 
 
 class DrainGuard:
@@ -70,8 +92,13 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """Unlike uvicorn's own, no signal is re-raised after the shutdown: ``serve`` then stops its
-        children and exits 0, without a KeyboardInterrupt traceback."""
+        children and exits 0, without a KeyboardInterrupt traceback. A second SIGINT does not force the
+        exit either (uvicorn would skip the lifespan's shutdown, which removes this process's shared
+        memory): Ctrl-C reaches every process of the group and ``serve`` may pass it on again, and the
+        shutdown is bounded anyway (uvicorn's ``timeout_graceful_shutdown``)."""
         if sig != signal.SIGTERM:
+            if self.should_exit:
+                return
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
         elif not self.drain.started:

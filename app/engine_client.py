@@ -16,6 +16,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
@@ -37,6 +38,9 @@ from engine.protocol import (
     encode,
 )
 
+if TYPE_CHECKING:
+    from app.shm_store import ShmObjectStore
+
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
@@ -51,10 +55,15 @@ class EngineGone:
 
 
 class EngineClient:
-    def __init__(self, engine_addr: str, ipc_cache_bytes: int, metrics: ApiMetrics) -> None:
+    def __init__(
+        self, engine_addr: str, ipc_cache_bytes: int, metrics: ApiMetrics, shm: ShmObjectStore | None = None
+    ) -> None:
+        """``shm``: this API process's shared-memory object store (``--mm-processor-cache-type shm``);
+        the client keeps each sent request's references in it until the request's final output."""
         self.engine_addr = engine_addr
         self.client_id = f"api-{uuid.uuid4().hex[:12]}".encode()
         self.mirror = IpcMirror(ipc_cache_bytes)
+        self.shm = shm
         self.metrics = metrics
         self.ready: EngineReady | None = None
         self.ready_event = asyncio.Event()
@@ -114,8 +123,12 @@ class EngineClient:
         """Registers the request's output queue and hands the message to the socket. Called in the
         same synchronous step as ``IpcMirror.record_request`` for this message."""
         queue: asyncio.Queue[RequestOutput | EngineGone] = asyncio.Queue()
+        if self.shm is not None:  # released by the request's final output (or right away, unsent)
+            self.shm.hold(msg.req_id, [f.shm.item_id for f in msg.mm_features if f.shm is not None])
         if self.ready is None:  # nothing would answer it: a new engine starts without this request
             queue.put_nowait(EngineGone("the engine is not ready"))
+            if self.shm is not None:
+                self.shm.finish(msg.req_id)
             return queue
         self._queues[msg.req_id] = queue
         self._send(msg, frames)
@@ -129,6 +142,8 @@ class EngineClient:
     def reset_caches(self) -> None:
         """Empties the mirror and, in the same socket order, the engine's partition for this client."""
         self.mirror.reset()
+        if self.shm is not None:
+            self.shm.clear()
         self._send(ResetCaches())
 
     # ------------------------------------------------------------------ receiving
@@ -154,6 +169,8 @@ class EngineClient:
         self.ready = None
         self.ready_event.clear()
         self._fail_in_flight(reason)
+        if self.shm is not None:  # its worker goes with it: nothing reads those items any more
+            self.shm.engine_lost()
 
     async def _read_loop(self) -> None:
         while True:
@@ -168,6 +185,8 @@ class EngineClient:
                     if msg.stats is not None:
                         self.metrics.apply_engine_stats(msg.stats)
                     for output in msg.outputs:
+                        if self.shm is not None and output.finish_reason is not None:
+                            self.shm.finish(output.req_id)
                         queue = self._queues.get(output.req_id)
                         if queue is not None:
                             queue.put_nowait(output)
@@ -185,6 +204,8 @@ class EngineClient:
                 "engine restarted (epoch %s -> %s): emptying the IPC mirror", self.ready.epoch, msg.epoch
             )
             self._fail_in_flight("the engine restarted")
+            if self.shm is not None:
+                self.shm.engine_lost()
         # A new engine has an empty receiver cache: the mirror must not claim anything.
         self.mirror.reset()
         self.ready = msg

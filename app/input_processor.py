@@ -7,10 +7,15 @@ model's family (``workers.families``) supplies every model-specific step::
                                     request-wide byte budget; mm_hash over bytes + options
                  3 render           the family's chat template
     resolve()    4 cache lookups    per image: processor cache, then the IPC mirror (pins a hit)
-                 5 process misses   decode + the family's HF processor, concurrently, off the loop
+                 5 process misses   decode + the family's HF processor, concurrently, in the
+                                    preprocessing pool's processes
                  6 tokenize         expand each image to its placeholders -> ids + offsets
     submit()     7 submit           ONE synchronous step: mirror.record_request -> AddRequest +
                                     frames -> socket -> unpin (docs/architecture.md, "IPC mirror")
+
+With ``--mm-processor-cache-type shm`` stage 4 looks in this API's shared-memory ring instead of the
+processor cache and the mirror (a hit holds a reference), stage 5 writes a processed miss into the ring,
+and stage 7 sends a ring item as its reference (docs/architecture.md, "Shared-memory object store").
 
 A processor-cache hit and an IPC hit both know the item's placeholder count and grid without running the
 processor. ``resolve`` and ``submit`` may run again for the same request (the mirror changed in between,
@@ -28,14 +33,16 @@ from typing import Any, TypeVar
 import msgspec
 
 from app.engine_client import EngineClient, EngineGone
-from app.errors import InvalidRequestError
+from app.errors import InvalidRequestError, MMServeError
 from app.hashing import mm_hash
 from app.ipc_mirror import MirrorDecision, MirrorItem
-from app.media import decode_image, load_image_bytes
+from app.media import load_image_bytes
 from app.media_fetch import MediaFetcher, RequestImageBudget
 from app.metrics import ApiMetrics
+from app.preprocess_pool import PreprocessPool
 from app.processor_cache import ProcessorCache
 from app.settings import Settings
+from app.shm_store import ShmEntry
 from engine.protocol import AddRequest, MMFeature, RequestOutput, SamplingParams, TensorRef
 from workers.families.processing import FamilyProcessor, ProcessedItem
 
@@ -51,6 +58,8 @@ class ImageInput:
     num_tokens: int | None = None
     grid_thw: tuple[int, ...] = ()
     pinned: bool = False  # found in the mirror and pinned until the request is sent
+    shm: ShmEntry | None = None  # in this API's shm ring, one reference held until the request is sent
+    payload_only: bool = False  # the engine found its shm reference stale: send the tensors instead
 
 
 @dataclass
@@ -116,13 +125,17 @@ class InputProcessor:
         engine: EngineClient,
         metrics: ApiMetrics,
         media: MediaFetcher,
+        pool: PreprocessPool,
     ) -> None:
         self.settings = settings
+        self.pool = pool
         self.family = family
         self.processor_cache = processor_cache
         self.engine = engine
         self.metrics = metrics
         self.media = media
+        # mm_hash -> the pool run processing it now: concurrent misses of one image share that run
+        self._in_flight: dict[str, asyncio.Future[ProcessedItem]] = {}
 
     # -- stages 1-3 -------------------------------------------------------------------------------
 
@@ -162,16 +175,26 @@ class InputProcessor:
     async def resolve(self, prepared: PreparedRequest) -> None:
         """Makes every image's placement known and its tensors available unless the engine holds it."""
         misses = [image for image in prepared.images if not self._lookup(image)]
-        processed = await asyncio.gather(*(self._process(image, prepared.options) for image in misses))
-        for image, item in zip(misses, processed, strict=True):
-            image.item = item
-            image.num_tokens, image.grid_thw = item.num_tokens, item.grid_thw
+        await asyncio.gather(*(self._process(image, prepared.options) for image in misses))
         prepared.prompt_token_ids, prepared.offsets = self.family.tokenize(
             prepared.prompt, [image.num_tokens or 0 for image in prepared.images]
         )
 
     def _lookup(self, image: ImageInput) -> bool:
-        """Processor cache, then the mirror (a hit is pinned). False when the processor must run."""
+        """Processor cache, then the mirror (a hit is pinned); with shm, the ring (a hit holds a
+        reference). False when the processor must run."""
+        shm = self.engine.shm
+        if shm is not None:
+            if image.shm is None and image.item is None and not image.payload_only:
+                self.metrics.processor_cache_queries.inc()
+                self.metrics.ipc_cache_queries.inc()
+                image.shm = shm.lookup(image.mm_hash)
+                if image.shm is not None:
+                    self.metrics.processor_cache_hits.inc()
+                    self.metrics.ipc_cache_hits.inc()
+            if image.shm is not None:
+                image.num_tokens, image.grid_thw = image.shm.num_tokens, image.shm.grid_thw
+            return image.shm is not None or image.item is not None
         if image.item is None:
             self.metrics.processor_cache_queries.inc()
             image.item = self.processor_cache.get(image.mm_hash)
@@ -187,24 +210,71 @@ class InputProcessor:
             image.num_tokens, image.grid_thw = image.item.num_tokens, image.item.grid_thw
         return image.item is not None or image.pinned
 
-    async def _process(self, image: ImageInput, options: dict[str, Any]) -> ProcessedItem:
-        """Decodes and processes one image in a thread. Only cache misses get here: a hit needs no pixels
-        at all (the hash is over the encoded bytes, and bytes that hit once decoded fine)."""
+    async def _process(self, image: ImageInput, options: dict[str, Any]) -> None:
+        """Decodes and processes one image in the preprocessing pool. Only cache misses get here: a hit
+        needs no pixels at all (the hash is over the encoded bytes, and bytes that hit once decoded
+        fine). The result goes into the processor cache, or with shm into the ring."""
+        item = await self._run_once(image, options)
+        image.num_tokens, image.grid_thw = item.num_tokens, item.grid_thw
+        shm = self.engine.shm
+        if shm is None:
+            self.processor_cache.put(image.mm_hash, item)
+            image.item = item
+            return
+        written = image.mm_hash not in shm
+        image.shm = None if image.payload_only else shm.put(image.mm_hash, item)
+        if image.shm is None:  # the normal path: tensors through the engine, not stored
+            self.metrics.shm_fallbacks.inc()
+            image.item = item
+        elif written:
+            self.metrics.shm_bytes.inc(image.shm.ref.size)
+
+    async def _run_once(self, image: ImageInput, options: dict[str, Any]) -> ProcessedItem:
+        """The pool's result for the image; a request whose image is being processed for another one
+        waits for that run instead of starting a second (the hash covers bytes and options)."""
+        run = self._in_flight.get(image.mm_hash)
+        shared = run is not None
+        if run is None:
+            run = asyncio.ensure_future(self._timed(self.pool.process(image.data, options, image.param)))
+            self._in_flight[image.mm_hash] = run
+            run.add_done_callback(lambda done: self._forget_run(image.mm_hash, done))
+        try:
+            return await asyncio.shield(run)  # one waiter going away does not cancel the others' run
+        except MMServeError as exc:
+            if not shared:
+                raise
+            raise type(exc)(exc.message, param=image.param, code=exc.code) from exc  # this request's param
+
+    async def _timed(self, run: Coroutine[Any, Any, ProcessedItem]) -> ProcessedItem:
         start = time.perf_counter()
-        item = await asyncio.to_thread(self._decode_and_process, image, options)
-        self.metrics.processor_seconds.observe(time.perf_counter() - start)
-        self.processor_cache.put(image.mm_hash, item)
+        item = await run
+        self.metrics.processor_seconds.observe(time.perf_counter() - start)  # once per processor run
         return item
 
-    def _decode_and_process(self, image: ImageInput, options: dict[str, Any]) -> ProcessedItem:
-        pixels = decode_image(image.data, param=image.param)
-        return self.family.process_image(pixels, options, param=image.param)
+    def _forget_run(self, mm_hash: str, run: asyncio.Future[ProcessedItem]) -> None:
+        if self._in_flight.get(mm_hash) is run:
+            del self._in_flight[mm_hash]
+        if not run.cancelled():
+            run.exception()  # retrieved, even when every waiter went away
 
     def release_pins(self, prepared: PreparedRequest) -> None:
+        """Gives back what the request's preparation held and did not send (mirror pins, shm refs)."""
         for image in prepared.images:
             if image.pinned:
                 self.engine.mirror.unpin(image.mm_hash)
                 image.pinned = False
+            if image.shm is not None and self.engine.shm is not None:
+                self.engine.shm.release(image.shm)
+                image.shm = None
+
+    def send_payloads(self, prepared: PreparedRequest, mm_hashes: list[str]) -> None:
+        """The engine found these items' shm references stale: forget them, and send those images'
+        tensors with the request from now on."""
+        if self.engine.shm is not None:
+            self.engine.shm.invalidate(mm_hashes)
+        for image in prepared.images:
+            if image.mm_hash in mm_hashes:
+                image.payload_only = True
 
     # -- stage 7 ----------------------------------------------------------------------------------
 
@@ -216,22 +286,29 @@ class InputProcessor:
         Returns None, sending nothing, when an image found in the mirror during ``resolve`` has since
         been dropped from it (engine restart, reset): the caller resolves again and retries."""
         mirror = self.engine.mirror
-        if any(i.item is None and i.mm_hash not in mirror for i in prepared.images):
+        if any(i.item is None and i.shm is None and i.mm_hash not in mirror for i in prepared.images):
             self.release_pins(prepared)
             return None
-        decisions, evicted = mirror.record_request(
+        # Items in the shm ring cross as a reference, outside the mirror (which, with shm, has no room).
+        by_mirror = [i for i in prepared.images if i.shm is None]
+        mirror_decisions, evicted = mirror.record_request(
             [
                 MirrorItem(i.mm_hash, i.item.num_bytes if i.item else 0, i.num_tokens or 0, i.grid_thw)
-                for i in prepared.images
+                for i in by_mirror
             ]
         )
+        decisions = iter(mirror_decisions)
         features: list[MMFeature] = []
         frames: list[memoryview] = []
         payload_bytes = 0
-        for image, offset, decision in zip(prepared.images, prepared.offsets, decisions, strict=True):
+        for image, offset in zip(prepared.images, prepared.offsets, strict=True):
             assert image.num_tokens is not None
             payload_bytes += len(image.mm_hash)
             placement = MMFeature(image.mm_hash, offset, image.num_tokens, grid_thw=image.grid_thw)
+            if image.shm is not None:
+                features.append(msgspec.structs.replace(placement, shm=image.shm.ref))
+                continue
+            decision = next(decisions)
             if decision is MirrorDecision.HIT:
                 features.append(placement)
                 continue
@@ -250,6 +327,8 @@ class InputProcessor:
             arrival_time=arrival_time,
         )
         queue = self.engine.add_request(msg, frames)
+        for image in prepared.images:  # the engine client holds the shm references from now on
+            image.shm = None
         self.release_pins(prepared)
         self.metrics.ipc_payload_bytes.inc(payload_bytes)
         return queue

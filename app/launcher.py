@@ -1,17 +1,27 @@
 """Starts mmserve's processes: one role (``api``/``engine``/``worker``) or all three (``serve``).
-The only module that knows all three entry points."""
+The only module that knows all three entry points.
+
+``serve --api-server-count N`` runs N API processes on one port: the main process (API 0, which owns
+the engine) and N-1 children, each binding its own socket with SO_REUSEPORT. Each has its own ZeroMQ
+identity, IPC mirror and receiver-cache partition, and (with shm) its own ring; ``/metrics`` sums the
+API-side figures of all of them (app/metrics.py).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
-import multiprocessing
+import os
+import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import setproctitle
@@ -19,17 +29,26 @@ import uvicorn
 
 from app.encoder_budgets import budget_warnings, derive_encoder_budgets, startup_error
 from app.settings import Settings
+from app.supervisor import Supervisor
+from engine.shm_ring import SHM_DIR, remove_orphans
 from workers.families import UnsupportedModelError
+
+if TYPE_CHECKING:  # the API's modules are imported by the processes that run an API only
+    from app.drain import Drain
 
 log = logging.getLogger("mmserve")
 
 GRACE_AFTER_DRAIN_S = 0.5
 
 
-def run_role(role: str, settings: Settings) -> int:
+def _configure_logging(settings: Settings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+
+
+def run_role(role: str, settings: Settings) -> int:
+    _configure_logging(settings)
     # What ps and top show, so an operator can find and signal each role ("serve" runs the API itself).
     setproctitle.setproctitle(f"mmserve: {'api' if role == 'serve' else role}")
     # The engine reads only JSON from the folder: the model's length limit and its largest image.
@@ -68,17 +87,31 @@ def run_role(role: str, settings: Settings) -> int:
 
         return run_worker(worker_config(settings))
     else:
+        if settings.api_server_count > 1:
+            log.warning("--api-server-count applies to `mmserve serve`; this is one API process")
+        _remove_orphan_rings()  # e.g. what this container's previous API process left (docker-compose)
         run_api(settings, owns_engine=False)
     return 0
 
 
-def run_api(settings: Settings, *, owns_engine: bool) -> None:
-    """Serves HTTP until SIGINT, or until SIGTERM's drain finished (``app.drain``)."""
+def run_api(
+    settings: Settings,
+    *,
+    owns_engine: bool,
+    api_index: int = 0,
+    shared_port: bool = False,
+    drain: Drain | None = None,
+) -> None:
+    """Serves HTTP until SIGINT, or until SIGTERM's drain finished (``app.drain``). ``api_index`` names
+    this process in every response's ``x-mmserve-api-process`` header; ``shared_port``: one of
+    ``serve``'s API processes sharing ``settings.port`` (SO_REUSEPORT)."""
     from app.drain import Drain, DrainingServer
+    from app.process_header import ProcessHeader
     from app.server import create_app
 
-    drain = Drain(settings.shutdown_timeout)
+    drain = drain if drain is not None else Drain(settings.shutdown_timeout)
     app = create_app(settings, shutdown_engine_on_exit=owns_engine, drain=drain)
+    app.add_middleware(ProcessHeader, index=api_index)  # outermost: refusals name the process too
     # The drain already waited for requests in flight: what uvicorn's own shutdown finds after it (or
     # after Ctrl-C) is cut off at once.
     config = uvicorn.Config(
@@ -88,14 +121,55 @@ def run_api(settings: Settings, *, owns_engine: bool) -> None:
         log_level=settings.log_level,
         timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
     )
-    DrainingServer(config, drain).run()
+    sockets = [_reuse_port_socket(settings.host, settings.port)] if shared_port else None
+    DrainingServer(config, drain).run(sockets=sockets)
 
 
-def _child_main(role: str, settings: Settings) -> None:
-    """Entry of a child started by ``serve``: dies with its parent, then runs its role."""
+def _reuse_port_socket(host: str, port: int) -> socket.socket:
+    """This API process's own listening socket on the shared port. SO_REUSEPORT rather than one socket
+    bound by ``serve`` and handed to every process (uvicorn's ``--workers``): the kernel spreads new
+    connections evenly over the processes' sockets by a hash, where on one shared socket every process
+    wakes for each connection and whichever runs first takes all that are queued; and a restarted process
+    simply binds again. The socket is bound here but listens only once the app started (asyncio's
+    ``create_server`` calls ``listen``), so the kernel sends no connection to a process still starting."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _claim_port(settings: Settings) -> Settings:
+    """Checks, before anything starts, that nothing listens on the port (SO_REUSEPORT would otherwise
+    let a second ``serve`` share it silently) and resolves port 0, so every API process binds the same."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        settings.host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(address)  # fails while any socket listens there, SO_REUSEPORT or not
+        port = int(probe.getsockname()[1])
+    return Settings(**{**settings.model_dump(exclude_unset=True), "port": port})
+
+
+def _child_main(role: str, settings: Settings, api_index: int | None = None) -> None:
+    """Entry of a child started by ``serve``: dies with its parent, then runs its role. An API process
+    (``api_index`` 1..N-1) shares the port and leaves the engine running when it exits; ``serve``
+    already checked the model folder and the budgets."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    sys.exit(run_role(role, settings))
+    if api_index is None:
+        sys.exit(run_role(role, settings))
+    _configure_logging(settings)
+    setproctitle.setproctitle("mmserve: api")
+    run_api(settings, owns_engine=False, api_index=api_index, shared_port=True)
 
 
 def _private_addresses(settings: Settings, folder: str) -> Settings:
@@ -111,21 +185,64 @@ def _private_addresses(settings: Settings, folder: str) -> Settings:
 
 def serve(settings: Settings) -> int:
     with tempfile.TemporaryDirectory(prefix="mmserve-") as folder:
-        return _serve(_private_addresses(settings, folder))
+        settings = _private_addresses(settings, folder)
+        if settings.api_server_count == 1:
+            return _serve(settings)
+        try:
+            settings = _claim_port(settings)
+        except OSError as exc:
+            print(f"mmserve: error: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+            return 1
+        with _multiprocess_metrics(Path(folder) / "metrics"):
+            return _serve(settings)
+
+
+@contextlib.contextmanager
+def _multiprocess_metrics(folder: Path) -> Iterator[None]:
+    """prometheus-client's multiprocess mode for every API process (app/metrics.py): a fresh folder,
+    named before any of them starts (the children inherit the variable), removed when ``serve`` ends."""
+    from app.metrics import MULTIPROC_DIR_ENV
+
+    folder.mkdir()
+    previous = os.environ.get(MULTIPROC_DIR_ENV)
+    os.environ[MULTIPROC_DIR_ENV] = str(folder)
+    try:
+        yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        if previous is None:
+            os.environ.pop(MULTIPROC_DIR_ENV, None)
+        else:
+            os.environ[MULTIPROC_DIR_ENV] = previous
 
 
 def _serve(settings: Settings) -> int:
-    supervisor = Supervisor(settings)
+    from app.drain import Drain
+
+    _remove_orphan_rings()
+    supervisor = Supervisor(settings, _child_main, _remove_orphan_rings)
     supervisor.start()
     stop = threading.Event()
     threading.Thread(target=_announce_when_ready, args=(settings, stop), daemon=True).start()
     threading.Thread(target=supervisor.watch, args=(stop,), daemon=True).start()
+    # SIGTERM: the other API processes drain at the same time, and the engine runs until they are done
+    drain = Drain(
+        settings.shutdown_timeout, on_start=[supervisor.drain_apis], waits_for=[supervisor.apis_running]
+    )
     try:
-        run_api(settings, owns_engine=True)
+        run_api(settings, owns_engine=True, shared_port=settings.api_server_count > 1, drain=drain)
     finally:
         stop.set()
         supervisor.stop()
     return 0
+
+
+def _remove_orphan_rings() -> None:
+    """Shared-memory files of API processes that died without removing them (SIGKILL, OOM killer)."""
+    if os.path.isdir(SHM_DIR):
+        removed = remove_orphans(SHM_DIR)
+        if removed:
+            log.info("removed %d shared-memory file(s) of dead processes", len(removed))
 
 
 def _announce_when_ready(settings: Settings, stop: threading.Event) -> None:
@@ -141,85 +258,3 @@ def _announce_when_ready(settings: Settings, stop: threading.Event) -> None:
                 return
         except httpx.HTTPError:
             continue
-
-
-class Supervisor:
-    """The engine and worker processes of ``serve``, restarted when they die (a non-zero exit: a crash,
-    SIGKILL, the OOM killer); a role that exits 0 was asked to stop, and the server stops with it.
-
-    A dead worker is started again; the engine notices the lost worker, fails its requests with 503 and
-    takes the new worker with a fresh epoch. A dead engine takes its worker with it (that worker's KV
-    and encoder outputs belong to the dead engine's state): both are started again, and the API, which
-    saw the engine go, clears its IPC mirror on the new epoch. A role that dies ``MAX_RESTARTS`` times
-    within ``RESTART_WINDOW_S`` is not restarted again: the API is stopped instead.
-    """
-
-    MAX_RESTARTS = 5
-    RESTART_WINDOW_S = 60.0
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.ctx = multiprocessing.get_context("spawn")
-        self.children: dict[str, multiprocessing.process.BaseProcess] = {}
-        self.restarts: dict[str, list[float]] = {"engine": [], "worker": []}
-        self.lock = threading.Lock()
-
-    def start(self, roles: tuple[str, ...] = ("engine", "worker")) -> None:
-        for role in roles:
-            child = self.ctx.Process(
-                target=_child_main, args=(role, self.settings), name=f"mmserve-{role}", daemon=False
-            )
-            child.start()
-            self.children[role] = child
-
-    def watch(self, stop: threading.Event) -> None:
-        while not stop.wait(0.1):
-            dead = [role for role, child in self.children.items() if not child.is_alive()]
-            if not dead:
-                continue
-            with self.lock:
-                if stop.is_set():
-                    return
-                if any(self.children[role].exitcode == 0 for role in dead):
-                    # asked to stop (Ctrl-C reaches the whole process group; a signal to one role):
-                    # the server stops as a whole
-                    log.info("%s stopped: stopping the server", " and ".join(dead))
-                    signal.raise_signal(signal.SIGINT)
-                    return
-                if not self._restart(dead):
-                    signal.raise_signal(signal.SIGINT)  # the API stops, then stop() ends the rest
-                    return
-
-    def _restart(self, dead: list[str]) -> bool:
-        roles = ("engine", "worker") if "engine" in dead else ("worker",)
-        now = time.monotonic()
-        for role in dead:
-            log.error("%s process exited (code %s)", role, self.children[role].exitcode)
-            recent = [t for t in self.restarts[role] if now - t < self.RESTART_WINDOW_S] + [now]
-            self.restarts[role] = recent
-            if len(recent) > self.MAX_RESTARTS:
-                log.error("%s died %d times in %gs: giving up", role, len(recent), self.RESTART_WINDOW_S)
-                return False
-        if "engine" in dead and self.children["worker"].is_alive():
-            _end([self.children["worker"]], grace_s=0.0)
-        log.warning("restarting %s", " and ".join(roles))
-        self.start(roles)
-        return True
-
-    def stop(self) -> None:
-        with self.lock:
-            _end(list(self.children.values()), grace_s=5.0)
-
-
-def _end(children: list[multiprocessing.process.BaseProcess], *, grace_s: float) -> None:
-    """Waits ``grace_s`` for children to exit by themselves, then terminates, then kills them."""
-    deadline = time.monotonic() + grace_s
-    for child in children:
-        child.join(max(0.0, deadline - time.monotonic()))
-    for child in children:
-        if child.is_alive():
-            child.terminate()
-            child.join(2.0)
-        if child.is_alive():
-            child.kill()
-            child.join()

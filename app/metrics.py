@@ -1,19 +1,36 @@
 """Prometheus metrics of the API process, including the engine's and workers' figures, which arrive
 in ``EngineStats`` messages (docs/architecture.md, "Metrics").
-One registry per app, no import-time singletons."""
+One registry per app, no import-time singletons.
+
+Several API processes on one port (``serve --api-server-count N``): the launcher sets
+``PROMETHEUS_MULTIPROC_DIR`` (prometheus-client's own switch) for every API process, so the API-side
+counters and histograms live in per-process files there, and whichever process answers ``/metrics`` sums
+them (``MultiProcessCollector``; a dead process's files stay, so totals survive its restart). The engine's
+figures are not summed: every API process receives the same ``EngineStats``, so each renders its own copy
+(engine counters and gauges are the engine's global values; the engine histograms count the steps since
+the answering API process connected).
+"""
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import os
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import values as prometheus_values
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from engine.protocol import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384)
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # engine-side counter/gauge names (without prefix) and their help texts
 ENGINE_COUNTERS = {
@@ -28,6 +45,7 @@ ENGINE_COUNTERS = {
     "engine_failed_steps_total": "Engine steps the worker failed or did not answer in time.",
     "worker_losses_total": "Times the engine lost its worker (the process died or disconnected).",
     "worker_stale_replies_total": "Late worker replies to an earlier step, discarded.",
+    "mm_shm_stale_refs_total": "Shared-memory references the engine found stale; re-sent with payload.",
 }
 ENGINE_GAUGES = {
     "encoder_cache_usage_tokens": "Encoder-cache space in use (embeddings), freeable entries included.",
@@ -38,11 +56,35 @@ ENGINE_GAUGES = {
 }
 
 
+class EngineHistogram:
+    """Cumulative bucket counts of one engine histogram, fed with ``EngineStats`` observations. Kept in
+    this process only (not a prometheus ``Histogram``, which multiprocess mode would sum over the API
+    processes, each of which receives the same observations); rendered like one."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
+        self.name = name
+        self.doc = doc
+        self.bounds = (*(float(b) for b in buckets), float("inf"))
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # buckets are "<= bound", as prometheus
+        self.sum += value
+
+    def family(self) -> HistogramMetricFamily:
+        cumulative = itertools.accumulate(self.counts)
+        buckets = [(floatToGoString(b), float(c)) for b, c in zip(self.bounds, cumulative, strict=True)]
+        return HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self.sum)
+
+
 class _EngineCollector(Collector):
+    """The engine's figures as this API process last received them (never summed over processes)."""
+
     def __init__(self, metrics: ApiMetrics) -> None:
         self._metrics = metrics
 
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         counters, gauges = self._metrics.engine_counters, self._metrics.engine_gauges
         for name, help_text in ENGINE_COUNTERS.items():
             yield CounterMetricFamily(
@@ -50,11 +92,21 @@ class _EngineCollector(Collector):
             )
         for name, help_text in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(f"mmserve_{name}", help_text, value=gauges.get(name, 0.0))
+        for histogram in self._metrics.engine_histograms.values():
+            yield histogram.family()
 
 
 class ApiMetrics:
+    """``registry`` holds this process's own metrics; ``render`` shows the totals of every API process
+    when ``PROMETHEUS_MULTIPROC_DIR`` is set (created, empty, before the first API process starts)."""
+
     def __init__(self) -> None:
         disable_created_metrics()  # the *_created series only add noise to every counter
+        self.multiprocess_dir = os.environ.get(MULTIPROC_DIR_ENV)
+        if self.multiprocess_dir is not None and not prometheus_values.ValueClass._multiprocess:
+            # prometheus_client picks its value class when first imported, maybe before the variable
+            # was set: switch it now, before the first metric (every metric reads it when created)
+            prometheus_values.ValueClass = prometheus_values.MultiProcessValue()
         self.registry = CollectorRegistry()
         r = self.registry
 
@@ -74,6 +126,11 @@ class ApiMetrics:
         self.ipc_payload_bytes = counter(
             "mm_ipc_payload_bytes", "Multimodal bytes sent API->engine, keys included."
         )
+        self.shm_bytes = counter("mm_shm_bytes", "Processed-item bytes written into the shared-memory ring.")
+        self.shm_fallbacks = counter(
+            "mm_shm_fallbacks",
+            "Items that took the normal path with shm (larger than the object limit, or no free room).",
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Finished requests.", ("finish_reason",))
@@ -83,34 +140,35 @@ class ApiMetrics:
             "mm_fetch_seconds", "Time to fetch one image's bytes (URL or data URL)."
         )
         self.processor_seconds = histogram(
-            "mm_processor_seconds", "Image decode + HF processor time for one image (cache misses only)."
-        )
-        self.encoder_seconds = histogram("encoder_seconds", "Vision-encoder time of one engine step.")
-        self.requests_per_step = histogram(
-            "num_requests_per_step", "Requests batched together in one engine step.", BATCH_BUCKETS
-        )
-        self.batched_tokens_per_step = histogram(
-            "num_batched_tokens_per_step",
-            "Tokens computed in one engine step.",
-            (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384),
+            "mm_processor_seconds",
+            "Image decode + HF processor time of one run (a miss; shared by concurrent misses).",
         )
         self.engine_counters: dict[str, float] = {}
         self.engine_gauges: dict[str, float] = {}
-        self.registry.register(_EngineCollector(self))
-        self._engine_histograms = {
-            "encoder_seconds": self.encoder_seconds,
-            "num_requests_per_step": self.requests_per_step,
-            "num_batched_tokens_per_step": self.batched_tokens_per_step,
+        self.engine_histograms = {
+            name: EngineHistogram(f"mmserve_{name}", doc, buckets)
+            for name, doc, buckets in (
+                ("encoder_seconds", "Vision-encoder time of one engine step.", LATENCY_BUCKETS),
+                ("num_requests_per_step", "Requests batched together in one engine step.", BATCH_BUCKETS),
+                ("num_batched_tokens_per_step", "Tokens computed in one engine step.", TOKEN_BUCKETS),
+            )
         }
+        if self.multiprocess_dir is None:
+            self.registry.register(_EngineCollector(self))
+            self._exposed = self.registry
+        else:  # every API process's files, plus this process's copy of the engine's figures
+            self._exposed = CollectorRegistry()
+            MultiProcessCollector(self._exposed, path=self.multiprocess_dir)
+            self._exposed.register(_EngineCollector(self))
 
     def apply_engine_stats(self, stats: EngineStats) -> None:
         self.engine_counters = stats.counters
         self.engine_gauges = stats.gauges
         for name, values in stats.observations.items():
-            histogram = self._engine_histograms.get(name)
+            histogram = self.engine_histograms.get(name)
             if histogram is not None:
                 for value in values:
                     histogram.observe(value)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)

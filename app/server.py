@@ -18,10 +18,12 @@ from app.input_processor import InputProcessor
 from app.media_fetch import MediaFetcher
 from app.metrics import ApiMetrics
 from app.openapi_errors import document_error_envelope
+from app.preprocess_pool import PreprocessPool
 from app.processor_cache import ProcessorCache
 from app.request_guards import RequestGuards
 from app.routes import chat, models, ops
 from app.settings import Settings
+from app.shm_store import ShmObjectStore
 from app.state import ApiState
 from app.url_policy import MediaPolicy
 from workers.families import load_processing
@@ -41,22 +43,32 @@ def create_app(
         metrics = ApiMetrics()
         max_model_len = settings.resolved_max_model_len()
         family = load_processing(settings.model)
-        engine = EngineClient(settings.engine_addr, settings.ipc_cache_bytes, metrics)
+        # With shm the ring takes the processor cache's memory and replaces both caches' roles.
+        shm = (
+            ShmObjectStore(settings.processor_cache_bytes, settings.shm_max_object_bytes)
+            if settings.mm_processor_cache_type == "shm"
+            else None
+        )
+        engine = EngineClient(settings.engine_addr, 0 if shm else settings.ipc_cache_bytes, metrics, shm)
+        processor_cache = ProcessorCache(0 if shm else settings.processor_cache_bytes)
+        pool = PreprocessPool(settings.model, settings.resolved_processor_workers(), family=family)
         # Redirects are followed by the fetcher, each hop checked; proxies from the environment would
         # connect elsewhere than the checked address, so they are not used for image fetches.
         http = httpx.AsyncClient(follow_redirects=False, trust_env=False)
         media = MediaFetcher(MediaPolicy.from_settings(settings), http)
-        inputs = InputProcessor(
-            settings, family, ProcessorCache(settings.processor_cache_bytes), engine, metrics, media
-        )
+        inputs = InputProcessor(settings, family, processor_cache, engine, metrics, media, pool)
         chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics)
         app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, http, drain)
-        await engine.start()
         try:
+            await pool.start()
+            await engine.start()
             yield
         finally:
             await engine.close(shutdown_engine=shutdown_engine_on_exit)
             await http.aclose()
+            await pool.close()
+            if shm is not None:
+                shm.close()
 
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)

@@ -7,13 +7,17 @@ defaults) and passed down; never mutated after start. Each role reads the fields
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine.shm_ring import HEADER_BYTES  # a ring chunk's header
+
 GIB = 1 << 30
+MIB = 1 << 20
 DEFAULT_ENCODER_CACHE_TOKENS = 8192
 DEFAULT_MM_PER_PROMPT = 999  # vLLM's default per modality
 
@@ -49,6 +53,28 @@ class Settings(BaseSettings):
         4.0,
         ge=0,
         description="IPC cache size in GiB (API key mirror = engine receiver cache); 0 disables it.",
+    )
+    mm_processor_cache_type: Literal["lru", "shm"] = Field(
+        "lru",
+        description="lru: processor cache in the API + IPC mirror/receiver cache; shm: one shared-memory "
+        "ring of --mm-processor-cache-gb per API process that the API writes once and the worker reads in "
+        "place.",
+    )
+    mm_shm_cache_max_object_size_mb: float = Field(
+        128.0,
+        gt=0,
+        description="With shm: largest processed item put in the ring, in MiB; larger items take the "
+        "normal path (payload through the engine).",
+    )
+    api_server_count: int = Field(
+        1, ge=1, le=64, description="API processes `serve` runs on one port (SO_REUSEPORT)."
+    )
+    mm_processor_workers: int | None = Field(
+        None,
+        ge=0,
+        le=256,
+        description="Processes per API process that decode + run the HF processor for cache misses; 0 runs "
+        "them in the API process's threads (default: the core count / api-server-count, at most 4).",
     )
     encoder_cache_tokens: int | None = Field(
         None,
@@ -182,6 +208,26 @@ class Settings(BaseSettings):
             raise ValueError("limits must be >= 0")
         return limits
 
+    @model_validator(mode="after")
+    def _check_shm(self) -> Settings:
+        """The shm object store replaces the processor cache and the IPC cache: it needs the ring's
+        memory and the cross-process cache on, and a ring that holds at least one largest item."""
+        if self.mm_processor_cache_type != "shm":
+            return self
+        if self.mm_ipc_cache_gb == 0:
+            raise ValueError(
+                "--mm-processor-cache-type shm keeps processed items across processes, which "
+                "--mm-ipc-cache-gb 0 turns off: use --mm-processor-cache-type lru, or a non-zero IPC cache"
+            )
+        ring_mib = self.processor_cache_bytes / MIB
+        if self.processor_cache_bytes < self.shm_max_object_bytes + HEADER_BYTES:
+            raise ValueError(
+                f"the shm ring (--mm-processor-cache-gb {self.mm_processor_cache_gb:g} = {ring_mib:.1f} MiB) "
+                "is too small for one item of --mm-shm-cache-max-object-size-mb "
+                f"{self.mm_shm_cache_max_object_size_mb:g}: raise the first or lower the second"
+            )
+        return self
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).resolve().name
@@ -189,6 +235,15 @@ class Settings(BaseSettings):
     @property
     def processor_cache_bytes(self) -> int:
         return int(self.mm_processor_cache_gb * GIB)
+
+    @property
+    def shm_max_object_bytes(self) -> int:
+        return int(self.mm_shm_cache_max_object_size_mb * MIB)
+
+    def resolved_processor_workers(self) -> int:
+        if self.mm_processor_workers is not None:
+            return self.mm_processor_workers
+        return max(1, min(4, (os.cpu_count() or 1) // self.api_server_count))
 
     @property
     def max_request_body_bytes(self) -> int:

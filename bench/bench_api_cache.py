@@ -28,6 +28,7 @@ from app.engine_client import EngineClient
 from app.input_processor import InputProcessor
 from app.media_fetch import MediaFetcher
 from app.metrics import ApiMetrics
+from app.preprocess_pool import PreprocessPool
 from app.processor_cache import ProcessorCache
 from app.settings import Settings
 from app.url_policy import MediaPolicy
@@ -91,9 +92,9 @@ async def run(args: argparse.Namespace) -> None:
     processor_cache = ProcessorCache(settings.processor_cache_bytes)
     async with httpx.AsyncClient() as http:
         media = MediaFetcher(MediaPolicy.from_settings(settings), http)
-        inputs = InputProcessor(
-            settings, load_processing(args.model), processor_cache, engine, metrics, media
-        )
+        family = load_processing(args.model)
+        pool = PreprocessPool(args.model, 0, family=family)  # in-process: this measures API time
+        inputs = InputProcessor(settings, family, processor_cache, engine, metrics, media, pool)
         url = jpeg_data_url(args.size, seed=0)
         print(
             f"image: {args.size}x{args.size} JPEG, {len(url) * 3 // 4 / 1024:.0f} KiB encoded; "

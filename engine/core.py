@@ -39,6 +39,7 @@ from engine.protocol import (
 from engine.receiver_cache import ReceiverCachePartitions
 from engine.request import MMItem, Request
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.shm_ring import ShmRingReader
 from engine.stats import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -46,9 +47,14 @@ log = logging.getLogger(__name__)
 Outputs = dict[bytes, list[RequestOutput]]  # client identity -> its outputs of this step
 
 
-def item_from_wire(feature: MMFeature, frames: Sequence[memoryview]) -> MMItem:
-    """The engine-side item for a feature that carries tensors (frames of the same message)."""
-    assert feature.tensors is not None
+def item_from_wire(feature: MMFeature, frames: Sequence[memoryview]) -> MMItem | None:
+    """The engine-side item for a feature that carries tensors (frames of the same message) or a
+    shared-memory reference; None for a key-only feature (the receiver cache holds it)."""
+    if feature.shm is not None:
+        shapes = {name: (t.dtype, t.shape) for name, t in feature.shm.tensors.items()}
+        return MMItem(feature.modality, feature.num_tokens, shapes, buffers={}, shm=feature.shm)
+    if feature.tensors is None:
+        return None
     return MMItem(
         modality=feature.modality,
         num_tokens=feature.num_tokens,
@@ -64,6 +70,7 @@ class EngineCore:
         self.executor = executor
         self.receiver_caches: ReceiverCachePartitions[MMItem] = ReceiverCachePartitions()
         self.metrics = EngineMetrics()
+        self.shm_reader = ShmRingReader()
         self.draining = False  # set by drain(): new requests are refused, held ones run on
 
     # ------------------------------------------------------------------ inbox
@@ -76,9 +83,9 @@ class EngineCore:
         features = [
             (
                 f.mm_hash,
-                item_from_wire(f, frames) if f.tensors is not None else None,
+                item_from_wire(f, frames),
                 sum(frames[r.frame].nbytes for r in f.tensors.values()) if f.tensors else 0,
-                f.store,
+                f.store and f.shm is None,
             )
             for f in msg.mm_features
         ]
@@ -87,8 +94,10 @@ class EngineCore:
             return self._reject(
                 client, msg.req_id, "The server is shutting down.", "server_shutting_down", http_status=503
             )
+        self.metrics.count("mm_ipc_cache_resends_total", len(missing))
+        stale = self._stale_shm_refs(msg.mm_features)
+        missing += stale
         if missing:
-            self.metrics.count("mm_ipc_cache_resends_total", len(missing))
             return self._reject(
                 client,
                 msg.req_id,
@@ -115,6 +124,17 @@ class EngineCore:
         )
         return {}
 
+    def _stale_shm_refs(self, features: Sequence[MMFeature]) -> list[str]:
+        """Shared-memory references whose chunk header does not match (a stale or corrupt reference,
+        or a ring this process cannot open): the API re-sends those items with their payload."""
+        stale = []
+        for f in features:
+            if f.shm is not None and (problem := self.shm_reader.check(f.shm)) is not None:
+                log.warning("stale shared-memory reference for %s: %s", f.mm_hash, problem)
+                stale.append(f.mm_hash)
+        self.metrics.count("mm_shm_stale_refs_total", len(stale))
+        return stale
+
     def _reject(
         self,
         client: bytes,
@@ -130,11 +150,14 @@ class EngineCore:
         return {client: [RequestOutput(req_id, finish_reason=FinishReason.ABORT, error=error)]}
 
     def abort(self, client: bytes, msg: Abort) -> Outputs:
+        """Ends the client's requests; each gets a final output, which tells the API that nothing of
+        the request (its shared-memory items included) is read any more."""
+        outputs: list[RequestOutput] = []
         for req_id in msg.req_ids:
             request = self.scheduler.requests.get(req_id)
-            if request is not None and request.client == client:
-                self.scheduler.abort(req_id)
-        return {}
+            if request is not None and request.client == client and self.scheduler.abort(req_id):
+                outputs.append(RequestOutput(req_id, finish_reason=FinishReason.ABORT))
+        return {client: outputs} if outputs else {}
 
     def reset_caches(self, client: bytes, msg: ResetCaches) -> Outputs:
         self.receiver_caches.drop(client)
@@ -220,6 +243,9 @@ def to_scheduler_output(plan: StepPlan, kv_cache: KVCacheManager) -> tuple[Sched
     frames: list[memoryview] = []
     encoder_inputs = []
     for mm_hash, item in plan.encoder_items:
+        if item.shm is not None:  # the worker reads it from the API's ring
+            encoder_inputs.append(EncoderInput(mm_hash, item.modality, shm=item.shm))
+            continue
         refs = {}
         for name, (dtype, shape) in item.dtypes_shapes.items():
             refs[name] = TensorRef(dtype, shape, len(frames) + 1)

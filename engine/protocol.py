@@ -37,6 +37,28 @@ class TensorRef(msgspec.Struct, frozen=True, array_like=True):
     frame: int
 
 
+class ShmTensor(msgspec.Struct, frozen=True, array_like=True):
+    """A tensor inside an item of a shared-memory ring: ``offset`` bytes from the start of the item's
+    payload (see ``engine/shm_ring.py``)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+
+class ShmItemRef(msgspec.Struct, frozen=True):
+    """Where a processed item lies in the API process's shared-memory ring (``--mm-processor-cache-type
+    shm``): ring ``ring`` (a /dev/shm name), a chunk at byte ``offset`` whose header must carry the
+    monotonic ``item_id`` and payload size ``size``, or the reference is stale. The API keeps the chunk
+    from being overwritten until the engine's final output for every request that carried it."""
+
+    ring: str
+    offset: int
+    item_id: int
+    size: int
+    tensors: dict[str, ShmTensor]
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     max_tokens: int
     temperature: float = 1.0
@@ -63,6 +85,9 @@ class MMFeature(msgspec.Struct, frozen=True):
     modality: str = "image"
     tensors: dict[str, TensorRef] | None = None
     store: bool = False
+    # Instead of ``tensors``: the item lies in the sender's shared-memory ring (not stored in the
+    # receiver cache; the worker reads it in place).
+    shm: ShmItemRef | None = None
     # The family's grid of the item's placeholders (Qwen: (t, h, w) in patches, which decides their
     # M-RoPE positions); empty where positions do not depend on it. Travels with key-only items too.
     grid_thw: tuple[int, ...] = ()
@@ -201,9 +226,13 @@ class ResumedRequestData(msgspec.Struct, frozen=True):
 
 
 class EncoderInput(msgspec.Struct, frozen=True):
+    """An item to encode this step: its tensors are frames of the step's message, or (``shm``) lie in
+    an API process's shared-memory ring, read in place."""
+
     mm_hash: str
     modality: str
-    tensors: dict[str, TensorRef]
+    tensors: dict[str, TensorRef] = {}
+    shm: ShmItemRef | None = None
 
 
 class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):

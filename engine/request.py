@@ -5,18 +5,20 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.protocol import FinishReason, MMFeature, SamplingParams
+from engine.protocol import FinishReason, MMFeature, SamplingParams, ShmItemRef
 
 
 @dataclass(frozen=True)
 class MMItem:
     """A processed multimodal item held by the engine: tensor metadata plus the raw frame buffers
-    exactly as they arrived from the API (forwarded to the worker without copying)."""
+    exactly as they arrived from the API (forwarded to the worker without copying), or, with ``shm``,
+    only where the item lies in the API's shared-memory ring (the worker reads it there)."""
 
     modality: str
     num_tokens: int
     dtypes_shapes: dict[str, tuple[str, tuple[int, ...]]]
     buffers: dict[str, memoryview]
+    shm: ShmItemRef | None = None
 
     @property
     def num_bytes(self) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.protocol import TensorRef
+from engine.protocol import ShmItemRef, TensorRef
 
 Buffer = Any  # bytes, memoryview, zmq.Frame: anything exposing the buffer protocol
 
@@ -37,19 +37,38 @@ def tensor_from_frame(ref: TensorRef, frames: Sequence[Buffer]) -> torch.Tensor:
     The tensor shares the frame's memory and is read-only in spirit: callers copy before writing
     (moving it to the model's device or dtype does).
     """
-    dtype = _torch_dtype(ref.dtype)
-    shape = tuple(ref.shape)
     if not 0 < ref.frame < len(frames):
         raise ValueError(f"tensor frame {ref.frame} not in message of {len(frames)} frames")
-    buf = memoryview(frames[ref.frame]).cast("B")
+    return tensor_from_buffer(ref.dtype, ref.shape, frames[ref.frame], f"frame {ref.frame}")
+
+
+def tensors_from_shm(ref: ShmItemRef, payload: memoryview) -> dict[str, torch.Tensor]:
+    """Views of an item's tensors in its shared-memory payload (already validated by the ring
+    reader); read-only in spirit, like ``tensor_from_frame``."""
+    tensors = {}
+    for name, tensor in ref.tensors.items():
+        nbytes = _numel(tensor.shape) * _torch_dtype(tensor.dtype).itemsize
+        view = payload[tensor.offset : tensor.offset + nbytes]
+        tensors[name] = tensor_from_buffer(tensor.dtype, tensor.shape, view, f"shm tensor {name!r}")
+    return tensors
+
+
+def _numel(shape: Sequence[int]) -> int:
     numel = 1
     for dim in shape:
         numel *= dim
+    return numel
+
+
+def tensor_from_buffer(dtype_name: str, shape: Sequence[int], buffer: Buffer, what: str) -> torch.Tensor:
+    """``buffer`` viewed as a CPU tensor of ``dtype_name`` and ``shape`` (sizes must match exactly)."""
+    dtype = _torch_dtype(dtype_name)
+    shape = tuple(shape)
+    buf = memoryview(buffer).cast("B")
+    numel = _numel(shape)
     expected_bytes = numel * dtype.itemsize
     if buf.nbytes != expected_bytes:
-        raise ValueError(
-            f"frame {ref.frame} holds {buf.nbytes} bytes, {shape} {ref.dtype} needs {expected_bytes}"
-        )
+        raise ValueError(f"{what} holds {buf.nbytes} bytes, {shape} {dtype_name} needs {expected_bytes}")
     if numel == 0:
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():

@@ -37,10 +37,11 @@ from engine.protocol import (
     SchedulerOutput,
     TokenLogprobs,
 )
+from engine.shm_ring import ShmRingReader, StaleShmRef
 from workers.encoder_store import EncoderStore
 from workers.families import family_for
 from workers.families.model import RequestPositions
-from workers.frames import Buffer, tensor_from_frame
+from workers.frames import Buffer, tensor_from_frame, tensors_from_shm
 from workers.kv_pool import KVPool, kv_bytes_per_token, plan_num_kv_blocks
 from workers.paged_attention import SeqSpan
 from workers.paged_lm import Deepstack, PagedLanguageModel
@@ -106,6 +107,7 @@ class ModelRunner:
         )
         self.lm_forward = PagedLanguageModel(self.model.language_model, self.model.lm_head, self.kv_pool)
         self.encoder_store = EncoderStore()
+        self.shm_reader = ShmRingReader()  # the API processes' rings, opened on first use
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=self.device)  # unseeded requests share it
         self.generator.seed()
@@ -283,15 +285,24 @@ class ModelRunner:
             return 0
         items = []
         for item in inputs:
-            if item.modality != "image" or "pixel_values" not in item.tensors:
-                raise StepError(
-                    f"cannot encode {item.modality!r} item {item.mm_hash!r} with {sorted(item.tensors)}"
-                )
-            items.append({name: tensor_from_frame(ref, frames) for name, ref in item.tensors.items()})
+            names = item.shm.tensors if item.shm is not None else item.tensors
+            if item.modality != "image" or "pixel_values" not in names:
+                raise StepError(f"cannot encode {item.modality!r} item {item.mm_hash!r} with {sorted(names)}")
+            items.append(self._item_tensors(item, frames))
         outputs = self.model.encode(items)
         for item, output in zip(inputs, outputs, strict=True):
             self.encoder_store.put(item.mm_hash, output)
         return len(inputs)
+
+    def _item_tensors(self, item: EncoderInput, frames: Sequence[Buffer]) -> dict[str, torch.Tensor]:
+        """The item's tensors, viewed in place: frames of the step's message, or the API's shared-memory
+        ring (a reference whose chunk no longer matches fails the step, never reads garbage)."""
+        if item.shm is None:
+            return {name: tensor_from_frame(ref, frames) for name, ref in item.tensors.items()}
+        try:
+            return tensors_from_shm(item.shm, self.shm_reader.payload(item.shm))
+        except StaleShmRef as exc:
+            raise StepError(f"mm item {item.mm_hash!r}: {exc}") from exc
 
     def _spans(self, num_scheduled_tokens: dict[str, int]) -> list[SeqSpan]:
         spans = []

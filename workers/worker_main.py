@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import msgspec
 import zmq
+from transformers.utils import logging as transformers_logging
 from zmq.utils.monitor import recv_monitor_message
 
 from engine.protocol import (
@@ -69,6 +70,9 @@ def run_worker(config: WorkerConfig) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # transformers' "Loading weights" bar would make tqdm create a multiprocessing RLock: under spawn a
+    # named semaphore in /dev/shm that only the resource tracker unlinks (a SIGKILLed group leaks it)
+    transformers_logging.disable_progress_bar()
     runner = ModelRunner(
         config.model,
         config.device,

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
+API_PROCESS_HEADER = "x-mmserve-api-process"
 
 
 def free_port() -> int:
@@ -58,6 +59,17 @@ def role_pid(root_pid: int, role: str) -> int:
     found = [pid for pid in descendants(root_pid) if process_title(pid) == f"mmserve: {role}" and alive(pid)]
     assert len(found) == 1, f"expected one {role} process under {root_pid}, found {found}"
     return found[0]
+
+
+def role_pids(root_pid: int, role: str) -> list[int]:
+    """Every live process under ``root_pid`` titled ``mmserve: <role>`` (``serve``'s own process, API 0
+    with ``--api-server-count``, is the root and so not among them)."""
+    return [pid for pid in descendants(root_pid) if process_title(pid) == f"mmserve: {role}" and alive(pid)]
+
+
+def api_process(resp: httpx.Response) -> int:
+    """Which of ``serve``'s API processes answered (its ``x-mmserve-api-process`` header)."""
+    return int(resp.headers[API_PROCESS_HEADER])
 
 
 @dataclass
@@ -133,6 +145,24 @@ def wait_healthy(base_url: str, process: ServerProcess, timeout_s: float = 180.0
     raise TimeoutError(f"server not healthy after {timeout_s}s:\n{process.log()[-4000:]}")
 
 
+def wait_api_processes(server: Server, count: int, timeout_s: float = 180.0) -> None:
+    """Until every one of ``count`` API processes answered ``/health`` 200 (each call on a new connection,
+    which the kernel gives to any of them)."""
+    seen: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            resp = httpx.get(f"{server.base_url}/health", timeout=2.0)
+        except httpx.HTTPError:
+            continue
+        if resp.status_code == 200:
+            seen.add(api_process(resp))
+            if len(seen) == count:
+                return
+        time.sleep(0.05)
+    raise TimeoutError(f"only API processes {sorted(seen)} became healthy:\n{server.process.log()[-4000:]}")
+
+
 def start_serve(model_dir: Path, log_dir: Path, *flags: str) -> Server:
     port = free_port()
     process = ServerProcess(
@@ -170,3 +200,13 @@ def parse_metrics(text: str) -> dict[str, float]:
 def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
     """How much a metric sample grew between two ``Server.metrics()`` readings."""
     return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def assert_ctrl_c_stops_all(server: Server, children: list[int]) -> None:
+    """Ctrl-C: ``serve`` exits 0 without a traceback and, within 10 s, none of ``children`` is left."""
+    assert server.process.interrupt() == 0, server.process.log()[-3000:]
+    assert "Traceback" not in server.process.log()
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if alive(pid)], server.process.log()[-3000:]

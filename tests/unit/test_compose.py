@@ -373,3 +373,47 @@ def test_read_sse_times_first_content_and_reads_usage(bench):
 def test_read_sse_reports_broken_streams(bench, chunks, message):
     result = bench.read_sse(_sse(*chunks), t_start_s=0.0, clock=lambda: 0.0)
     assert result.error is not None and message in result.error
+
+
+# --- docker-compose.shm.yml ---------------------------------------------------------------------
+
+SHM_OVERRIDE = ROOT / "docker-compose.shm.yml"
+
+
+def _merge(base: Any, override: Any) -> Any:
+    """Compose's merge of a second -f file: mappings merge key by key, anything else is replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        return {key: _merge(base.get(key), value) for key, value in override.items()} | {
+            key: value for key, value in base.items() if key not in override
+        }
+    return copy.deepcopy(override)
+
+
+@pytest.fixture(scope="module")
+def compose_shm(compose: dict[str, Any]) -> dict[str, Any]:
+    return _merge(compose, yaml.safe_load(SHM_OVERRIDE.read_text()))
+
+
+def test_shm_override_validates_against_compose_spec(compose_shm, compose_schema):
+    assert _schema_errors(compose_schema, compose_shm) == []
+
+
+def test_shm_override_shares_one_ipc_namespace_without_a_cycle(compose_shm):
+    services = _services(compose_shm)
+    assert services["engine"]["ipc"] == "shareable"
+    assert services["api"]["ipc"] == services["worker"]["ipc"] == "service:engine"
+    # the owner starts first: api and worker already depend on the engine, the engine on neither
+    assert "engine" in services["api"]["depends_on"] and "engine" in services["worker"]["depends_on"]
+    assert not {"api", "worker"} & set(services["engine"]["depends_on"])
+
+
+def test_shm_override_sizes_dev_shm_for_the_ring(compose_shm, monkeypatch):
+    services = _services(compose_shm)
+    settings = _settings_from_env(_env(services["api"]), monkeypatch)
+    assert settings.mm_processor_cache_type == "shm"
+    size = services["engine"]["shm_size"]
+    assert size.endswith("gb") and int(size[:-2]) * (1 << 30) > settings.processor_cache_bytes
+
+
+def test_shm_override_env_names_are_settings_fields():
+    assert set(ENV_NAME.findall(SHM_OVERRIDE.read_text())) <= _settings_env_names()

@@ -278,7 +278,10 @@ def test_abort_from_another_client_is_ignored() -> None:
     core.step()
     assert executor.steps[-1][0].num_scheduled_tokens == {"r1": 1}
 
-    assert core.abort(b"a", Abort(["r1", "unknown"])) == {}
+    # the owner's abort ends it with a final output (the API then releases what the request held)
+    assert core.abort(b"a", Abort(["r1", "unknown"])) == {
+        b"a": [RequestOutput("r1", finish_reason=FinishReason.ABORT)]
+    }
     assert not core.has_work
     assert core.step() == {}
     assert executor.steps[-1][0].finished_req_ids == ["r1"] and executor.num_tokens == {}

@@ -469,7 +469,7 @@ def prepare(settings: Settings, fetcher_policy: MediaPolicy, *urls: str) -> Any:
     async def main() -> Any:
         async with httpx.AsyncClient(trust_env=False) as client:
             media = MediaFetcher(fetcher_policy, client, no_dns())
-            inputs = InputProcessor(settings, family, None, None, ApiMetrics(), media)  # type: ignore[arg-type]
+            inputs = InputProcessor(settings, family, None, None, ApiMetrics(), media, None)  # type: ignore[arg-type]
             return await inputs.prepare([image_message(*urls)], {})
 
     return asyncio.run(main())
