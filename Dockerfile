@@ -48,6 +48,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # (e.g. https://download.pytorch.org/whl/cu128); the worker picks cuda when it sees a device.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
+# The Mooncake store client (a dependency, for --ec-connector mooncake) links libibverbs.so.1 even
+# over TCP.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libibverbs1 \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/mmserve
 # Dependencies in their own layer, read from pyproject.toml, so a code-only change reuses it.
 COPY pyproject.toml ./

@@ -10,6 +10,8 @@ PORT  ?= 8000
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
+	# mooncake's wheel (the encoder-cache store) links libibverbs.so.1, even for TCP only
+	ldconfig -p | grep -q libibverbs.so.1 || (apt-get update && apt-get install -y libibverbs1)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

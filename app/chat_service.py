@@ -5,12 +5,13 @@ aborts its request in the engine; a stop string found by the detokenizer does to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.detokenizer import IncrementalDetokenizer
 from app.engine_client import EngineClient, EngineGone
@@ -31,6 +32,7 @@ from app.schemas import ChatCompletionRequest
 from engine.protocol import ErrorInfo, RequestOutput, SamplingParams
 
 MAX_RESENDS = 2
+CLIENT_CLOSED_REQUEST = 499
 DISCONNECT_POLL_S = 0.5
 
 
@@ -92,9 +94,12 @@ class ChatService:
                 await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
                 if not collect.done() and await raw.is_disconnected():
                     collect.cancel()
-            await collect
+            with contextlib.suppress(asyncio.CancelledError):
+                await collect
         finally:
             self.engine.release(req_id, abort=gen.finish_reason is None)
+        if collect.cancelled():  # the client went away: nobody reads this (nginx's "client closed")
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(completion(gen))
 
     # ------------------------------------------------------------------ submission

@@ -10,9 +10,10 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from app.encoder_budgets import derive_encoder_budgets
+from app.proxy_cli import add_proxy_parser, run_proxy
 from app.settings import Settings
 from engine.config import EngineConfig
-from workers.config import WorkerConfig
+from workers.config import ModelParts, WorkerConfig
 from workers.families.tiny import TINY_FAMILIES
 
 ROLES = {
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for role, help_text in ROLES.items():
         _add_settings_flags(sub.add_parser(role, help=help_text, description=help_text))
+    add_proxy_parser(sub)
     tiny = sub.add_parser("build-tiny-model", help="Build a tiny random checkpoint for tests and demos.")
     tiny.add_argument(
         "--family", choices=list(TINY_FAMILIES), default="llava", help="Model family (default: llava)."
@@ -80,6 +82,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_waiting_requests=settings.max_waiting_requests,
         shutdown_timeout=settings.shutdown_timeout,
         log_level=settings.log_level,
+        ec=settings.ec_config(),
     )
 
 
@@ -93,11 +96,19 @@ def worker_config(settings: Settings) -> WorkerConfig:
         kv_cache_tokens=settings.kv_cache_tokens,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         shutdown_timeout=settings.shutdown_timeout,
+        parts=ModelParts.ENCODER
+        if settings.encoder_only
+        else ModelParts.LANGUAGE_MODEL
+        if settings.language_model_only
+        else ModelParts.ALL,
+        ec=settings.ec_config(),
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "proxy":
+        return run_proxy(args)
     if args.command == "build-tiny-model":
         from workers.families.tiny import build_tiny_model
 

@@ -30,6 +30,7 @@ from engine.protocol import EngineStats
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384)
+EC_BUCKETS = (0.0005, 0.001, 0.0025, *LATENCY_BUCKETS)
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 # engine-side counter/gauge names (without prefix) and their help texts
@@ -46,6 +47,22 @@ ENGINE_COUNTERS = {
     "worker_losses_total": "Times the engine lost its worker (the process died or disconnected).",
     "worker_stale_replies_total": "Late worker replies to an earlier step, discarded.",
     "mm_shm_stale_refs_total": "Shared-memory references the engine found stale; re-sent with payload.",
+    "ec_lookups_total": "Items looked up in the encoder-cache connector's store (has_caches).",
+    "ec_lookup_hits_total": "Store lookups that found the item (it is loaded instead of encoded).",
+    "ec_lookup_errors_total": "Store lookups that failed: the store could not be reached.",
+    "ec_loads_total": "Encoder outputs loaded from the store.",
+    "ec_load_failures_total": "Loads that failed (missing after the lookup, store down, corrupt value).",
+    "ec_fallback_encodes_total": "Items encoded locally because their load failed.",
+    "ec_saves_total": "Encoder outputs saved to the store.",
+    "ec_save_failures_total": "Saves the store refused (full) or could not take (down); not retried.",
+}
+# engine counters rendered as one labelled family: family name -> (label, {label value: counter name})
+ENGINE_LABELLED_COUNTERS = {
+    "ec_bytes": (
+        "Encoder-output bytes moved through the connector's store.",
+        "direction",
+        {"load": "ec_load_bytes_total", "save": "ec_save_bytes_total"},
+    ),
 }
 ENGINE_GAUGES = {
     "encoder_cache_usage_tokens": "Encoder-cache space in use (embeddings), freeable entries included.",
@@ -90,6 +107,11 @@ class _EngineCollector(Collector):
             yield CounterMetricFamily(
                 f"mmserve_{name.removesuffix('_total')}", help_text, value=counters.get(name, 0.0)
             )
+        for family, (help_text, label, members) in ENGINE_LABELLED_COUNTERS.items():
+            labelled = CounterMetricFamily(f"mmserve_{family}", help_text, labels=[label])
+            for value, name in members.items():
+                labelled.add_metric([value], counters.get(name, 0.0))
+            yield labelled
         for name, help_text in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(f"mmserve_{name}", help_text, value=gauges.get(name, 0.0))
         for histogram in self._metrics.engine_histograms.values():
@@ -151,6 +173,7 @@ class ApiMetrics:
                 ("encoder_seconds", "Vision-encoder time of one engine step.", LATENCY_BUCKETS),
                 ("num_requests_per_step", "Requests batched together in one engine step.", BATCH_BUCKETS),
                 ("num_batched_tokens_per_step", "Tokens computed in one engine step.", TOKEN_BUCKETS),
+                ("ec_load_seconds", "Time to load one encoder output from the store.", EC_BUCKETS),
             )
         }
         if self.multiprocess_dir is None:

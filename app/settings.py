@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine.ec_store import ECConfig, ECRole
 from engine.shm_ring import HEADER_BYTES  # a ring chunk's header
 
 GIB = 1 << 30
@@ -161,6 +162,41 @@ class Settings(BaseSettings):
     max_request_body_mb: float = Field(
         64.0, gt=0, description="Largest request body in MiB; a larger one gets 413 before it is read."
     )
+    ec_connector: Literal["shared-storage", "mooncake"] | None = Field(
+        None,
+        description="Encoder-cache connector: share encoder outputs by mm_hash with other instances through "
+        "a folder (shared-storage) or a Mooncake store (mooncake); none when unset.",
+    )
+    ec_role: Literal["producer", "consumer", "both"] = Field(
+        "both",
+        description="With --ec-connector: producer saves every encoder output, consumer loads what the store "
+        "holds instead of encoding, both does both.",
+    )
+    ec_storage_path: str | None = Field(None, description="shared-storage: the folder every instance shares.")
+    ec_storage_max_gb: float = Field(
+        16.0,
+        ge=0,
+        description="shared-storage: bound on the folder's outputs in GiB, oldest removed first (0: none).",
+    )
+    ec_mooncake_master: str = Field(
+        "127.0.0.1:50051", description="mooncake: the mooncake_master's RPC address (host:port)."
+    )
+    ec_mooncake_metadata_server: str = Field(
+        "P2PHANDSHAKE", description="mooncake: the transfer engine's metadata server (P2PHANDSHAKE or a URL)."
+    )
+    ec_mooncake_local_hostname: str = Field(
+        "127.0.0.1", description="mooncake: the address this instance's store client is reached at."
+    )
+    encoder_only: bool = Field(
+        False,
+        description="Load only the vision tower and projector; encode each request's images, save them "
+        "through --ec-connector and answer without generating (the encoder of an encoder / LM split).",
+    )
+    language_model_only: bool = Field(
+        False,
+        description="Load only the language model; every encoder output comes from --ec-connector's store "
+        "(503 when it is not there).",
+    )
     log_level: str = Field("info", description="Log level of every process.")
 
     @field_validator("engine_addr", "worker_addr")
@@ -227,6 +263,38 @@ class Settings(BaseSettings):
                 f"{self.mm_shm_cache_max_object_size_mb:g}: raise the first or lower the second"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_ec(self) -> Settings:
+        """An encoder / LM split needs a connector, in the role its half plays."""
+        if self.encoder_only and self.language_model_only:
+            raise ValueError("--encoder-only and --language-model-only exclude each other")
+        if self.ec_connector is None:
+            if self.encoder_only or self.language_model_only:
+                flag = "--encoder-only" if self.encoder_only else "--language-model-only"
+                raise ValueError(f"{flag} needs --ec-connector (encoder outputs travel through its store)")
+            return self
+        if self.encoder_only and self.ec_role == "consumer":
+            raise ValueError("--encoder-only saves what it encodes: use --ec-role producer (or both)")
+        if self.language_model_only and self.ec_role == "producer":
+            raise ValueError("--language-model-only loads encoder outputs: use --ec-role consumer (or both)")
+        if self.ec_connector == "shared-storage" and not self.ec_storage_path:
+            raise ValueError("--ec-connector shared-storage needs --ec-storage-path (a folder)")
+        return self
+
+    def ec_config(self) -> ECConfig | None:
+        """The connector's settings for the engine and the worker (None: no connector)."""
+        if self.ec_connector is None:
+            return None
+        return ECConfig(
+            connector=self.ec_connector,
+            role=ECRole(self.ec_role),
+            storage_path=self.ec_storage_path or "",
+            storage_max_bytes=int(self.ec_storage_max_gb * GIB),
+            mooncake_master=self.ec_mooncake_master,
+            mooncake_metadata_server=self.ec_mooncake_metadata_server,
+            mooncake_local_hostname=self.ec_mooncake_local_hostname,
+        )
 
     @property
     def model_name(self) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.ec_store import ECConfig
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -20,3 +22,4 @@ class EngineConfig:
     step_timeout_s: float = 600.0  # a step unanswered this long fails its requests (500)
     shutdown_timeout: float = 30.0  # SIGTERM: held requests get this long to finish
     log_level: str = "info"
+    ec: ECConfig | None = None  # the encoder-cache connector (None: none)

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import msgspec
 
+from engine.ec_connector import ECConnectorScheduler
+from engine.encode_scheduler import EncodeOnlyScheduler
 from engine.executor import Executor, WorkerFailed, WorkerLost
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import (
@@ -64,9 +66,24 @@ def item_from_wire(feature: MMFeature, frames: Sequence[memoryview]) -> MMItem |
 
 
 class EngineCore:
-    def __init__(self, scheduler_config: SchedulerConfig, executor: Executor) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        executor: Executor,
+        connector: ECConnectorScheduler | None = None,
+        *,
+        encode_only: bool = False,
+    ) -> None:
+        """``connector``: the encoder-cache connector (None: none configured); ``encode_only``: the
+        worker has no language model (``--encoder-only``)."""
         self.epoch = uuid.uuid4().hex
-        self.scheduler = Scheduler(scheduler_config)
+        self.scheduler: Scheduler | EncodeOnlyScheduler
+        if encode_only:
+            assert connector is not None, "an encoder-only instance saves to the connector's store"
+            self.scheduler = EncodeOnlyScheduler(scheduler_config, connector)
+        else:
+            self.scheduler = Scheduler(scheduler_config, connector)
+        self.connector = connector
         self.executor = executor
         self.receiver_caches: ReceiverCachePartitions[MMItem] = ReceiverCachePartitions()
         self.metrics = EngineMetrics()
@@ -191,22 +208,28 @@ class EngineCore:
         """One engine step: schedule → execute on the worker → postprocess (or, when the worker failed
         the step, roll it back and fail its requests). Raises ``WorkerLost``."""
         plan = self.scheduler.schedule()
+        outputs: Outputs = defaultdict(list)
+        for request in plan.unavailable:  # ended before the step: nothing here can produce its embeddings
+            outputs[request.client].append(_unavailable_output(request.req_id))
         if plan.is_empty and not (plan.free_mm_hashes or plan.finished_req_ids or plan.preempted_req_ids):
-            return {}
+            return dict(outputs)
         sched, frames = to_scheduler_output(plan, self.scheduler.kv_cache)
         try:
             runner_output = self.executor.execute(sched, frames)
         except WorkerLost:
             raise
         except WorkerFailed as exc:
-            return self._fail_step(plan, exc)
+            for client, failed in self._fail_step(plan, exc).items():
+                outputs[client] += failed
+            return dict(outputs)
         result = self.scheduler.postprocess(plan, runner_output)
         self.metrics.record_step(plan, runner_output)
 
-        outputs: Outputs = defaultdict(list)
         finished = {r.req_id: r for r in result.finished}
         logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=True))
-        for req_id, token_ids in result.new_token_ids.items():
+        # an encoder-only instance's requests finish without a token once their items are saved
+        no_token: dict[str, list[int]] = {r: [] for r in finished if r not in result.new_token_ids}
+        for req_id, token_ids in (result.new_token_ids | no_token).items():
             request = finished.get(req_id) or self.scheduler.requests[req_id]
             entry = logprobs.get(req_id)
             outputs[request.client].append(
@@ -227,6 +250,8 @@ class EngineCore:
         error = ErrorInfo(
             message=f"internal error while running the model: {exc}", code="internal_error", http_status=500
         )
+        if exc.unavailable_mm_hashes:
+            error = ENCODER_OUTPUT_UNAVAILABLE
         outputs: Outputs = defaultdict(list)
         for request in self.scheduler.fail_step(plan):
             outputs[request.client].append(
@@ -235,7 +260,19 @@ class EngineCore:
         return dict(outputs)
 
     def stats(self) -> EngineStats:
-        return self.metrics.snapshot(self.scheduler)
+        return self.metrics.snapshot(self.scheduler, self.connector)
+
+
+ENCODER_OUTPUT_UNAVAILABLE = ErrorInfo(
+    message="An image's encoder output is neither cached nor in the encoder-cache store, and this "
+    "instance has no vision tower to encode it (--language-model-only); retry shortly.",
+    code="encoder_output_unavailable",
+    http_status=503,
+)
+
+
+def _unavailable_output(req_id: str) -> RequestOutput:
+    return RequestOutput(req_id, finish_reason=FinishReason.ABORT, error=ENCODER_OUTPUT_UNAVAILABLE)
 
 
 def to_scheduler_output(plan: StepPlan, kv_cache: KVCacheManager) -> tuple[SchedulerOutput, list[memoryview]]:
@@ -279,5 +316,6 @@ def to_scheduler_output(plan: StepPlan, kv_cache: KVCacheManager) -> tuple[Sched
         resumed_requests=resumed_requests,
         new_block_ids=new_block_ids,
         preempted_req_ids=plan.preempted_req_ids,
+        ec_meta=plan.ec_meta,
     )
     return sched, frames

@@ -24,6 +24,8 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core import EngineCore, Outputs
+from engine.ec_connector import ECConnectorScheduler
+from engine.ec_store.reconnecting import ReconnectingStore
 from engine.executor import WorkerLost
 from engine.protocol import (
     Abort,
@@ -73,6 +75,7 @@ class EngineServer:
         self._stop_deadline: float | None = None  # ... or at this time (SIGTERM's shutdown timeout)
         self._stats_dirty = False
         self.num_worker_losses = 0
+        self._ec_store: ReconnectingStore | None = None  # opened with the first core, kept across cores
 
     @property
     def core(self) -> EngineCore:
@@ -146,8 +149,16 @@ class EngineServer:
             **{name: getattr(self.config, name) for name in shared},
             num_kv_blocks=ready.num_kv_blocks,
             block_size=ready.block_size,
+            can_encode=ready.has_vision_tower,
         )
-        self._core = EngineCore(scheduler_config, self.worker)
+        connector = None
+        if self.config.ec is not None:
+            if self._ec_store is None:
+                self._ec_store = ReconnectingStore(self.config.ec)
+            connector = ECConnectorScheduler(self._ec_store, self.config.ec.role)
+        self._core = EngineCore(
+            scheduler_config, self.worker, connector, encode_only=not ready.has_language_model
+        )
         if self.draining:
             self._core.drain()
         log.info(
@@ -256,6 +267,8 @@ class EngineServer:
             self._send(client, EngineDead(reason))
         self.worker.shutdown()
         self.api_sock.close(linger=100)
+        if self._ec_store is not None:
+            self._ec_store.close()
 
 
 def _refusal(client: bytes, req_id: str, message: str) -> Outputs:

@@ -19,7 +19,12 @@ from engine.protocol import RunnerOutput, SchedulerOutput
 
 
 class WorkerFailed(RuntimeError):
-    """The worker did not complete a step; it may still serve the next one."""
+    """The worker did not complete a step; it may still serve the next one. ``unavailable_mm_hashes``:
+    it could neither load these encoder outputs from the store nor encode them (503, not 500)."""
+
+    def __init__(self, message: str, unavailable_mm_hashes: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.unavailable_mm_hashes = list(unavailable_mm_hashes)
 
 
 class WorkerLost(WorkerFailed):

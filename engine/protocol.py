@@ -235,6 +235,18 @@ class EncoderInput(msgspec.Struct, frozen=True):
     shm: ShmItemRef | None = None
 
 
+class ECConnectorMeta(msgspec.Struct, frozen=True):
+    """The encoder-cache connector's part of one step (``build_connector_meta``): the worker loads
+    ``load_mm_hashes`` from the external store into its encoder store before embeddings are gathered.
+    An item to load that also comes as an ``EncoderInput`` (this instance has the vision tower) is
+    encoded instead when its load fails; one that does not fails the step with 503
+    ``encoder_output_unavailable``. ``save_mm_hashes``: outputs already in the worker's encoder store
+    that a producer saves again (the store lost them)."""
+
+    load_mm_hashes: list[str] = []
+    save_mm_hashes: list[str] = []
+
+
 class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
     """One step. ``num_scheduled_tokens`` maps every request that runs this step to how many of its
     tokens it computes; the worker samples for those whose step computes their last known token (the
@@ -254,6 +266,7 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
     resumed_requests: list[ResumedRequestData] = []
     new_block_ids: dict[str, list[int]] = {}
     preempted_req_ids: list[str] = []
+    ec_meta: ECConnectorMeta | None = None  # None: no connector, or nothing to load or save
 
 
 class WorkerShutdown(msgspec.Struct, frozen=True, tag="wshutdown"):
@@ -271,6 +284,23 @@ class WorkerReady(msgspec.Struct, frozen=True, tag="wready"):
     dtype: str
     num_kv_blocks: int = 0
     block_size: int = 16
+    has_vision_tower: bool = True  # False: --language-model-only (encoder outputs come from the store)
+    has_language_model: bool = True  # False: --encoder-only (encodes and saves, generates nothing)
+
+
+class ECStepStats(msgspec.Struct, frozen=True):
+    """What the worker's encoder-cache connector did in one step (becomes the ``mmserve_ec_*``
+    metrics). A failed load was encoded locally instead (``num_fallback_encodes``); a failed save is
+    counted and forgotten."""
+
+    num_loads: int = 0
+    num_load_failures: int = 0
+    num_fallback_encodes: int = 0
+    num_saves: int = 0
+    num_save_failures: int = 0
+    load_bytes: int = 0
+    save_bytes: int = 0
+    load_seconds: list[float] = []  # one per item loaded
 
 
 class RunnerOutput(msgspec.Struct, frozen=True, tag="runner"):
@@ -281,6 +311,7 @@ class RunnerOutput(msgspec.Struct, frozen=True, tag="runner"):
     num_encoded_items: int
     encoder_seconds: float
     forward_seconds: float
+    ec_stats: ECStepStats | None = None
 
 
 UNDECODABLE_STEP_ID = -1  # WorkerError.step_id when frame 0 was not a valid WorkerInbound message
@@ -293,6 +324,9 @@ class WorkerError(msgspec.Struct, frozen=True, tag="werror"):
 
     step_id: int
     message: str
+    # the step needed these encoder outputs, the store could not give them and this worker cannot
+    # encode (--language-model-only): its requests end with 503 encoder_output_unavailable
+    unavailable_mm_hashes: list[str] = []
 
 
 WorkerOutbound = WorkerReady | RunnerOutput | WorkerError

@@ -51,6 +51,8 @@ class Request:
     # mm_hashes already looked up once (an item that waits for budget is not counted again)
     encoder_hashes_queried: set[str] = field(default_factory=set)
     sent_to_worker: bool = False
+    # mm_hash -> whether the encoder-cache connector's store held the item when first asked
+    ec_in_store: dict[str, bool] = field(default_factory=dict)
     # mm_hash -> end of its last placement: an image may appear several times in one prompt, and its
     # encoder output is needed until the last of them is computed
     mm_last_end: dict[str, int] = field(init=False)

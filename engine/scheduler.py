@@ -17,9 +17,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_pool import BlockHash
+from engine.ec_connector import ECConnectorScheduler
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
-from engine.protocol import FinishReason, RunnerOutput
+from engine.protocol import ECConnectorMeta, FinishReason, RunnerOutput
 from engine.request import MMItem, Request, RequestStatus
 
 
@@ -35,6 +36,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     disable_chunked_mm_input: bool = False
     max_waiting_requests: int | None = None  # None: the queue is unbounded
+    can_encode: bool = True  # False: the worker has no vision tower (encoder outputs come from the store)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,13 @@ class StepPlan:
     preempted_req_ids: list[str] = field(default_factory=list)
     # (block id, hash) this step registered in the prefix cache: taken back if the step fails
     cached_blocks: list[tuple[int, BlockHash]] = field(default_factory=list)
+    ec_meta: ECConnectorMeta | None = None  # the connector's loads (and saves) of this step
+    # ended before the step: an item neither cached, nor in the store, nor encodable here (503)
+    unavailable: list[Request] = field(default_factory=list)
+
+    @property
+    def load_mm_hashes(self) -> list[str]:
+        return self.ec_meta.load_mm_hashes if self.ec_meta is not None else []
 
     @property
     def is_empty(self) -> bool:
@@ -78,8 +87,11 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, connector: ECConnectorScheduler | None = None) -> None:
+        """``connector``: the encoder-cache connector, whose store may hold items this instance did not
+        encode (consulted when its role loads)."""
         self.config = config
+        self.connector = connector if connector is not None and connector.role.loads else None
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_tokens)
         self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.num_preemptions = 0
@@ -91,6 +103,7 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
         self._preempted_req_ids: list[str] = []  # likewise, their block tables
         self._resend_free_mm_hashes: list[str] = []  # a failed step's frees, sent again
+        self._unavailable: list[Request] = []  # found unservable while scheduling this step
 
     # ------------------------------------------------------------------ admission
 
@@ -194,7 +207,7 @@ class Scheduler:
                 break  # it was the last running request: nothing after it is left
             num_tokens, encoder_budget = self._fit(request, wanted, encoder_budget, encoder_items)
             index += 1
-            if num_tokens == 0:
+            if num_tokens == 0:  # (or unavailable: it ends after this loop)
                 continue
             blocks = self.kv_cache.allocate_slots(request, num_tokens)
             assert blocks is not None, "can_allocate promised room"
@@ -219,6 +232,10 @@ class Scheduler:
             num_tokens = 0
             if self.kv_cache.can_allocate(request, wanted, computed_blocks):
                 num_tokens, encoder_budget = self._fit(request, wanted, encoder_budget, encoder_items)
+            if self._unavailable and self._unavailable[-1] is request:
+                request.num_computed_tokens = 0
+                self.waiting.popleft()  # it ends below; the next in line may run
+                continue
             if num_tokens == 0:
                 # Head of line waits (for blocks, or for room to encode its first image); keep FCFS.
                 request.num_computed_tokens = 0
@@ -238,6 +255,9 @@ class Scheduler:
             num_scheduled[request.req_id] = num_tokens
             token_budget -= num_tokens
 
+        unavailable, self._unavailable = self._unavailable, []
+        for request in unavailable:
+            self._finish(request, FinishReason.ABORT)
         self._step_id += 1
         finished, self._finished_req_ids = self._finished_req_ids, []
         preempted, self._preempted_req_ids = self._preempted_req_ids, []
@@ -253,6 +273,8 @@ class Scheduler:
             new_block_ids=new_block_ids,
             preempted_req_ids=preempted,
             cached_blocks=self.kv_cache.take_newly_cached(),
+            ec_meta=self.connector.build_connector_meta() if self.connector is not None else None,
+            unavailable=unavailable,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -276,6 +298,9 @@ class Scheduler:
         be (compute budget or cache space), the chunk stops right before it. With
         ``disable_chunked_mm_input`` a chunk also stops before an image it would cover only in part."""
         start = request.num_computed_tokens
+        if not self.config.can_encode and not self._all_obtainable(request, start, num_tokens):
+            self._unavailable.append(request)  # before anything is allocated or loaded for it
+            return 0, encoder_budget
         for feature in request.mm_features:
             begin, end = feature.offset, feature.offset + feature.num_tokens
             if end <= start or begin >= start + num_tokens:
@@ -291,7 +316,16 @@ class Scheduler:
             if self.encoder_cache.lookup(mm_hash, request.req_id, count_query=first_query):
                 request.encoder_hashes_in_use.add(mm_hash)
                 continue
-            if feature.num_tokens <= encoder_budget and self.encoder_cache.can_allocate(feature.num_tokens):
+            if self._in_store(request, mm_hash):  # loaded, not encoded: no compute budget spent
+                if self.encoder_cache.can_allocate(feature.num_tokens):
+                    self.encoder_cache.allocate(mm_hash, feature.num_tokens, request.req_id)
+                    request.encoder_hashes_in_use.add(mm_hash)
+                    assert self.connector is not None
+                    self.connector.update_state_after_alloc(mm_hash)
+                    if self.config.can_encode:  # its tensors come along: encoded if the load fails
+                        encoder_items[mm_hash] = request.mm_items[mm_hash]
+                    continue
+            elif feature.num_tokens <= encoder_budget and self.encoder_cache.can_allocate(feature.num_tokens):
                 self.encoder_cache.allocate(mm_hash, feature.num_tokens, request.req_id)
                 request.encoder_hashes_in_use.add(mm_hash)
                 encoder_items[mm_hash] = request.mm_items[mm_hash]
@@ -300,6 +334,33 @@ class Scheduler:
             num_tokens = max(0, begin - start)
             break
         return num_tokens, encoder_budget
+
+    def _all_obtainable(self, request: Request, start: int, num_tokens: int) -> bool:
+        """Without a vision tower: whether every item the chunk covers is cached or in the store."""
+        for feature in request.mm_features:
+            begin, end = feature.offset, feature.offset + feature.num_tokens
+            if (
+                end <= start
+                or begin >= start + num_tokens
+                or feature.mm_hash in request.encoder_hashes_in_use
+            ):
+                continue
+            if feature.mm_hash not in self.encoder_cache and not self._in_store(request, feature.mm_hash):
+                return False
+        return True
+
+    def _in_store(self, request: Request, mm_hash: str) -> bool:
+        """Whether the connector's store holds the item; asked once per request, for all of its items
+        the encoder cache lacks at that moment (one round trip)."""
+        if self.connector is None:
+            return False
+        if mm_hash not in request.ec_in_store:
+            missing = [
+                h for h in request.mm_last_end if h not in request.ec_in_store and h not in self.encoder_cache
+            ]
+            missing = missing if mm_hash in missing else [mm_hash, *missing]
+            request.ec_in_store.update(zip(missing, self.connector.has_caches(missing), strict=True))
+        return request.ec_in_store[mm_hash]
 
     # ------------------------------------------------------------------ after the worker ran
 
@@ -342,7 +403,7 @@ class Scheduler:
             self._finish(request, FinishReason.ABORT)
         # Only the step's requests held what it registered or allocated: all released above.
         self.kv_cache.uncache(plan.cached_blocks)
-        for mm_hash, _ in plan.encoder_items:
+        for mm_hash in dict.fromkeys([*(h for h, _ in plan.encoder_items), *plan.load_mm_hashes]):
             self.encoder_cache.discard(mm_hash)  # reported in the next step's free_mm_hashes
         self._resend_free_mm_hashes += plan.free_mm_hashes
         self._finished_req_ids[:0] = plan.finished_req_ids

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from engine.ec_connector import ECConnectorScheduler
+from engine.encode_scheduler import EncodeOnlyScheduler
 from engine.protocol import EngineStats, RunnerOutput
 from engine.scheduler import Scheduler, StepPlan
 
@@ -31,11 +33,27 @@ class EngineMetrics:
             self._observations["num_batched_tokens_per_step"].append(plan.num_batched_tokens)
         if output.num_encoded_items:
             self._observations["encoder_seconds"].append(output.encoder_seconds)
+        ec = output.ec_stats
+        if ec is not None:
+            self.count("ec_loads_total", ec.num_loads)
+            self.count("ec_load_failures_total", ec.num_load_failures)
+            self.count("ec_fallback_encodes_total", ec.num_fallback_encodes)
+            self.count("ec_saves_total", ec.num_saves)
+            self.count("ec_save_failures_total", ec.num_save_failures)
+            self.count("ec_load_bytes_total", ec.load_bytes)
+            self.count("ec_save_bytes_total", ec.save_bytes)
+            self._observations["ec_load_seconds"] += ec.load_seconds
 
-    def snapshot(self, scheduler: Scheduler) -> EngineStats:
+    def snapshot(
+        self, scheduler: Scheduler | EncodeOnlyScheduler, connector: ECConnectorScheduler | None = None
+    ) -> EngineStats:
         """Current figures; drains the observations made since the previous snapshot."""
         encoder_cache = scheduler.encoder_cache
         counters = dict(self._counters)
+        if connector is not None:
+            counters["ec_lookups_total"] = connector.num_lookups
+            counters["ec_lookup_hits_total"] = connector.num_lookup_hits
+            counters["ec_lookup_errors_total"] = connector.num_lookup_errors
         counters["encoder_cache_queries_total"] = encoder_cache.num_queries
         counters["encoder_cache_hits_total"] = encoder_cache.num_hits
         kv_cache = scheduler.kv_cache

@@ -175,7 +175,9 @@ class WorkerClient:
             if step_id > expected_step_id:
                 raise WorkerFailed(f"worker answered step {step_id} while step {expected_step_id} is awaited")
             if isinstance(msg, WorkerError):
-                raise WorkerFailed(f"worker failed step {expected_step_id}: {msg.message}")
+                raise WorkerFailed(
+                    f"worker failed step {expected_step_id}: {msg.message}", msg.unavailable_mm_hashes
+                )
             return msg
 
     def _on_ready(self, identity: bytes, fd: int | None, msg: WorkerReady) -> None:

@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+from engine.ec_store import ECConfig
+
+
+class ModelParts(enum.Enum):
+    """Which halves of the checkpoint a worker loads: both, the vision tower + projector only
+    (``--encoder-only``), or the language model only (``--language-model-only``)."""
+
+    ALL = "all"
+    ENCODER = "encoder"
+    LANGUAGE_MODEL = "language_model"
+
+    @property
+    def has_vision_tower(self) -> bool:
+        return self is not ModelParts.LANGUAGE_MODEL
+
+    @property
+    def has_language_model(self) -> bool:
+        return self is not ModelParts.ENCODER
 
 
 @dataclass(frozen=True)
@@ -15,3 +35,5 @@ class WorkerConfig:
     kv_cache_tokens: int | None = None  # KV pool size; None: a memory fraction on CUDA, a default on CPU
     gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_tokens: share of GPU memory to use
     shutdown_timeout: float = 30.0  # SIGTERM: keep serving steps this long, or until WorkerShutdown
+    parts: ModelParts = ModelParts.ALL  # --encoder-only / --language-model-only
+    ec: ECConfig | None = None  # the encoder-cache connector (None: none)

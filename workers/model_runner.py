@@ -27,7 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.ec_store import ECConfig
+from engine.ec_store.reconnecting import ReconnectingStore
 from engine.protocol import (
+    ECConnectorMeta,
     EncoderInput,
     MMFeature,
     NewRequestData,
@@ -38,6 +41,8 @@ from engine.protocol import (
     TokenLogprobs,
 )
 from engine.shm_ring import ShmRingReader, StaleShmRef
+from workers.config import ModelParts
+from workers.ec_connector import ECConnectorWorker
 from workers.encoder_store import EncoderStore
 from workers.families import family_for
 from workers.families.model import RequestPositions
@@ -52,6 +57,15 @@ logger = logging.getLogger(__name__)
 
 class StepError(ValueError):
     """The step contradicts the worker's state (unknown request, too many tokens, bad placement)."""
+
+
+class EncoderOutputUnavailable(RuntimeError):
+    """Encoder outputs the step needs could not be loaded from the store, and this worker has no vision
+    tower to encode them (the engine answers the step's requests with 503)."""
+
+    def __init__(self, mm_hashes: list[str]) -> None:
+        super().__init__(f"encoder outputs not in the store and no vision tower here: {mm_hashes}")
+        self.mm_hashes = mm_hashes
 
 
 def resolve_device(name: str = "auto") -> tuple[torch.device, torch.dtype]:
@@ -88,12 +102,48 @@ class ModelRunner:
         block_size: int = 16,
         kv_cache_tokens: int | None = None,
         gpu_memory_utilization: float = 0.9,
+        parts: ModelParts = ModelParts.ALL,
+        ec: ECConfig | None = None,
     ):
-        """Load the model, then allocate the KV pool (sized from what the weights left free)."""
+        """Load the model's ``parts``, then allocate the KV pool (sized from what the weights left free;
+        none without a language model). ``ec``: the encoder-cache connector, if any."""
         self.device, self.dtype = resolve_device(device)
         self.family = family_for(model_dir)
-        self.model = self.family.model(model_dir, self.device, self.dtype)
+        self.model = self.family.model(model_dir, self.device, self.dtype, parts)
+        self.parts = parts
         self.embed_tokens = self.model.embed_tokens
+        self.encoder_store = EncoderStore()
+        self.shm_reader = ShmRingReader()  # the API processes' rings, opened on first use
+        self.requests: dict[str, RequestState] = {}
+        self.generator = torch.Generator(device=self.device)  # unseeded requests share it
+        self.generator.seed()
+        self.ec_connector = None
+        if ec is not None:
+            self.ec_connector = ECConnectorWorker(
+                ReconnectingStore(ec),
+                ec.role,
+                self.encoder_store,
+                tail=self.model.encoder_output_tail,
+                device=self.device,
+                dtype=self.dtype,
+            )
+        self.block_size = block_size
+        self.lm_forward: PagedLanguageModel | None = None
+        if parts.has_language_model:
+            self._load_language_model(model_dir, kv_cache_tokens, gpu_memory_utilization)
+        else:
+            logger.info(
+                "loaded the vision tower of %s (%s) on %s (%s)",
+                model_dir,
+                self.family.name,
+                self.device,
+                self.dtype,
+            )
+
+    def _load_language_model(
+        self, model_dir: str, kv_cache_tokens: int | None, gpu_memory_utilization: float
+    ) -> None:
+        block_size = self.block_size
         num_layers, num_kv_heads, head_dim = PagedLanguageModel.kv_shape(self.model.language_model)
         num_blocks = plan_num_kv_blocks(
             block_size=block_size,
@@ -106,11 +156,6 @@ class ModelRunner:
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, self.device
         )
         self.lm_forward = PagedLanguageModel(self.model.language_model, self.model.lm_head, self.kv_pool)
-        self.encoder_store = EncoderStore()
-        self.shm_reader = ShmRingReader()  # the API processes' rings, opened on first use
-        self.requests: dict[str, RequestState] = {}
-        self.generator = torch.Generator(device=self.device)  # unseeded requests share it
-        self.generator.seed()
         logger.info(
             "loaded %s (%s) on %s (%s); KV pool %d blocks x %d tokens (%.1f MiB)",
             model_dir,
@@ -124,11 +169,7 @@ class ModelRunner:
 
     @property
     def num_kv_blocks(self) -> int:
-        return self.kv_pool.num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.kv_pool.block_size
+        return self.kv_pool.num_blocks if self.lm_forward is not None else 0
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> RunnerOutput:
@@ -137,12 +178,17 @@ class ModelRunner:
         self._apply_decisions(sched)
 
         start = time.perf_counter()
-        num_encoded_items = self._encode(sched.encoder_inputs, frames)
+        num_encoded_items = self._load_and_encode(sched, frames)
         if num_encoded_items and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         encoded = time.perf_counter()
 
-        req_ids, sampled_token_ids, logprobs = self._run_lm(sched.num_scheduled_tokens)
+        if self.lm_forward is not None:
+            req_ids, sampled_token_ids, logprobs = self._run_lm(sched.num_scheduled_tokens)
+        elif any(sched.num_scheduled_tokens.values()):
+            raise StepError("tokens scheduled on an encoder-only worker (it has no language model)")
+        else:
+            req_ids, sampled_token_ids, logprobs = [], [], []
         done = time.perf_counter()
         return RunnerOutput(
             step_id=sched.step_id,
@@ -152,7 +198,39 @@ class ModelRunner:
             num_encoded_items=num_encoded_items,
             encoder_seconds=encoded - start,
             forward_seconds=done - encoded,
+            ec_stats=self.ec_connector.take_stats() if self.ec_connector is not None else None,
         )
+
+    def _load_and_encode(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> int:
+        """The connector's loads first (``start_load_caches``); an item whose load failed is encoded
+        when its tensors came along, else the step fails (``EncoderOutputUnavailable``). Then the
+        encoder on the rest, and a producer saves what it encoded (``save_caches``). Returns the
+        number of items encoded."""
+        inputs = sched.encoder_inputs
+        if self.ec_connector is None:
+            return self._encode(inputs, frames)
+        meta = sched.ec_meta if sched.ec_meta is not None else ECConnectorMeta()
+        loads = meta.load_mm_hashes
+        failed = self.ec_connector.start_load_caches(meta, self._placement_sizes(loads))
+        loaded = set(loads) - set(failed)
+        inputs = [item for item in inputs if item.mm_hash not in loaded]
+        unavailable = sorted(set(failed) - {item.mm_hash for item in inputs})
+        if unavailable:
+            raise EncoderOutputUnavailable(unavailable)
+        self.ec_connector.count_fallback_encodes(len(failed))
+        num_encoded = self._encode(inputs, frames)
+        self.ec_connector.save_caches([*(item.mm_hash for item in inputs), *meta.save_mm_hashes])
+        return num_encoded
+
+    def _placement_sizes(self, mm_hashes: list[str]) -> dict[str, int]:
+        """Placeholder counts of the items to load, from the requests that placed them."""
+        wanted = set(mm_hashes)
+        return {
+            f.mm_hash: f.num_tokens
+            for req in self.requests.values()
+            for f in req.mm_features
+            if f.mm_hash in wanted
+        }
 
     def _apply_decisions(self, sched: SchedulerOutput) -> None:
         """The scheduler's bookkeeping for this step, in the protocol's order. Drops never fail (unknown
@@ -193,6 +271,8 @@ class ModelRunner:
         """Raises StepError before any state changes; returns the new requests' positions (built from
         their placements, which checks them too)."""
         positions: dict[str, RequestPositions] = {}
+        if self.lm_forward is None and (sched.new_requests or sched.resumed_requests or sched.new_block_ids):
+            raise StepError("requests sent to an encoder-only worker (it has no language model)")
         for resumed in sched.resumed_requests:
             req = self.requests.get(resumed.req_id)
             if req is None or req.block_ids is not None:
@@ -270,6 +350,7 @@ class ModelRunner:
                 logits_rows.append(len(token_ids) - 1)
                 sampling_rows.append(SamplingRow(req.sampling, req.num_output_tokens, req.generator))
         embeds, deepstack = self._embed(token_ids, spans)
+        assert self.lm_forward is not None  # (execute runs the LM only where there is one)
         logits = self.lm_forward(embeds, torch.cat(positions, dim=1), spans, logits_rows, deepstack)
         # State changes only once the forward succeeded: a failed step leaves requests as they were.
         for span in spans:
@@ -283,6 +364,8 @@ class ModelRunner:
         """The family's vision encoder on all items as one batch; outputs go to the encoder store."""
         if not inputs:
             return 0
+        if not self.parts.has_vision_tower:
+            raise StepError("items to encode on a worker without a vision tower (--language-model-only)")
         items = []
         for item in inputs:
             names = item.shm.tensors if item.shm is not None else item.tensors

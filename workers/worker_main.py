@@ -37,7 +37,7 @@ from engine.protocol import (
 )
 from workers.config import WorkerConfig
 from workers.frames import dtype_name
-from workers.model_runner import ModelRunner
+from workers.model_runner import EncoderOutputUnavailable, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,8 @@ def run_worker(config: WorkerConfig) -> int:
         block_size=config.block_size,
         kv_cache_tokens=config.kv_cache_tokens,
         gpu_memory_utilization=config.gpu_memory_utilization,
+        parts=config.parts,
+        ec=config.ec,
     )
     stop = _Stop(config.shutdown_timeout)
     restore_signals = _handle_signals(stop)
@@ -93,6 +95,8 @@ def run_worker(config: WorkerConfig) -> int:
             dtype=dtype_name(runner.dtype),
             num_kv_blocks=runner.num_kv_blocks,
             block_size=runner.block_size,
+            has_vision_tower=config.parts.has_vision_tower,
+            has_language_model=config.parts.has_language_model,
         )
         sock.send_multipart([encode(ready)])
         logger.info("worker ready on %s, connected to %s", runner.device, config.worker_addr)
@@ -130,6 +134,9 @@ def _serve(sock: zmq.Socket, monitor: zmq.Socket, runner: ModelRunner, stop: _St
         reply: RunnerOutput | WorkerError
         try:
             reply = runner.execute(msg, frames)
+        except EncoderOutputUnavailable as exc:
+            logger.warning("step %d: %s", msg.step_id, exc)
+            reply = WorkerError(step_id=msg.step_id, message=str(exc), unavailable_mm_hashes=exc.mm_hashes)
         except Exception as exc:
             logger.exception("step %d failed", msg.step_id)
             reply = WorkerError(step_id=msg.step_id, message=f"{type(exc).__name__}: {exc}")

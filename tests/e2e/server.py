@@ -177,6 +177,58 @@ def start_serve(model_dir: Path, log_dir: Path, *flags: str) -> Server:
     return server
 
 
+def start_proxy(log_dir: Path, encoder_url: str, lm_url: str) -> Server:
+    """``mmserve proxy`` on a free port, returned once it serves (its ``/metrics``: its ``/health`` is
+    503 on purpose when an upstream is down)."""
+    port = free_port()
+    flags = ["--encoder-url", encoder_url, "--lm-url", lm_url, "--port", str(port), "--timeout", "60"]
+    process = ServerProcess(["proxy", *flags], log_dir / f"proxy-{port}.log").start()
+    proxy = Server(process, port)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert process.proc is not None and process.proc.poll() is None, process.log()[-3000:]
+        try:
+            if httpx.get(f"{proxy.base_url}/metrics", timeout=2).status_code == 200:
+                return proxy
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    process.kill()
+    raise TimeoutError(f"proxy not serving after 60 s:\n{process.log()[-3000:]}")
+
+
+def start_all(model_dir: Path, log_dir: Path, *flag_sets: tuple[str, ...]) -> list[Server]:
+    """Several ``mmserve serve`` at once (their start-ups overlap), each with its flags; all healthy."""
+    servers = []
+    try:
+        for flags in flag_sets:
+            port = free_port()
+            args = ["serve", "--model", str(model_dir), "--port", str(port), *flags]
+            servers.append(Server(ServerProcess(args, log_dir / f"serve-{port}.log").start(), port))
+        for server in servers:
+            wait_healthy(server.base_url, server.process)
+    except BaseException:
+        stop_all(servers)
+        raise
+    return servers
+
+
+def stop_all(servers: list[Server]) -> None:
+    """Ctrl-C to every server first, then waits for each (killed after 30 s)."""
+    for server in servers:
+        proc = server.process.proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+    for server in servers:
+        proc = server.process.proc
+        if proc is None:
+            continue
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+
+
 @contextmanager
 def serving(model_dir: Path, log_dir: Path, *flags: str) -> Iterator[Server]:
     """``start_serve`` for a ``with`` block (a module fixture's body): Ctrl-C when the block ends."""

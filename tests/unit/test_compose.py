@@ -62,8 +62,10 @@ def _env(service: dict[str, Any]) -> dict[str, str]:
 
 
 def _is_server(service: dict[str, Any]) -> bool:
-    """An mmserve process (a role or model-init), configured by Settings; not the locust client."""
-    return "mmserve" in " ".join(_argv(service)).split()
+    """An mmserve process (a role or model-init), configured by Settings; not the locust client, nor
+    the proxy (its own flags) or Mooncake's processes (tests/unit/test_compose_epd.py)."""
+    argv = _argv(service)
+    return "mmserve" in " ".join(argv).split() and "proxy" not in argv
 
 
 def _mounts(service: dict[str, Any]) -> list[tuple[str, str, bool]]:

@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
+from transformers import AutoConfig
 
 from engine.protocol import MMFeature
+from workers.config import ModelParts
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,26 @@ class FamilyModel:
 
     hf_class: ClassVar[Any]
 
-    def __init__(self, model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> None:
-        model = self.hf_class.from_pretrained(model_dir, dtype=dtype)
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        parts: ModelParts = ModelParts.ALL,
+    ) -> None:
+        """Loads the checkpoint's ``parts``: the half left out is built with no layers, so its layers'
+        weights are never read (only its small embedding / projection tensors are)."""
+        config = AutoConfig.from_pretrained(model_dir)
+        if not parts.has_language_model:
+            config.text_config.num_hidden_layers = 0
+            if getattr(config.text_config, "layer_types", None) is not None:
+                config.text_config.layer_types = []
+        if not parts.has_vision_tower:
+            for name in ("depth", "num_hidden_layers"):  # Qwen's vision config / CLIP's
+                if hasattr(config.vision_config, name):
+                    setattr(config.vision_config, name, 0)
+        model = self.hf_class.from_pretrained(model_dir, config=config, dtype=dtype)
+        self.parts = parts
         self.hf_model = model.to(device).eval()
         self.config = model.config
         self.device = device
@@ -70,3 +90,8 @@ class FamilyModel:
 
     def prompt_positions(self, num_prompt_tokens: int, mm_features: list[MMFeature]) -> RequestPositions:
         return RequestPositions()
+
+    @property
+    def encoder_output_tail(self) -> tuple[int, ...]:
+        """The shape of one item's output after its token dimension (what ``encode`` returns)."""
+        return (int(self.config.text_config.hidden_size),)

@@ -68,3 +68,9 @@ class Qwen2_5_VLModel(QwenVLModel):
 
 class Qwen3VLModel(QwenVLModel):
     hf_class = Qwen3VLForConditionalGeneration
+
+    @property
+    def encoder_output_tail(self) -> tuple[int, ...]:
+        """The main embeddings and one level per deepstack layer."""
+        num_levels = 1 + len(self.config.vision_config.deepstack_visual_indexes)
+        return (num_levels, int(self.config.text_config.hidden_size))
