@@ -25,7 +25,7 @@ from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import FinishReason, RunnerOutput
 from engine.request import MMItem, Request, RequestStatus
-from engine.scheduler import AdmissionError, SchedulerConfig, StepPlan, StepResult
+from engine.scheduler import AdmissionError, SchedulerConfig, StepPlan, StepResult, queue_full_error
 
 
 class EncodeOnlyScheduler:
@@ -42,14 +42,9 @@ class EncodeOnlyScheduler:
         self._step_id = 0
 
     def admission_error(self, prompt_len: int, max_tokens: int, mm_sizes: list[int]) -> AdmissionError | None:
-        limit = self.config.max_waiting_requests
-        if limit is not None and self.num_waiting >= limit:
-            return AdmissionError(
-                f"The server is busy: {self.num_waiting} requests are waiting (--max-waiting-requests "
-                f"{limit}). Retry shortly.",
-                "too_many_requests",
-                http_status=429,
-            )
+        busy = queue_full_error(self.config, self.num_waiting)
+        if busy is not None:
+            return busy
         for num_tokens in mm_sizes:
             for flag, budget in (
                 ("--encoder-compute-budget-tokens", self.config.encoder_compute_budget_tokens),

@@ -46,6 +46,19 @@ class AdmissionError:
     http_status: int = 400
 
 
+def queue_full_error(config: SchedulerConfig, num_waiting: int) -> AdmissionError | None:
+    """429 when ``num_waiting`` requests already wait (``--max-waiting-requests``)."""
+    limit = config.max_waiting_requests
+    if limit is None or num_waiting < limit:
+        return None
+    return AdmissionError(
+        f"The server is busy: {num_waiting} requests are waiting (--max-waiting-requests {limit}). "
+        "Retry shortly.",
+        "too_many_requests",
+        http_status=429,
+    )
+
+
 @dataclass
 class StepPlan:
     """What one step runs. Turned into a wire ``SchedulerOutput`` by the engine core."""
@@ -110,14 +123,9 @@ class Scheduler:
     def admission_error(self, prompt_len: int, max_tokens: int, mm_sizes: list[int]) -> AdmissionError | None:
         """Why a request is refused (checked before it is queued), or None: it could never run (400),
         or the waiting queue is full (429; requests already queued are never dropped for a new one)."""
-        limit = self.config.max_waiting_requests
-        if limit is not None and self.num_waiting >= limit:
-            return AdmissionError(
-                f"The server is busy: {self.num_waiting} requests are waiting (--max-waiting-requests "
-                f"{limit}). Retry shortly.",
-                "too_many_requests",
-                http_status=429,
-            )
+        busy = queue_full_error(self.config, self.num_waiting)
+        if busy is not None:
+            return busy
         if prompt_len + max_tokens > self.config.max_model_len:
             return AdmissionError(
                 f"This model's maximum context length is {self.config.max_model_len} tokens. However, "

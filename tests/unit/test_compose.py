@@ -63,7 +63,7 @@ def _env(service: dict[str, Any]) -> dict[str, str]:
 
 def _is_server(service: dict[str, Any]) -> bool:
     """An mmserve process (a role or model-init), configured by Settings; not the locust client, nor
-    the proxy (its own flags) or Mooncake's processes (tests/unit/test_compose_epd.py)."""
+    the proxy (its own flags) or Mooncake's processes (tests/unit/test_compose_epd_wiring.py)."""
     argv = _argv(service)
     return "mmserve" in " ".join(argv).split() and "proxy" not in argv
 
