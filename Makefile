@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale
+.PHONY: setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -60,3 +60,9 @@ bench-load: setup model
 # workers; 90 % image reuse, lru vs shm processor cache; bytes copied per miss on each path
 bench-input-scale: setup model
 	$(PY) bench/bench_input_scale.py --model $(MODEL)
+
+# ~8 min: the encoder-cache connector on a tiny Qwen2.5-VL, 1024x768 JPEGs: TTFT cold / loaded from another
+# instance's encode (shared-storage, mooncake) / warm; save and load per item on both stores (tiny and 7B-sized
+# outputs); req/s over two replicas with 80 % image reuse, shared-storage vs no connector
+bench-ec: setup
+	$(PY) bench/bench_ec.py
