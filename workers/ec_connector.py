@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -49,7 +50,8 @@ class ECConnectorWorker:
         self.tail = tail
         self.device = device
         self.dtype = dtype
-        self._stats = _StepStats()
+        self._counts: Counter[str] = Counter()  # this step's ECStepStats fields, by name
+        self._load_seconds: list[float] = []
 
     def start_load_caches(self, meta: ECConnectorMeta | None, num_tokens: Mapping[str, int]) -> list[str]:
         """Loads the step's items into the encoder store; ``num_tokens``: each item's placeholder count.
@@ -64,13 +66,13 @@ class ECConnectorWorker:
                 output = decode_output(mm_hash, value, num_tokens[mm_hash], self.tail)
             except (ECStoreError, LookupError, CorruptEncoderOutput) as exc:
                 log.warning("encoder output %s not loaded: %s", mm_hash, exc)
-                self._stats.num_load_failures += 1
+                self._counts["num_load_failures"] += 1
                 failed.append(mm_hash)
                 continue
             self.encoder_store.put(mm_hash, output.to(device=self.device, dtype=self.dtype))
-            self._stats.num_loads += 1
-            self._stats.load_bytes += len(value)
-            self._stats.load_seconds.append(time.perf_counter() - start)
+            self._counts["num_loads"] += 1
+            self._counts["load_bytes"] += len(value)
+            self._load_seconds.append(time.perf_counter() - start)
         return failed
 
     def save_caches(self, mm_hashes: Iterable[str]) -> None:
@@ -86,36 +88,18 @@ class ECConnectorWorker:
                 log.warning("encoder output %s not saved: %s", mm_hash, exc)
                 stored = False
             if stored:
-                self._stats.num_saves += 1
-                self._stats.save_bytes += len(value)
+                self._counts["num_saves"] += 1
+                self._counts["save_bytes"] += len(value)
             else:
-                self._stats.num_save_failures += 1
+                self._counts["num_save_failures"] += 1
 
     def count_fallback_encodes(self, num_items: int) -> None:
-        self._stats.num_fallback_encodes += num_items
+        self._counts["num_fallback_encodes"] += num_items
 
     def take_stats(self) -> ECStepStats | None:
         """This step's figures (then reset); None when the connector did nothing."""
-        stats, self._stats = self._stats, _StepStats()
-        return stats.freeze()
-
-
-class _StepStats:
-    def __init__(self) -> None:
-        self.num_loads = self.num_load_failures = self.num_fallback_encodes = 0
-        self.num_saves = self.num_save_failures = self.load_bytes = self.save_bytes = 0
-        self.load_seconds: list[float] = []
-
-    def freeze(self) -> ECStepStats | None:
-        if not (self.num_loads or self.num_load_failures or self.num_saves or self.num_save_failures):
+        counts, self._counts = self._counts, Counter()
+        load_seconds, self._load_seconds = self._load_seconds, []
+        if not any(counts.values()):
             return None
-        return ECStepStats(
-            num_loads=self.num_loads,
-            num_load_failures=self.num_load_failures,
-            num_fallback_encodes=self.num_fallback_encodes,
-            num_saves=self.num_saves,
-            num_save_failures=self.num_save_failures,
-            load_bytes=self.load_bytes,
-            save_bytes=self.save_bytes,
-            load_seconds=self.load_seconds,
-        )
+        return ECStepStats(**counts, load_seconds=load_seconds)
