@@ -122,6 +122,11 @@ def run_api(
         timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
     )
     sockets = [_reuse_port_socket(settings.host, settings.port)] if shared_port else None
+    # uvicorn puts this disposition back when it stops listening for signals: a Ctrl-C arriving after
+    # that (the terminal's reaches every process of the group, and ``serve`` passes one on to its other
+    # API processes once its own stopped) must not interrupt the process's exit. SIG_IGN, unlike a
+    # Python handler, also holds while the interpreter finalizes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     DrainingServer(config, drain).run(sockets=sockets)
 
 

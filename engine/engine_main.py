@@ -300,5 +300,7 @@ def run_engine(config: EngineConfig) -> None:
         reason = f"engine failed: {exc}"
         raise
     finally:
+        # stopping already: a further Ctrl-C must not cut the exit short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         server.close(reason)
         ctx.term()

@@ -19,7 +19,6 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -83,7 +82,7 @@ def run_worker(config: WorkerConfig) -> int:
         ec=config.ec,
     )
     stop = _Stop(config.shutdown_timeout)
-    restore_signals = _handle_signals(stop)
+    _handle_signals(stop)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -106,7 +105,9 @@ def run_worker(config: WorkerConfig) -> int:
         monitor.close(linger=0)
         sock.close(linger=0)
         ctx.term()
-        restore_signals()
+        if threading.current_thread() is threading.main_thread():
+            # stopping already: a further Ctrl-C must not cut the exit short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         logger.info("worker stopped")
 
 
@@ -144,11 +145,11 @@ def _serve(sock: zmq.Socket, monitor: zmq.Socket, runner: ModelRunner, stop: _St
     return 0
 
 
-def _handle_signals(stop: _Stop) -> Callable[[], None]:
+def _handle_signals(stop: _Stop) -> None:
     """SIGINT/SIGTERM set ``stop``. Python only allows handlers in the main thread; elsewhere (a worker
     run in a thread, as tests do) the caller owns signals and this is a no-op."""
     if threading.current_thread() is not threading.main_thread():
-        return lambda: None
+        return
 
     def on_signal(signum: int, _frame: object) -> None:
         if signum == signal.SIGTERM:
@@ -158,10 +159,5 @@ def _handle_signals(stop: _Stop) -> Callable[[], None]:
             logger.info("received %s, stopping", signal.Signals(signum).name)
             stop.now.set()
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def restore() -> None:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-    return restore
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)

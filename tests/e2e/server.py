@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -254,10 +255,22 @@ def delta(before: dict[str, float], after: dict[str, float], name: str) -> float
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-def assert_ctrl_c_stops_all(server: Server, children: list[int]) -> None:
-    """Ctrl-C: ``serve`` exits 0 without a traceback and, within 10 s, none of ``children`` is left."""
+def assert_ctrl_c_stops_all(server: Server, children: list[int], *, repeat_to: Sequence[int] = ()) -> None:
+    """Ctrl-C: ``serve`` exits 0 without a traceback and, within 10 s, none of ``children`` is left.
+    ``repeat_to``: processes that get SIGINT again every 20 ms until ``serve`` exited (a second Ctrl-C,
+    or ``serve`` passing one on, may arrive at any point of their shutdown)."""
+    proc = server.process.proc
+    assert proc is not None
+    os.killpg(proc.pid, signal.SIGINT)
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        for pid in repeat_to:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+        time.sleep(0.02)
     assert server.process.interrupt() == 0, server.process.log()[-3000:]
-    assert "Traceback" not in server.process.log()
+    log = server.process.log()
+    assert "Traceback" not in log, log[log.index("Traceback") - 500 :][:4000]
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
