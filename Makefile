@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec
+.PHONY: setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -38,7 +38,7 @@ test-fast: setup
 
 lint: setup
 	$(VENV)/bin/ruff check app engine workers bench tests
-	$(VENV)/bin/mypy engine
+	$(VENV)/bin/mypy app engine workers
 
 bench: setup model
 	$(PY) bench/bench_api_cache.py --model $(MODEL)
@@ -66,3 +66,7 @@ bench-input-scale: setup model
 # outputs); req/s over two replicas with 80 % image reuse, shared-storage vs no connector
 bench-ec: setup
 	$(PY) bench/bench_ec.py
+
+# ~18 min: issue 10's loads on HEAD, 7786cb7 and vLLM's CPU peer (if set up), one server at a time
+bench-engine: setup model
+	$(PY) bench/bench_engine.py --model $(MODEL)

@@ -64,7 +64,7 @@ class ChatService:
         self.metrics = metrics
         self.tokenizer = inputs.family.tokenizer
 
-    async def create(self, body: ChatCompletionRequest, raw: Request) -> JSONResponse | StreamingResponse:
+    async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         if body.model != self.model_name:
             raise ModelNotFoundError(f"The model `{body.model}` does not exist.")
         if not self.engine.is_ready:
@@ -154,7 +154,7 @@ class ChatService:
             self.engine.release(req_id, abort=False)
             if not first.error.missing_mm_hashes:
                 raise error_from_engine(first.error)
-            self.engine.mirror.invalidate(first.error.missing_mm_hashes)
+            self.engine.forget(first.error.missing_mm_hashes)
             self.inputs.send_payloads(prepared, first.error.missing_mm_hashes)
         raise EngineUnavailableError("the engine kept missing multimodal items")
 

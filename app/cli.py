@@ -9,11 +9,8 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
-from app.encoder_budgets import derive_encoder_budgets
 from app.proxy_cli import add_proxy_parser, run_proxy
 from app.settings import Settings
-from engine.config import EngineConfig
-from workers.config import ModelParts, WorkerConfig
 from workers.families.tiny import TINY_FAMILIES
 
 ROLES = {
@@ -62,47 +59,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None
     }
     return Settings(**given)
-
-
-def engine_config(settings: Settings) -> EngineConfig:
-    cache_tokens, compute_tokens = settings.encoder_cache_tokens, settings.encoder_compute_budget_tokens
-    if cache_tokens is None or compute_tokens is None:  # derived from the model's largest item
-        budgets = derive_encoder_budgets(settings)
-        cache_tokens, compute_tokens = budgets.encoder_cache_tokens, budgets.encoder_compute_budget_tokens
-    return EngineConfig(
-        engine_addr=settings.engine_addr,
-        worker_addr=settings.worker_addr,
-        max_model_len=settings.resolved_max_model_len(),
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        encoder_cache_tokens=cache_tokens,
-        encoder_compute_budget_tokens=compute_tokens,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        disable_chunked_mm_input=settings.disable_chunked_mm_input,
-        max_waiting_requests=settings.max_waiting_requests,
-        shutdown_timeout=settings.shutdown_timeout,
-        log_level=settings.log_level,
-        ec=settings.ec_config(),
-    )
-
-
-def worker_config(settings: Settings) -> WorkerConfig:
-    return WorkerConfig(
-        model=settings.model,
-        worker_addr=settings.worker_addr,
-        device=settings.device,
-        log_level=settings.log_level,
-        block_size=settings.block_size,
-        kv_cache_tokens=settings.kv_cache_tokens,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        shutdown_timeout=settings.shutdown_timeout,
-        parts=ModelParts.ENCODER
-        if settings.encoder_only
-        else ModelParts.LANGUAGE_MODEL
-        if settings.language_model_only
-        else ModelParts.ALL,
-        ec=settings.ec_config(),
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

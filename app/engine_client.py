@@ -5,7 +5,10 @@
 
 Sending is synchronous and never blocks (unbounded send queue), so a request's mirror decisions and
 the hand-off of its message happen in one step with no ``await`` between: socket order is decision
-order (docs/architecture.md, "IPC mirror", rule 2). A reader task routes outputs to per-request queues.
+order (docs/architecture.md, "IPC mirror", rule 2). The mirror is reached only through this client:
+``lookup_and_pin`` while a request is prepared, then ``send_request`` records, sends and unpins in one
+call; ``unpin`` gives back the pins of a request abandoned before it was sent; ``forget`` is the safety
+net's. A reader task routes outputs to per-request queues.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import msgspec
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from app.ipc_mirror import IpcMirror
+from app.ipc_mirror import IpcMirror, MirrorDecision, MirrorEntry, MirrorItem
 from app.metrics import ApiMetrics
 from engine.protocol import (
     Abort,
@@ -31,15 +35,19 @@ from engine.protocol import (
     EngineOutputs,
     EngineReady,
     Hello,
+    MMFeature,
     RequestOutput,
     ResetCaches,
+    SamplingParams,
     Shutdown,
+    TensorRef,
     decode_engine_outbound,
     encode,
 )
 
 if TYPE_CHECKING:
     from app.shm_store import ShmObjectStore
+    from workers.families.processing import ProcessedItem
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,26 @@ class EngineGone:
     reason: str
 
 
+@dataclass(frozen=True)
+class OutgoingItem:
+    """One image of a request as ``EngineClient.send_request`` sends it."""
+
+    placement: MMFeature  # mm_hash, offset, num_tokens, grid; ``shm`` set when it lies in the ring
+    item: ProcessedItem | None  # its tensors, when this API process has them
+    pinned: bool  # ``lookup_and_pin`` found it; the pin is released by ``send_request``
+
+
+def tensor_frames(item: ProcessedItem, first_frame: int) -> tuple[dict[str, TensorRef], list[memoryview]]:
+    """Zero-copy views of an item's tensors, numbered from ``first_frame``."""
+    refs: dict[str, TensorRef] = {}
+    frames: list[memoryview] = []
+    for name, tensor in item.tensors.items():
+        array = tensor.contiguous().numpy()
+        refs[name] = TensorRef(str(array.dtype), tuple(array.shape), first_frame + len(frames))
+        frames.append(array.data.cast("B"))
+    return refs, frames
+
+
 class EngineClient:
     def __init__(
         self, engine_addr: str, ipc_cache_bytes: int, metrics: ApiMetrics, shm: ShmObjectStore | None = None
@@ -62,7 +90,7 @@ class EngineClient:
         the client keeps each sent request's references in it until the request's final output."""
         self.engine_addr = engine_addr
         self.client_id = f"api-{uuid.uuid4().hex[:12]}".encode()
-        self.mirror = IpcMirror(ipc_cache_bytes)
+        self._mirror = IpcMirror(ipc_cache_bytes)
         self.shm = shm
         self.metrics = metrics
         self.ready: EngineReady | None = None
@@ -117,11 +145,92 @@ class EngineClient:
     ) -> None:
         self._sock.send_multipart([encode(msg), *frames], flags=zmq.NOBLOCK, copy=False)
 
-    def add_request(
+    def lookup_and_pin(self, mm_hash: str) -> MirrorEntry | None:
+        """While a request is prepared: the mirror's entry when the engine holds the item, pinned until
+        ``send_request`` (or ``unpin``) releases it."""
+        return self._mirror.lookup_and_pin(mm_hash)
+
+    def unpin(self, mm_hash: str) -> None:
+        """Gives back one ``lookup_and_pin`` pin of a request that will not be sent as prepared."""
+        self._mirror.unpin(mm_hash)
+
+    def forget(self, mm_hashes: list[str]) -> None:
+        """The safety net: the engine lacked these items (or found their shm references stale). The mirror
+        and the ring forget them, so the request's next send carries their tensors."""
+        self._mirror.invalidate(mm_hashes)
+        if self.shm is not None:
+            self.shm.invalidate(mm_hashes)
+
+    def send_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        arrival_time: float,
+        items: Sequence[OutgoingItem],
+    ) -> asyncio.Queue[RequestOutput | EngineGone] | None:
+        """Stage 7 of the request path, in one synchronous step (docs/architecture.md, "IPC mirror",
+        rules 1-3): the mirror decides each item not in the shm ring (HIT: key only; STORE or UNCACHED:
+        tensors), the ``AddRequest`` with those decisions, the evicted keys and the tensor frames goes to
+        the socket, then the items' pins are released. The pins are released whatever happens.
+
+        Returns None, sending nothing, when an item pinned as a hit has left the mirror since (engine
+        restart, reset) and its tensors are not at hand: the caller resolves the request again."""
+        try:
+            if any(
+                i.placement.shm is None and i.item is None and i.placement.mm_hash not in self._mirror
+                for i in items
+            ):
+                return None
+            by_mirror = [i for i in items if i.placement.shm is None]  # the ring's items bypass it
+            mirror_decisions, evicted = self._mirror.record_request(
+                [
+                    MirrorItem(
+                        i.placement.mm_hash,
+                        i.item.num_bytes if i.item else 0,
+                        i.placement.num_tokens,
+                        i.placement.grid_thw,
+                    )
+                    for i in by_mirror
+                ]
+            )
+            decisions = iter(mirror_decisions)
+            features: list[MMFeature] = []
+            frames: list[memoryview] = []
+            payload_bytes = 0
+            for outgoing in items:
+                placement = outgoing.placement
+                payload_bytes += len(placement.mm_hash)
+                decision = None if placement.shm is not None else next(decisions)
+                if decision is None or decision is MirrorDecision.HIT:  # a ring reference, or a key only
+                    features.append(placement)
+                    continue
+                assert outgoing.item is not None, "a mirror miss always has its tensors"
+                refs, item_frames = tensor_frames(outgoing.item, first_frame=1 + len(frames))
+                frames.extend(item_frames)
+                payload_bytes += sum(f.nbytes for f in item_frames)
+                store = decision is MirrorDecision.STORE
+                features.append(msgspec.structs.replace(placement, tensors=refs, store=store))
+            msg = AddRequest(
+                req_id=req_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling=sampling,
+                mm_features=features,
+                evicted_mm_hashes=evicted,
+                arrival_time=arrival_time,
+            )
+            queue = self._add_request(msg, frames)
+            self.metrics.ipc_payload_bytes.inc(payload_bytes)
+            return queue
+        finally:
+            for outgoing in items:
+                if outgoing.pinned:
+                    self._mirror.unpin(outgoing.placement.mm_hash)
+
+    def _add_request(
         self, msg: AddRequest, frames: Sequence[memoryview]
     ) -> asyncio.Queue[RequestOutput | EngineGone]:
-        """Registers the request's output queue and hands the message to the socket. Called in the
-        same synchronous step as ``IpcMirror.record_request`` for this message."""
+        """Registers the request's output queue and hands the message to the socket."""
         queue: asyncio.Queue[RequestOutput | EngineGone] = asyncio.Queue()
         if self.shm is not None:  # released by the request's final output (or right away, unsent)
             self.shm.hold(msg.req_id, [f.shm.item_id for f in msg.mm_features if f.shm is not None])
@@ -141,7 +250,7 @@ class EngineClient:
 
     def reset_caches(self) -> None:
         """Empties the mirror and, in the same socket order, the engine's partition for this client."""
-        self.mirror.reset()
+        self._mirror.reset()
         if self.shm is not None:
             self.shm.clear()
         self._send(ResetCaches())
@@ -207,7 +316,7 @@ class EngineClient:
             if self.shm is not None:
                 self.shm.engine_lost()
         # A new engine has an empty receiver cache: the mirror must not claim anything.
-        self.mirror.reset()
+        self._mirror.reset()
         self.ready = msg
         self.ready_event.set()
 

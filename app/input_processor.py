@@ -4,14 +4,17 @@ model's family (``workers.families``) supplies every model-specific step::
     prepare()    1 parse            messages -> chat-template messages + image URLs; per-prompt limit,
                                     mm_processor_kwargs validated (before anything is fetched)
                  2 fetch and hash   every image's bytes, concurrently, under the media policy and one
-                                    request-wide byte budget; mm_hash over bytes + options
-                 3 render           the family's chat template
+                                    request-wide byte budget; mm_hash over bytes + options (a data URL
+                                    seen before: its remembered mm_hash, decoded only if processed)
+                 3 render           the family's chat template (cached by messages, app/prompts.py)
     resolve()    4 cache lookups    per image: processor cache, then the IPC mirror (pins a hit)
                  5 process misses   decode + the family's HF processor, concurrently, in the
                                     preprocessing pool's processes
-                 6 tokenize         expand each image to its placeholders -> ids + offsets
-    submit()     7 submit           ONE synchronous step: mirror.record_request -> AddRequest +
-                                    frames -> socket -> unpin (docs/architecture.md, "IPC mirror")
+                 6 tokenize         the prompt's ids (cached by text), each image token repeated to
+                                    its placeholder count -> ids + offsets (app/prompts.py)
+    submit()     7 submit           EngineClient.send_request, ONE synchronous step: mirror decisions
+                                    -> AddRequest + frames -> socket -> unpin (docs/architecture.md,
+                                    "IPC mirror")
 
 With ``--mm-processor-cache-type shm`` stage 4 looks in this API's shared-memory ring instead of the
 processor cache and the mirror (a hit holds a reference), stage 5 writes a processed miss into the ring,
@@ -30,20 +33,18 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import msgspec
-
-from app.engine_client import EngineClient, EngineGone
+from app.engine_client import EngineClient, EngineGone, OutgoingItem
 from app.errors import InvalidRequestError, MMServeError
-from app.hashing import mm_hash
-from app.ipc_mirror import MirrorDecision, MirrorItem
-from app.media import load_image_bytes
+from app.hashing import KnownDataUrls, mm_hash
+from app.media import decode_data_url, is_data_url, load_image_bytes
 from app.media_fetch import MediaFetcher, RequestImageBudget
 from app.metrics import ApiMetrics
 from app.preprocess_pool import PreprocessPool
 from app.processor_cache import ProcessorCache
+from app.prompts import PromptBuilder
 from app.settings import Settings
 from app.shm_store import ShmEntry
-from engine.protocol import AddRequest, MMFeature, RequestOutput, SamplingParams, TensorRef
+from engine.protocol import MMFeature, RequestOutput, SamplingParams
 from workers.families.processing import FamilyProcessor, ProcessedItem
 
 T = TypeVar("T")
@@ -52,7 +53,10 @@ T = TypeVar("T")
 @dataclass
 class ImageInput:
     mm_hash: str
-    data: bytes  # the original encoded bytes; decoded only if the HF processor must run
+    # The original encoded bytes; decoded only if the HF processor must run. None for a data URL this
+    # process hashed before (KnownDataUrls): its base64 is decoded only if the item must be processed.
+    data: bytes | None
+    url: str
     param: str  # where the image sits in the request, for error messages
     item: ProcessedItem | None = None  # processed tensors, when this API process has them
     num_tokens: int | None = None
@@ -105,17 +109,6 @@ async def gather_or_cancel(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
         raise
 
 
-def tensor_frames(item: ProcessedItem, first_frame: int) -> tuple[dict[str, TensorRef], list[memoryview]]:
-    """Zero-copy views of an item's tensors, numbered from ``first_frame``."""
-    refs: dict[str, TensorRef] = {}
-    frames: list[memoryview] = []
-    for name, tensor in item.tensors.items():
-        array = tensor.contiguous().numpy()
-        refs[name] = TensorRef(str(array.dtype), tuple(array.shape), first_frame + len(frames))
-        frames.append(memoryview(array).cast("B"))
-    return refs, frames
-
-
 class InputProcessor:
     def __init__(
         self,
@@ -136,19 +129,32 @@ class InputProcessor:
         self.media = media
         # mm_hash -> the pool run processing it now: concurrent misses of one image share that run
         self._in_flight: dict[str, asyncio.Future[ProcessedItem]] = {}
+        self._known_data_urls = KnownDataUrls()
+        self._prompts = PromptBuilder(family)  # chat template and tokenizer, results cached
 
     # -- stages 1-3 -------------------------------------------------------------------------------
 
     async def prepare(self, messages: list[Any], mm_processor_kwargs: dict[str, Any]) -> PreparedRequest:
         rendered, urls = normalise_messages(messages)
         self._check_limit(len(urls))
-        options = self.family.hash_options(mm_processor_kwargs)
+        # hash_options({}) is {} for every family; its validation costs more than the rest of a hit
+        options = self.family.hash_options(mm_processor_kwargs) if mm_processor_kwargs else {}
         budget = RequestImageBudget(self.settings.max_request_image_bytes)
-        images = await gather_or_cancel(
-            [self._fetch_and_hash(url, param, options, budget) for url, param in urls]
-        )
-        prompt = self.family.render_prompt(rendered)
-        return PreparedRequest(prompt, list(images), options)
+        url_keys = [self._data_url_key(url, options) for url, _ in urls]
+        known = [self._known_data_urls.get(key) if key is not None else None for key in url_keys]
+        if all(k is not None for k in known):  # only data URLs hashed before: nothing to await
+            images = [
+                self._known_image(url, param, budget, k) for (url, param), k in zip(urls, known, strict=True)
+            ]
+        else:
+            images = await gather_or_cancel(
+                [
+                    self._fetch_and_hash(url, param, options, budget, key, k)
+                    for (url, param), key, k in zip(urls, url_keys, known, strict=True)
+                ]
+            )
+        prompt = self._prompts.render(rendered)
+        return PreparedRequest(prompt, images, options)
 
     def _check_limit(self, num_images: int) -> None:
         limit = self.settings.limit_mm_per_prompt.get("image", 0)
@@ -160,15 +166,43 @@ class InputProcessor:
                 code="mm_limit_exceeded",
             )
 
-    async def _fetch_and_hash(
-        self, url: str, param: str, options: dict[str, Any], budget: RequestImageBudget
+    def _data_url_key(self, url: str, options: dict[str, Any]) -> str | None:
+        """The ``KnownDataUrls`` key of a data URL; None for any other URL."""
+        if not is_data_url(url):
+            return None
+        return KnownDataUrls.key(model_id=self.family.model_id, modality="image", url=url, options=options)
+
+    def _known_image(
+        self, url: str, param: str, budget: RequestImageBudget, known: tuple[str, int] | None
     ) -> ImageInput:
+        """A data URL this process decoded and hashed before: its mm_hash, its bytes decoded only if
+        its item must be processed."""
+        assert known is not None
+        digest, num_bytes = known
+        budget.add(num_bytes)
+        self.metrics.fetch_seconds.observe(0.0)
+        self.metrics.mm_items.inc()
+        return ImageInput(mm_hash=digest, data=None, url=url, param=param)
+
+    async def _fetch_and_hash(
+        self,
+        url: str,
+        param: str,
+        options: dict[str, Any],
+        budget: RequestImageBudget,
+        url_key: str | None,
+        known: tuple[str, int] | None,
+    ) -> ImageInput:
+        if known is not None:
+            return self._known_image(url, param, budget, known)
         start = time.perf_counter()
         data = await load_image_bytes(url, fetcher=self.media, param=param, budget=budget)
         self.metrics.fetch_seconds.observe(time.perf_counter() - start)
         self.metrics.mm_items.inc()
         digest = mm_hash(model_id=self.family.model_id, modality="image", data=data, options=options)
-        return ImageInput(mm_hash=digest, data=data, param=param)
+        if url_key is not None:
+            self._known_data_urls.put(url_key, digest, len(data))
+        return ImageInput(mm_hash=digest, data=data, url=url, param=param)
 
     # -- stages 4-6 -------------------------------------------------------------------------------
 
@@ -176,7 +210,7 @@ class InputProcessor:
         """Makes every image's placement known and its tensors available unless the engine holds it."""
         misses = [image for image in prepared.images if not self._lookup(image)]
         await asyncio.gather(*(self._process(image, prepared.options) for image in misses))
-        prepared.prompt_token_ids, prepared.offsets = self.family.tokenize(
+        prepared.prompt_token_ids, prepared.offsets = self._prompts.tokenize(
             prepared.prompt, [image.num_tokens or 0 for image in prepared.images]
         )
 
@@ -202,7 +236,7 @@ class InputProcessor:
                 self.metrics.processor_cache_hits.inc()
         if not image.pinned:
             self.metrics.ipc_cache_queries.inc()
-            entry = self.engine.mirror.lookup_and_pin(image.mm_hash)
+            entry = self.engine.lookup_and_pin(image.mm_hash)
             if entry is not None:
                 self.metrics.ipc_cache_hits.inc()
                 image.pinned, image.num_tokens, image.grid_thw = True, entry.num_tokens, entry.grid_thw
@@ -235,6 +269,9 @@ class InputProcessor:
         run = self._in_flight.get(image.mm_hash)
         shared = run is not None
         if run is None:
+            if image.data is None:  # a known data URL (KnownDataUrls): it decoded before, so it does again
+                max_bytes = self.media.policy.max_image_bytes
+                image.data = decode_data_url(image.url, max_bytes=max_bytes, param=image.param)
             run = asyncio.ensure_future(self._timed(self.pool.process(image.data, options, image.param)))
             self._in_flight[image.mm_hash] = run
             run.add_done_callback(lambda done: self._forget_run(image.mm_hash, done))
@@ -261,17 +298,15 @@ class InputProcessor:
         """Gives back what the request's preparation held and did not send (mirror pins, shm refs)."""
         for image in prepared.images:
             if image.pinned:
-                self.engine.mirror.unpin(image.mm_hash)
+                self.engine.unpin(image.mm_hash)
                 image.pinned = False
             if image.shm is not None and self.engine.shm is not None:
                 self.engine.shm.release(image.shm)
                 image.shm = None
 
     def send_payloads(self, prepared: PreparedRequest, mm_hashes: list[str]) -> None:
-        """The engine found these items' shm references stale: forget them, and send those images'
-        tensors with the request from now on."""
-        if self.engine.shm is not None:
-            self.engine.shm.invalidate(mm_hashes)
+        """The engine found these items' shm references stale (``EngineClient.forget`` dropped them):
+        send those images' tensors with the request from now on."""
         for image in prepared.images:
             if image.mm_hash in mm_hashes:
                 image.payload_only = True
@@ -281,54 +316,26 @@ class InputProcessor:
     def submit(
         self, prepared: PreparedRequest, req_id: str, sampling: SamplingParams, arrival_time: float
     ) -> asyncio.Queue[RequestOutput | EngineGone] | None:
-        """Decides what crosses the pipe and sends it, in one synchronous step (no ``await``).
+        """Hands the request to ``EngineClient.send_request``, which decides what crosses the pipe and
+        sends it in one synchronous step (no ``await``), and releases the mirror pins.
 
         Returns None, sending nothing, when an image found in the mirror during ``resolve`` has since
         been dropped from it (engine restart, reset): the caller resolves again and retries."""
-        mirror = self.engine.mirror
-        if any(i.item is None and i.shm is None and i.mm_hash not in mirror for i in prepared.images):
-            self.release_pins(prepared)
-            return None
-        # Items in the shm ring cross as a reference, outside the mirror (which, with shm, has no room).
-        by_mirror = [i for i in prepared.images if i.shm is None]
-        mirror_decisions, evicted = mirror.record_request(
-            [
-                MirrorItem(i.mm_hash, i.item.num_bytes if i.item else 0, i.num_tokens or 0, i.grid_thw)
-                for i in by_mirror
-            ]
-        )
-        decisions = iter(mirror_decisions)
-        features: list[MMFeature] = []
-        frames: list[memoryview] = []
-        payload_bytes = 0
+        items = []
         for image, offset in zip(prepared.images, prepared.offsets, strict=True):
             assert image.num_tokens is not None
-            payload_bytes += len(image.mm_hash)
-            placement = MMFeature(image.mm_hash, offset, image.num_tokens, grid_thw=image.grid_thw)
-            if image.shm is not None:
-                features.append(msgspec.structs.replace(placement, shm=image.shm.ref))
-                continue
-            decision = next(decisions)
-            if decision is MirrorDecision.HIT:
-                features.append(placement)
-                continue
-            assert image.item is not None, "a mirror miss always has its tensors"
-            refs, item_frames = tensor_frames(image.item, first_frame=1 + len(frames))
-            frames.extend(item_frames)
-            payload_bytes += sum(f.nbytes for f in item_frames)
-            store = decision is MirrorDecision.STORE
-            features.append(msgspec.structs.replace(placement, tensors=refs, store=store))
-        msg = AddRequest(
-            req_id=req_id,
-            prompt_token_ids=prepared.prompt_token_ids,
-            sampling=sampling,
-            mm_features=features,
-            evicted_mm_hashes=evicted,
-            arrival_time=arrival_time,
-        )
-        queue = self.engine.add_request(msg, frames)
+            # An item in the shm ring crosses as its reference, outside the mirror (no room with shm).
+            shm = image.shm.ref if image.shm is not None else None
+            placement = MMFeature(image.mm_hash, offset, image.num_tokens, shm=shm, grid_thw=image.grid_thw)
+            items.append(OutgoingItem(placement, image.item, image.pinned))
+        try:
+            queue = self.engine.send_request(req_id, prepared.prompt_token_ids, sampling, arrival_time, items)
+        finally:
+            for image in prepared.images:  # send_request released the pins, sent or not
+                image.pinned = False
+        if queue is None:
+            self.release_pins(prepared)  # the shm references
+            return None
         for image in prepared.images:  # the engine client holds the shm references from now on
             image.shm = None
-        self.release_pins(prepared)
-        self.metrics.ipc_payload_bytes.inc(payload_bytes)
         return queue

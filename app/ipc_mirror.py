@@ -9,6 +9,9 @@ It holds by construction::
              socket.send(AddRequest)  (the socket is ordered: engine order == decision order)
              unpin(h) for each phase-1 hit
 
+Its only user is ``EngineClient`` (app/engine_client.py): phase 1 is its ``lookup_and_pin``, phase 2 is
+one call of its ``send_request``.
+
 The engine's ``ReceiverCache.apply`` replays exactly these operations (evictions first, then STORE
 inserts / HIT touches in prompt order), so both sides hold the same keys in the same LRU order.
 

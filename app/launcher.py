@@ -28,6 +28,7 @@ import setproctitle
 import uvicorn
 
 from app.encoder_budgets import budget_warnings, derive_encoder_budgets, startup_error
+from app.process_configs import engine_config, worker_config
 from app.settings import Settings
 from app.supervisor import Supervisor
 from engine.shm_ring import SHM_DIR, remove_orphans
@@ -76,8 +77,6 @@ def run_role(role: str, settings: Settings) -> int:
                 log.warning("%s", warning)
     if role == "serve":
         return serve(settings)
-    from app.cli import engine_config, worker_config
-
     if role == "engine":
         from engine.engine_main import run_engine
 
@@ -105,9 +104,15 @@ def run_api(
     """Serves HTTP until SIGINT, or until SIGTERM's drain finished (``app.drain``). ``api_index`` names
     this process in every response's ``x-mmserve-api-process`` header; ``shared_port``: one of
     ``serve``'s API processes sharing ``settings.port`` (SO_REUSEPORT)."""
+    import torch
+
     from app.drain import Drain, DrainingServer
     from app.process_header import ProcessHeader
     from app.server import create_app
+
+    # The API's few tensor ops are small; a second OpenMP thread would only spin, waiting for work,
+    # on a core the worker needs (app/settings.py, worker_threads)
+    torch.set_num_threads(1)
 
     drain = drain if drain is not None else Drain(settings.shutdown_timeout)
     app = create_app(settings, shutdown_engine_on_exit=owns_engine, drain=drain)
@@ -119,7 +124,8 @@ def run_api(
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,
+        # uvicorn hands it to asyncio.wait_for, which takes a float; its annotation says int
+        timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,  # type: ignore[arg-type]
     )
     sockets = [_reuse_port_socket(settings.host, settings.port)] if shared_port else None
     # uvicorn puts this disposition back when it stops listening for signals: a Ctrl-C arriving after

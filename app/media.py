@@ -25,7 +25,9 @@ from app.media_fetch import MediaFetcher, RequestImageBudget
 # few KB of PNG claim gigabytes of pixels.
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
 
-_WHITESPACE = re.compile(rb"\s+")
+# What a base64 payload may carry between its characters: the bytes ``re``'s ``\s`` matches in a bytes
+# pattern, removed with ``bytes.translate`` (one C pass; the regex took 1.5 ms on a 136 KB payload).
+_BASE64_WHITESPACE = b" \t\n\r\x0b\x0c"
 
 # Formats decoded: what the common VLM APIs take, plus BMP and TIFF. PIL's other decoders (and
 # Ghostscript behind EPS) are never tried on client bytes, and the pixel check above holds for each of
@@ -52,9 +54,10 @@ async def load_image_bytes(
     Called once per image part while a request is prepared. At most ``max_image_bytes`` are read, and
     every byte counts against ``budget``, the request's total when one is given.
     """
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    head = url[:16]  # the schemes taken are short; splitting a data URL would copy its whole payload
+    scheme = head.split(":", 1)[0].lower() if ":" in head else ""
     if scheme == "data":
-        data = _decode_data_url(url, max_bytes=fetcher.policy.max_image_bytes, param=param)
+        data = decode_data_url(url, max_bytes=fetcher.policy.max_image_bytes, param=param)
         if budget is not None:
             budget.add(len(data))
         return data
@@ -209,7 +212,13 @@ def _high_depth_to_8bit(image: Image.Image) -> Image.Image:
     return gray
 
 
-def _decode_data_url(url: str, *, max_bytes: int, param: str) -> bytes:
+def is_data_url(url: str) -> bool:
+    return url[:5].lower() == "data:"
+
+
+def decode_data_url(url: str, *, max_bytes: int, param: str) -> bytes:
+    """The bytes a ``data:image/<format>;base64,`` URL carries (whitespace in the payload ignored), at
+    most ``max_bytes``; anything else is a ``MediaError``."""
     header, sep, payload = url.partition(",")
     # header: "data:<mediatype>[;params];base64"
     fields = header[len("data:") :].split(";")
@@ -226,7 +235,7 @@ def _decode_data_url(url: str, *, max_bytes: int, param: str) -> bytes:
             param=param,
             code="invalid_image_url",
         )
-    encoded = _WHITESPACE.sub(b"", payload.encode("ascii", "replace"))
+    encoded = payload.encode("ascii", "replace").translate(None, _BASE64_WHITESPACE)
     if len(encoded) // 4 * 3 > max_bytes + 2:
         raise MediaError(
             f"Image exceeds the limit of {max_bytes} bytes.", param=param, code="image_too_large"

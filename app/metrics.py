@@ -28,6 +28,7 @@ from prometheus_client.utils import floatToGoString
 from engine.protocol import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+STEP_BUCKETS = (0.001, 0.0025, *LATENCY_BUCKETS)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384)
 EC_BUCKETS = (0.0005, 0.001, 0.0025, *LATENCY_BUCKETS)
@@ -44,6 +45,8 @@ ENGINE_COUNTERS = {
     "num_preemptions_total": "Requests preempted (KV freed, recomputed later) because KV blocks ran out.",
     "mm_ipc_cache_resends_total": "Items the receiver cache lacked though the mirror said cached (stays 0).",
     "engine_failed_steps_total": "Engine steps the worker failed or did not answer in time.",
+    "worker_busy_seconds_total": "Seconds the worker spent on engine steps, from sending a step to its "
+    "reply (its rate is the worker's busy fraction).",
     "worker_losses_total": "Times the engine lost its worker (the process died or disconnected).",
     "worker_stale_replies_total": "Late worker replies to an earlier step, discarded.",
     "mm_shm_stale_refs_total": "Shared-memory references the engine found stale; re-sent with payload.",
@@ -171,6 +174,11 @@ class ApiMetrics:
             name: EngineHistogram(f"mmserve_{name}", doc, buckets)
             for name, doc, buckets in (
                 ("encoder_seconds", "Vision-encoder time of one engine step.", LATENCY_BUCKETS),
+                (
+                    "forward_seconds",
+                    "Language-model time of one engine step (forward and sampling).",
+                    STEP_BUCKETS,
+                ),
                 ("num_requests_per_step", "Requests batched together in one engine step.", BATCH_BUCKETS),
                 ("num_batched_tokens_per_step", "Tokens computed in one engine step.", TOKEN_BUCKETS),
                 ("ec_load_seconds", "Time to load one encoder output from the store.", EC_BUCKETS),

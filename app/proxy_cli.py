@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 import setproctitle
 import uvicorn
 
+from app.settings import setting_default
+
 PROXY_HELP = "Start the proxy in front of encoder-only and LM instances (encoder / LM split)."
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # After SIGINT/SIGTERM uvicorn waits this long for answers still being relayed, then cuts them off.
@@ -28,11 +30,12 @@ class ProxyConfig:
 
     encoder_urls: tuple[str, ...]
     lm_urls: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 8000
+    # the flags an API process has too default as there (app/settings.py)
+    host: str = setting_default("host")
+    port: int = setting_default("port")
     timeout_s: float = 300.0  # bounds the encoders' round trip and each wait for LM bytes
-    max_request_body_mb: float = 64.0
-    log_level: str = "info"
+    max_request_body_mb: float = setting_default("max_request_body_mb")
+    log_level: str = setting_default("log_level")
     health_timeout_s: float = 5.0  # per upstream /health probe
 
     def __post_init__(self) -> None:

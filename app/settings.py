@@ -1,7 +1,8 @@
 """The one settings object of every mmserve process.
 
 Built once at a process's entry point (CLI flags over ``MMSERVE_*`` environment variables over
-defaults) and passed down; never mutated after start. Each role reads the fields it needs.
+defaults) and passed down; never mutated after start. It holds every default, once: the API reads it
+directly, the engine and the worker get configs built from it (app/process_configs.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine.ec_store import ECConfig, ECRole
 from engine.shm_ring import HEADER_BYTES  # a ring chunk's header
 
 GIB = 1 << 30
@@ -109,6 +109,17 @@ class Settings(BaseSettings):
         gt=0,
         le=1,
         description="On CUDA without --kv-cache-tokens: share of GPU memory for weights + KV.",
+    )
+    worker_threads: int | None = Field(
+        None,
+        ge=1,
+        description="Threads of the worker's PyTorch CPU ops (default: the cores this process may use, "
+        "less one for the API and engine processes; at least 1).",
+    )
+    attention_backend: Literal["batched", "per-request"] = Field(
+        "batched",
+        description="Worker attention over the paged KV pool: batched (the step's decodes as one padded "
+        "batch, its prefill chunks as another) or per-request (one call per request; the reference).",
     )
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV of prompt blocks seen before (images count by mm_hash and position)."
@@ -282,20 +293,6 @@ class Settings(BaseSettings):
             raise ValueError("--ec-connector shared-storage needs --ec-storage-path (a folder)")
         return self
 
-    def ec_config(self) -> ECConfig | None:
-        """The connector's settings for the engine and the worker (None: no connector)."""
-        if self.ec_connector is None:
-            return None
-        return ECConfig(
-            connector=self.ec_connector,
-            role=ECRole(self.ec_role),
-            storage_path=self.ec_storage_path or "",
-            storage_max_bytes=int(self.ec_storage_max_gb * GIB),
-            mooncake_master=self.ec_mooncake_master,
-            mooncake_metadata_server=self.ec_mooncake_metadata_server,
-            mooncake_local_hostname=self.ec_mooncake_local_hostname,
-        )
-
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).resolve().name
@@ -328,3 +325,8 @@ class Settings(BaseSettings):
         config = json.loads((Path(self.model) / "config.json").read_text())
         text_config = config.get("text_config", config)
         return int(text_config.get("max_position_embeddings", 4096))
+
+
+def setting_default(name: str) -> Any:
+    """The default of setting ``name``, for a process that takes no ``Settings`` (the proxy)."""
+    return Settings.model_fields[name].default

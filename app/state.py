@@ -27,7 +27,8 @@ class ApiState:
 
 
 def get_state(request: Request) -> ApiState:
-    return request.app.state.mmserve  # type: ignore[no-any-return]
+    state: ApiState = request.app.state.mmserve  # set by the app's lifespan (app/server.py)
+    return state
 
 
 State = Annotated[ApiState, Depends(get_state)]

@@ -1,4 +1,6 @@
-"""Settings of the engine process, built by the CLI from the user's flags and never mutated."""
+"""Settings of the engine process, built by app/process_configs.py from the user's settings and never
+mutated. Every field that is a setting is required: the defaults live in ``app.settings.Settings``,
+once."""
 
 from __future__ import annotations
 
@@ -8,18 +10,27 @@ from engine.ec_store import ECConfig
 
 
 @dataclass(frozen=True)
+class SchedulerOptions:
+    """The scheduler's knobs from the settings. ``SchedulerConfig.for_worker`` (engine/scheduler.py)
+    completes them with the KV pool a worker announces, once per worker."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    encoder_cache_tokens: int
+    encoder_compute_budget_tokens: int
+    enable_prefix_caching: bool
+    disable_chunked_mm_input: bool
+    max_waiting_requests: int | None  # None: the queue is unbounded
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     engine_addr: str  # the engine binds it; API processes connect (DEALER -> ROUTER)
     worker_addr: str  # the engine binds it; the worker connects
-    max_model_len: int
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    encoder_cache_tokens: int = 8192
-    encoder_compute_budget_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    disable_chunked_mm_input: bool = False
-    max_waiting_requests: int | None = None
-    step_timeout_s: float = 600.0  # a step unanswered this long fails its requests (500)
-    shutdown_timeout: float = 30.0  # SIGTERM: held requests get this long to finish
-    log_level: str = "info"
-    ec: ECConfig | None = None  # the encoder-cache connector (None: none)
+    scheduler: SchedulerOptions
+    shutdown_timeout: float  # SIGTERM: held requests get this long to finish
+    log_level: str
+    ec: ECConfig | None  # the encoder-cache connector (None: none)
+    # not a setting: a step unanswered this long fails its requests (500)
+    step_timeout_s: float = 600.0

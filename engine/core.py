@@ -214,6 +214,7 @@ class EngineCore:
         if plan.is_empty and not (plan.free_mm_hashes or plan.finished_req_ids or plan.preempted_req_ids):
             return dict(outputs)
         sched, frames = to_scheduler_output(plan, self.scheduler.kv_cache)
+        sent = time.perf_counter()
         try:
             runner_output = self.executor.execute(sched, frames)
         except WorkerLost:
@@ -222,6 +223,8 @@ class EngineCore:
             for client, failed in self._fail_step(plan, exc).items():
                 outputs[client] += failed
             return dict(outputs)
+        finally:
+            self.metrics.count("worker_busy_seconds_total", time.perf_counter() - sent)
         result = self.scheduler.postprocess(plan, runner_output)
         self.metrics.record_step(plan, runner_output)
 

@@ -14,7 +14,6 @@ The engine serves only while it has a worker (docs/architecture.md, "Engine step
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import time
@@ -87,7 +86,7 @@ class EngineServer:
         return self._core is not None and self._core.has_work
 
     def ready_message(self) -> EngineReady:
-        c = self.config
+        c = self.config.scheduler
         return EngineReady(
             epoch=self.core.epoch,
             max_model_len=c.max_model_len,
@@ -142,11 +141,8 @@ class EngineServer:
         """A fresh core for a new worker: empty caches, new epoch; every known API hears of it at
         once (a new epoch empties its mirror)."""
         # the scheduler's knobs come from the engine's settings, the pool's size from the worker
-        shared = {f.name for f in dataclasses.fields(SchedulerConfig)} & {
-            f.name for f in dataclasses.fields(EngineConfig)
-        }
-        scheduler_config = SchedulerConfig(
-            **{name: getattr(self.config, name) for name in shared},
+        scheduler_config = SchedulerConfig.for_worker(
+            self.config.scheduler,
             num_kv_blocks=ready.num_kv_blocks,
             block_size=ready.block_size,
             can_encode=ready.has_vision_tower,

@@ -14,9 +14,10 @@ goes back to the front of the queue and is recomputed later (outputs already pro
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from engine.block_pool import BlockHash
+from engine.config import SchedulerOptions
 from engine.ec_connector import ECConnectorScheduler
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
@@ -25,18 +26,25 @@ from engine.request import MMItem, Request, RequestStatus
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    encoder_cache_tokens: int
-    encoder_compute_budget_tokens: int
+class SchedulerConfig(SchedulerOptions):
+    """The settings' knobs plus what the worker's ``WorkerReady`` says: its KV pool and whether it can
+    encode. Built by the engine for each worker it adopts (``for_worker``)."""
+
     num_kv_blocks: int
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    disable_chunked_mm_input: bool = False
-    max_waiting_requests: int | None = None  # None: the queue is unbounded
-    can_encode: bool = True  # False: the worker has no vision tower (encoder outputs come from the store)
+    block_size: int  # tokens per KV block
+    can_encode: bool  # False: the worker has no vision tower (encoder outputs come from the store)
+
+    @classmethod
+    def for_worker(
+        cls, options: SchedulerOptions, *, num_kv_blocks: int, block_size: int, can_encode: bool
+    ) -> SchedulerConfig:
+        # every field of the base class is one of ours
+        return cls(
+            **asdict(options),
+            num_kv_blocks=num_kv_blocks,
+            block_size=block_size,
+            can_encode=can_encode,
+        )
 
 
 @dataclass(frozen=True)

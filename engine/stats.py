@@ -33,6 +33,8 @@ class EngineMetrics:
             self._observations["num_batched_tokens_per_step"].append(plan.num_batched_tokens)
         if output.num_encoded_items:
             self._observations["encoder_seconds"].append(output.encoder_seconds)
+        if plan.num_scheduled_tokens:
+            self._observations["forward_seconds"].append(output.forward_seconds)
         ec = output.ec_stats
         if ec is not None:
             self.count("ec_loads_total", ec.num_loads)

@@ -58,16 +58,11 @@ class WorkerClient:
         self._poller.register(self.monitor, zmq.POLLIN)
         self.step_timeout_s = step_timeout_s
         self.worker_id: bytes | None = None
-        self.ready: WorkerReady | None = None
         self._worker_fd: int | None = None  # None while no worker, or where libzmq gives no SRCFD
         self._closed_fds: set[int] = set()  # disconnected, not accepted again since
         self._lost: str | None = None  # why the current worker is gone, until forget_worker()
         self._next_ready: tuple[bytes, int | None, WorkerReady] | None = None
         self.num_stale_replies = 0
-
-    @property
-    def has_worker(self) -> bool:
-        return self.worker_id is not None
 
     def poll_ready(self, timeout_s: float) -> WorkerReady | None:
         """Waits up to ``timeout_s`` for a worker to connect and say WorkerReady (a new process after a
@@ -81,13 +76,13 @@ class WorkerClient:
             self._read_replies(expected_step_id=None)
         identity, fd, ready = self._next_ready
         self._next_ready = None
-        self.worker_id, self._worker_fd, self.ready = identity, fd, ready
+        self.worker_id, self._worker_fd = identity, fd
         log.info("worker ready on %s (%s)", ready.device, ready.dtype)
         return ready
 
     def forget_worker(self) -> None:
         """Called once the engine handled the loss of the current worker."""
-        self.worker_id = self._worker_fd = self.ready = self._lost = None
+        self.worker_id = self._worker_fd = self._lost = None
 
     def check(self) -> None:
         """Non-blocking, between steps: raises ``WorkerLost`` if the current worker is gone; discards

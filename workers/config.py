@@ -1,4 +1,5 @@
-"""Settings of a worker process, built by the CLI from the user's flags and never mutated."""
+"""Settings of a worker process, built by app/process_configs.py from the user's settings and never
+mutated. Every field is required: the defaults live in ``app.settings.Settings``, once."""
 
 from __future__ import annotations
 
@@ -29,11 +30,13 @@ class ModelParts(enum.Enum):
 class WorkerConfig:
     model: str  # local folder of the HF checkpoint
     worker_addr: str  # the engine's address; the worker connects to it
-    device: str = "auto"  # auto: cuda (bf16) when available, else cpu (fp32)
-    log_level: str = "info"
-    block_size: int = 16  # tokens per KV block
-    kv_cache_tokens: int | None = None  # KV pool size; None: a memory fraction on CUDA, a default on CPU
-    gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_tokens: share of GPU memory to use
-    shutdown_timeout: float = 30.0  # SIGTERM: keep serving steps this long, or until WorkerShutdown
-    parts: ModelParts = ModelParts.ALL  # --encoder-only / --language-model-only
-    ec: ECConfig | None = None  # the encoder-cache connector (None: none)
+    device: str  # auto: cuda (bf16) when available, else cpu (fp32)
+    log_level: str
+    block_size: int  # tokens per KV block
+    kv_cache_tokens: int | None  # KV pool size; None: a memory fraction on CUDA, a default on CPU
+    gpu_memory_utilization: float  # on CUDA without kv_cache_tokens: share of GPU memory to use
+    attention_backend: str  # workers.attention.ATTENTION_BACKENDS
+    threads: int | None  # PyTorch's CPU threads; None: the usable cores less one (at least 1)
+    shutdown_timeout: float  # SIGTERM: keep serving steps this long, or until WorkerShutdown
+    parts: ModelParts  # --encoder-only / --language-model-only
+    ec: ECConfig | None  # the encoder-cache connector (None: none)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -32,31 +31,24 @@ from engine.ec_store.reconnecting import ReconnectingStore
 from engine.protocol import (
     ECConnectorMeta,
     EncoderInput,
-    MMFeature,
-    NewRequestData,
-    ResumedRequestData,
     RunnerOutput,
-    SamplingParams,
     SchedulerOutput,
     TokenLogprobs,
 )
 from engine.shm_ring import ShmRingReader, StaleShmRef
+from workers.attention import attention_backend
 from workers.config import ModelParts
 from workers.ec_connector import ECConnectorWorker
 from workers.encoder_store import EncoderStore
 from workers.families import family_for
-from workers.families.model import RequestPositions
 from workers.frames import Buffer, tensor_from_frame, tensors_from_shm
 from workers.kv_pool import KVPool, kv_bytes_per_token, plan_num_kv_blocks
-from workers.paged_attention import SeqSpan
-from workers.paged_lm import Deepstack, PagedLanguageModel
+from workers.paged_lm import PagedLanguageModel
+from workers.runner_requests import Pool, RequestState, StepError, check_additions, step_spans
 from workers.sampler import SamplingRow, make_generator, sample
+from workers.step_embeddings import step_embeddings
 
 logger = logging.getLogger(__name__)
-
-
-class StepError(ValueError):
-    """The step contradicts the worker's state (unknown request, too many tokens, bad placement)."""
 
 
 class EncoderOutputUnavailable(RuntimeError):
@@ -76,23 +68,6 @@ def resolve_device(name: str = "auto") -> tuple[torch.device, torch.dtype]:
     return device, (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
-@dataclass
-class RequestState:
-    req_id: str
-    token_ids: list[int]  # prompt, then every token sampled for it
-    num_prompt_tokens: int
-    mm_features: list[MMFeature]
-    sampling: SamplingParams
-    generator: torch.Generator
-    block_ids: list[int] | None  # None while preempted: the engine took its blocks back
-    positions: RequestPositions  # rotary positions of its tokens, fixed by the prompt
-    num_computed_tokens: int = 0  # leading tokens whose K/V is in its blocks
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -104,9 +79,11 @@ class ModelRunner:
         gpu_memory_utilization: float = 0.9,
         parts: ModelParts = ModelParts.ALL,
         ec: ECConfig | None = None,
+        attention: str = "batched",
     ):
         """Load the model's ``parts``, then allocate the KV pool (sized from what the weights left free;
-        none without a language model). ``ec``: the encoder-cache connector, if any."""
+        none without a language model). ``ec``: the encoder-cache connector, if any; ``attention``: the
+        attention backend's name (``workers.attention``)."""
         self.device, self.dtype = resolve_device(device)
         self.family = family_for(model_dir)
         self.model = self.family.model(model_dir, self.device, self.dtype, parts)
@@ -128,6 +105,7 @@ class ModelRunner:
                 dtype=self.dtype,
             )
         self.block_size = block_size
+        self.attention = attention_backend(attention, self.dtype)
         self.lm_forward: PagedLanguageModel | None = None
         if parts.has_language_model:
             self._load_language_model(model_dir, kv_cache_tokens, gpu_memory_utilization)
@@ -155,7 +133,9 @@ class ModelRunner:
         self.kv_pool = KVPool(
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, self.device
         )
-        self.lm_forward = PagedLanguageModel(self.model.language_model, self.model.lm_head, self.kv_pool)
+        self.lm_forward = PagedLanguageModel(
+            self.model.language_model, self.model.lm_head, self.kv_pool, self.attention
+        )
         logger.info(
             "loaded %s (%s) on %s (%s); KV pool %d blocks x %d tokens (%.1f MiB)",
             model_dir,
@@ -246,7 +226,8 @@ class ModelRunner:
                 # the resumed request continues exactly where it stopped.
                 req.block_ids, req.num_computed_tokens = None, 0
 
-        positions = self._check_additions(sched)
+        pool = Pool(self.kv_pool.num_blocks if self.lm_forward is not None else None, self.block_size)
+        positions = check_additions(sched, self.requests, pool, self.model.prompt_positions)
         for resumed in sched.resumed_requests:
             req = self.requests[resumed.req_id]
             req.block_ids, req.num_computed_tokens = list(resumed.block_ids), resumed.num_computed_tokens
@@ -267,65 +248,6 @@ class ModelRunner:
             assert table is not None  # checked
             table.extend(block_ids)
 
-    def _check_additions(self, sched: SchedulerOutput) -> dict[str, RequestPositions]:
-        """Raises StepError before any state changes; returns the new requests' positions (built from
-        their placements, which checks them too)."""
-        positions: dict[str, RequestPositions] = {}
-        if self.lm_forward is None and (sched.new_requests or sched.resumed_requests or sched.new_block_ids):
-            raise StepError("requests sent to an encoder-only worker (it has no language model)")
-        for resumed in sched.resumed_requests:
-            req = self.requests.get(resumed.req_id)
-            if req is None or req.block_ids is not None:
-                state = "unknown" if req is None else "not preempted"
-                raise StepError(f"request {resumed.req_id!r} is resumed but {state} on this worker")
-            self._check_blocks(resumed.req_id, resumed.block_ids)
-            self._check_num_computed(resumed, len(req.token_ids))
-        new_ids = set()
-        for new in sched.new_requests:
-            if new.req_id in self.requests or new.req_id in new_ids:
-                raise StepError(f"request {new.req_id!r} is already running on this worker")
-            new_ids.add(new.req_id)
-            for feat in new.mm_features:
-                if feat.offset < 0 or feat.offset + feat.num_tokens > len(new.prompt_token_ids):
-                    raise StepError(
-                        f"mm item {feat.mm_hash!r} at {feat.offset}+{feat.num_tokens} is outside the prompt"
-                    )
-            try:
-                positions[new.req_id] = self.model.prompt_positions(
-                    len(new.prompt_token_ids), list(new.mm_features)
-                )
-            except ValueError as exc:
-                raise StepError(f"request {new.req_id!r}: {exc}") from exc
-            self._check_blocks(new.req_id, new.block_ids)
-            self._check_num_computed(new, len(new.prompt_token_ids))
-        resumed_ids = {r.req_id for r in sched.resumed_requests}
-        for req_id, block_ids in sched.new_block_ids.items():
-            req = self.requests.get(req_id)
-            if req_id not in new_ids | resumed_ids and (req is None or req.block_ids is None):
-                state = "unknown" if req is None else "preempted"
-                raise StepError(f"request {req_id!r} gets new blocks but is {state} on this worker")
-            self._check_blocks(req_id, block_ids)
-        return positions
-
-    def _check_blocks(self, req_id: str, block_ids: list[int]) -> None:
-        bad = [b for b in block_ids if not 0 <= b < self.kv_pool.num_blocks]
-        if bad:
-            raise StepError(
-                f"request {req_id!r}: block ids {bad} outside the pool of {self.kv_pool.num_blocks}"
-            )
-
-    def _check_num_computed(self, data: NewRequestData | ResumedRequestData, num_tokens: int) -> None:
-        # At least one token is left to compute: sampling needs the logits of the last one.
-        if not 0 <= data.num_computed_tokens < num_tokens:
-            raise StepError(
-                f"request {data.req_id!r}: {data.num_computed_tokens} computed tokens of {num_tokens}"
-            )
-        if data.num_computed_tokens > len(data.block_ids) * self.kv_pool.block_size:
-            raise StepError(
-                f"request {data.req_id!r}: {data.num_computed_tokens} computed tokens but only "
-                f"{len(data.block_ids)} blocks"
-            )
-
     def _run_lm(
         self, num_scheduled_tokens: dict[str, int]
     ) -> tuple[list[str], list[int], list[TokenLogprobs | None]]:
@@ -334,7 +256,7 @@ class ModelRunner:
         token it sampled last)."""
         if not num_scheduled_tokens:
             return [], [], []
-        spans = self._spans(num_scheduled_tokens)
+        spans = step_spans(num_scheduled_tokens, self.requests, self.block_size)
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []
         req_ids: list[str] = []
@@ -349,7 +271,9 @@ class ModelRunner:
                 req_ids.append(span.req_id)
                 logits_rows.append(len(token_ids) - 1)
                 sampling_rows.append(SamplingRow(req.sampling, req.num_output_tokens, req.generator))
-        embeds, deepstack = self._embed(token_ids, spans)
+        embeds, deepstack = step_embeddings(
+            self.embed_tokens, token_ids, spans, self.requests, self.encoder_store, self.device
+        )
         assert self.lm_forward is not None  # (execute runs the LM only where there is one)
         logits = self.lm_forward(embeds, torch.cat(positions, dim=1), spans, logits_rows, deepstack)
         # State changes only once the forward succeeded: a failed step leaves requests as they were.
@@ -386,59 +310,3 @@ class ModelRunner:
             return tensors_from_shm(item.shm, self.shm_reader.payload(item.shm))
         except StaleShmRef as exc:
             raise StepError(f"mm item {item.mm_hash!r}: {exc}") from exc
-
-    def _spans(self, num_scheduled_tokens: dict[str, int]) -> list[SeqSpan]:
-        spans = []
-        for req_id, num_new_tokens in num_scheduled_tokens.items():
-            req = self.requests.get(req_id)
-            if req is None:
-                raise StepError(f"request {req_id!r} is scheduled but unknown to this worker")
-            if req.block_ids is None:
-                raise StepError(f"request {req_id!r} is scheduled but preempted (no blocks) on this worker")
-            num_known = len(req.token_ids) - req.num_computed_tokens
-            if not 0 < num_new_tokens <= num_known:
-                raise StepError(
-                    f"request {req_id!r} scheduled {num_new_tokens} tokens, {num_known} are computable"
-                )
-            num_tokens = req.num_computed_tokens + num_new_tokens
-            if num_tokens > len(req.block_ids) * self.kv_pool.block_size:
-                raise StepError(
-                    f"request {req_id!r} needs {num_tokens} KV slots, its {len(req.block_ids)} blocks "
-                    f"hold {len(req.block_ids) * self.kv_pool.block_size}"
-                )
-            spans.append(SeqSpan(req_id, req.num_computed_tokens, num_new_tokens, req.block_ids))
-        return spans
-
-    def _embed(self, token_ids: list[int], spans: list[SeqSpan]) -> tuple[torch.Tensor, Deepstack | None]:
-        """Token embeddings with each mm placeholder position replaced by its row of the item's
-        encoder output (what transformers does with masked_scatter), sliced for chunk boundaries; and,
-        for families whose outputs have deeper levels, those levels' rows for the same positions."""
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        embeds = self.embed_tokens(ids)
-        deep_rows: list[torch.Tensor] = []
-        deep_mask = torch.zeros(len(token_ids), dtype=torch.bool)
-        base = 0
-        for span in spans:
-            start, end = span.num_past_tokens, span.num_past_tokens + span.num_new_tokens
-            for feat in sorted(self.requests[span.req_id].mm_features, key=lambda f: f.offset):
-                lo, hi = max(start, feat.offset), min(end, feat.offset + feat.num_tokens)
-                if lo >= hi:
-                    continue
-                output = self.encoder_store.get(feat.mm_hash)
-                if output.shape[0] != feat.num_tokens:
-                    raise StepError(
-                        f"mm item {feat.mm_hash!r} has {output.shape[0]} embeddings, "
-                        f"its placement {feat.num_tokens}"
-                    )
-                rows = output[lo - feat.offset : hi - feat.offset]
-                if rows.ndim == 3:  # [rows, levels, hidden]
-                    deep_rows.append(rows[:, 1:])
-                    deep_mask[base + lo - start : base + hi - start] = True
-                    rows = rows[:, 0]
-                embeds[base + lo - start : base + hi - start] = rows.to(embeds.dtype)
-            base += span.num_new_tokens
-        if not deep_rows:
-            return embeds, None
-        # Placements were visited in token order, so the rows line up with the mask's True positions.
-        levels = torch.cat(deep_rows).to(embeds.dtype).unbind(dim=1)
-        return embeds, Deepstack(mask=deep_mask.to(self.device), levels=list(levels))

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from workers.attention import AttentionBackend, SeqSpan
 from workers.kv_pool import KVPool
-from workers.paged_attention import PAGED_ATTENTION, PagedStep, SeqSpan, register_paged_attention
+from workers.paged_attention import PAGED_ATTENTION, register_paged_attention
 
 
 @dataclass(frozen=True)
@@ -39,12 +40,13 @@ class PagedLanguageModel:
     """``language_model`` is the family's transformers text model (typed ``Any``: transformers' modules
     expose config and submodules dynamically); its config is switched to paged attention here."""
 
-    def __init__(self, language_model: Any, lm_head: nn.Module, kv_pool: KVPool):
+    def __init__(self, language_model: Any, lm_head: nn.Module, kv_pool: KVPool, attention: AttentionBackend):
         register_paged_attention()
         language_model.config._attn_implementation = PAGED_ATTENTION
         self.lm = language_model
         self.lm_head = lm_head
         self.kv_pool = kv_pool
+        self.attention = attention
         self.layers = list(language_model.layers[: language_model.config.num_hidden_layers])
 
     @staticmethod
@@ -72,7 +74,7 @@ class PagedLanguageModel:
         # 1-D rotary takes [batch, T]; M-RoPE takes [3, batch, T].
         positions = positions if positions.shape[0] == 1 else positions.unsqueeze(1)
         position_embeddings = self.lm.rotary_emb(hidden, positions)
-        step = PagedStep.build(self.kv_pool, spans, device)
+        step = self.attention(self.kv_pool, spans, device)
         for layer_idx, layer in enumerate(self.layers):
             hidden = layer(
                 hidden, attention_mask=None, position_embeddings=position_embeddings, paged_step=step

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response
 
 from app.schemas import ChatCompletionRequest
 from app.state import State
@@ -12,7 +12,5 @@ router = APIRouter()
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def create_chat_completion(
-    body: ChatCompletionRequest, request: Request, state: State
-) -> JSONResponse | StreamingResponse:
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: State) -> Response:
     return await state.chat.create(body, request)

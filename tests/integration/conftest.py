@@ -11,6 +11,7 @@ from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from tests.integration.fake_engine import Prompt
 from tests.integration.runner_support import KV_CACHE_TOKENS, reference_prompt
+from workers.attention import ATTENTION_BACKENDS
 from workers.model_runner import ModelRunner
 
 
@@ -43,7 +44,9 @@ def prompts(tiny_model_dir, hf_model) -> dict[str, Prompt]:
     return out
 
 
-@pytest.fixture
-def runner(tiny_model_dir) -> ModelRunner:
-    # the oracle runs fp32 on CPU
-    return ModelRunner(str(tiny_model_dir), device="cpu", kv_cache_tokens=KV_CACHE_TOKENS)
+@pytest.fixture(params=ATTENTION_BACKENDS)
+def runner(tiny_model_dir, request: pytest.FixtureRequest) -> ModelRunner:
+    """One per attention backend: every parity test runs on each. The oracle runs fp32 on CPU."""
+    return ModelRunner(
+        str(tiny_model_dir), device="cpu", kv_cache_tokens=KV_CACHE_TOKENS, attention=request.param
+    )

@@ -31,7 +31,8 @@ from workers.ec_codec import decode_output, encode_output
 from workers.families import load_processing
 from workers.families.tiny import build_tiny_model
 from workers.frames import tensor_to_frame
-from workers.model_runner import EncoderOutputUnavailable, ModelRunner, StepError
+from workers.model_runner import EncoderOutputUnavailable, ModelRunner
+from workers.runner_requests import StepError
 
 pytestmark = pytest.mark.slow
 

@@ -23,8 +23,10 @@ from tests.integration.runner_support import (
     blocks,
     greedy,
 )
+from workers.attention.base import SeqSpan, slot_matrix
 from workers.kv_pool import CPU_DEFAULT_KV_CACHE_TOKENS, KVPool, plan_num_kv_blocks
-from workers.model_runner import ModelRunner, StepError
+from workers.model_runner import ModelRunner
+from workers.runner_requests import StepError
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +37,7 @@ pytestmark = pytest.mark.slow
 def test_kv_pool_slots_and_sizing():
     cpu = torch.device("cpu")
     pool = KVPool(2, num_blocks=10, block_size=4, num_kv_heads=1, head_dim=2, dtype=torch.float32, device=cpu)
-    slots = pool.slot_ids([7, 2, 9], 10)
+    [slots] = slot_matrix([SeqSpan("r", 0, 10, [7, 2, 9])], block_size=4, num_positions=10)
     assert slots.tolist() == [28, 29, 30, 31, 8, 9, 10, 11, 36, 37]
     k, v = torch.randn(10, 1, 2), torch.randn(10, 1, 2)
     pool.write(1, slots, k, v)

@@ -14,7 +14,14 @@ import torch
 from PIL import Image
 
 from tests.integration.fake_engine import FakeEngine, Prompt
-from tests.integration.runner_support import assert_matches_generate, greedy, reference_prompt, run_staggered
+from tests.integration.runner_support import (
+    assert_backends_agree,
+    assert_matches_generate,
+    greedy,
+    reference_prompt,
+    run_staggered,
+)
+from workers.attention import ATTENTION_BACKENDS
 from workers.families import family_for, load_processing
 from workers.families.tiny import build_tiny_model
 from workers.model_runner import ModelRunner
@@ -80,9 +87,12 @@ def prompts(hf_model: Any, inputs: dict[str, Any]) -> dict[str, Prompt]:
     return out
 
 
-@pytest.fixture
-def runner(family_dir: Path) -> ModelRunner:
-    return ModelRunner(str(family_dir), device="cpu", kv_cache_tokens=KV_CACHE_TOKENS)
+@pytest.fixture(params=ATTENTION_BACKENDS)
+def runner(family_dir: Path, request: pytest.FixtureRequest) -> ModelRunner:
+    """One per attention backend: every parity test runs on each."""
+    return ModelRunner(
+        str(family_dir), device="cpu", kv_cache_tokens=KV_CACHE_TOKENS, attention=request.param
+    )
 
 
 @pytest.mark.parametrize("name", ["one", "two", "text"])
@@ -160,3 +170,7 @@ def test_preempted_request_resumes_exactly(runner, hf_model, prompts):
     engine.resume("r")
     engine.run()
     assert_matches_generate(engine, "r", prompts["two"])
+
+
+def test_backends_give_the_same_logits_on_mixed_steps(family_dir, hf_model, prompts):
+    assert_backends_agree(str(family_dir), KV_CACHE_TOKENS, hf_model, prompts)

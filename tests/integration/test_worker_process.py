@@ -16,6 +16,8 @@ import pytest
 import torch
 import zmq
 
+from app.process_configs import worker_config
+from app.settings import Settings
 from engine.protocol import (
     EncoderInput,
     NewRequestData,
@@ -30,7 +32,6 @@ from engine.protocol import (
 from tests.integration.runner_support import (
     greedy,
 )
-from workers.config import WorkerConfig
 from workers.frames import tensor_from_frame, tensor_to_frame
 from workers.worker_main import ENGINE_LOST, run_worker
 
@@ -71,7 +72,10 @@ def router(tmp_path):
 
 def test_worker_over_zmq(router, tiny_model_dir, hf_model, prompts):
     router, addr = router
-    config = WorkerConfig(str(tiny_model_dir), addr, device="cpu", block_size=32, kv_cache_tokens=1000)
+    settings = Settings(
+        model=str(tiny_model_dir), worker_addr=addr, device="cpu", block_size=32, kv_cache_tokens=1000
+    )
+    config = worker_config(settings)
     thread = threading.Thread(target=run_worker, args=(config,), daemon=True)
     thread.start()
     assert router.poll(60_000), "no WorkerReady"
@@ -110,12 +114,14 @@ def test_worker_over_zmq(router, tiny_model_dir, hf_model, prompts):
     assert not thread.is_alive()
 
 
-def worker_process(model_dir: Path, addr: str, **config: float) -> subprocess.Popen[bytes]:
+def worker_process(model_dir: Path, addr: str, **settings: float) -> subprocess.Popen[bytes]:
     """``run_worker`` in a process of its own, exiting with its status."""
-    extra = "".join(f", {name}={value!r}" for name, value in config.items())
+    extra = "".join(f", {name}={value!r}" for name, value in settings.items())
     code = (
-        "import sys; from workers.config import WorkerConfig; from workers.worker_main import run_worker; "
-        f"sys.exit(run_worker(WorkerConfig({str(model_dir)!r}, {addr!r}, device='cpu'{extra})))"
+        "import sys; from app.settings import Settings; from app.process_configs import worker_config; "
+        "from workers.worker_main import run_worker; "
+        f"settings = Settings(model={str(model_dir)!r}, worker_addr={addr!r}, device='cpu'{extra}); "
+        "sys.exit(run_worker(worker_config(settings)))"
     )
     repo_root = Path(__file__).resolve().parents[2]
     env = os.environ | {"PYTHONPATH": str(repo_root)}

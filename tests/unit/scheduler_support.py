@@ -1,21 +1,26 @@
-"""Helpers of the step-driven scheduler tests: a config, requests made of one repeated token, and a
-stand-in worker answer for each step."""
+"""Helpers of the step-driven scheduler tests: a config, requests made of one repeated token, and each
+step run on the scheduler's stand-in worker (tests/standin_worker.py), which keeps the worker's books
+from the step's wire form and refuses a step the worker would refuse."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from weakref import WeakKeyDictionary
 
-from engine.protocol import MMFeature, RunnerOutput, SamplingParams
+from engine.core import to_scheduler_output
+from engine.encode_scheduler import EncodeOnlyScheduler
+from engine.protocol import MMFeature, SamplingParams
 from engine.request import MMItem, Request
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, StepResult
+from tests.standin_worker import NextToken, StandinWorker
 
 Image = tuple[str, int, int]  # (mm_hash, offset, num_tokens)
-
-DEFAULT_TOKEN = 7
+PROMPT_TOKEN = 5  # every prompt token; the stand-in then samples 6, 7, 8, ...
+PIXEL_BYTES = memoryview(bytes(4))  # an item's "pixel_values": 4 uint8
 
 
 def config(**overrides: int | bool | None) -> SchedulerConfig:
-    values = {
+    values: dict[str, int | bool | None] = {
         "max_num_seqs": 8,
         "max_num_batched_tokens": 2048,
         "max_model_len": 4096,
@@ -24,10 +29,14 @@ def config(**overrides: int | bool | None) -> SchedulerConfig:
         # a pool far larger than any test needs; prefix caching off, so that prompts made of one
         # repeated token do not share blocks (the KV tests turn both on explicitly)
         "num_kv_blocks": 4096,
+        "block_size": 16,
         "enable_prefix_caching": False,
+        "disable_chunked_mm_input": False,
+        "max_waiting_requests": None,
+        "can_encode": True,
     }
     values.update(overrides)
-    return SchedulerConfig(**values)
+    return SchedulerConfig(**values)  # type: ignore[arg-type]
 
 
 def make_request(
@@ -36,36 +45,48 @@ def make_request(
     return Request(
         req_id=req_id,
         client=b"api",
-        prompt_token_ids=[5] * prompt_len,
+        prompt_token_ids=[PROMPT_TOKEN] * prompt_len,
         sampling=SamplingParams(max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
         mm_features=[MMFeature(h, offset, n) for h, offset, n in images],
-        mm_items={h: MMItem("image", n, dtypes_shapes={}, buffers={}) for h, _, n in images},
+        mm_items={
+            h: MMItem("image", n, {"pixel_values": ("uint8", (4,))}, {"pixel_values": PIXEL_BYTES})
+            for h, _, n in images
+        },
         arrival_time=0.0,
     )
 
 
-def runner_output(s: Scheduler, plan: StepPlan, tokens: dict[str, int] | None = None) -> RunnerOutput:
-    """What the worker answers: a token for every request whose prompt is fully computed after the step."""
-    req_ids = []
-    for req_id, num_tokens in plan.num_scheduled_tokens.items():
-        request = s.requests.get(req_id)
-        if request is not None and request.num_computed_tokens + num_tokens >= request.num_prompt_tokens:
-            req_ids.append(req_id)
-    token_ids = [(tokens or {}).get(req_id, DEFAULT_TOKEN) for req_id in req_ids]
-    return RunnerOutput(
-        step_id=plan.step_id,
-        req_ids=req_ids,
-        sampled_token_ids=token_ids,
-        logprobs=[None] * len(req_ids),
-        num_encoded_items=len(plan.encoder_items),
-        encoder_seconds=0.0,
-        forward_seconds=0.0,
+AnyScheduler = Scheduler | EncodeOnlyScheduler
+_workers: WeakKeyDictionary[AnyScheduler, StandinWorker] = WeakKeyDictionary()
+
+
+def worker_for(s: AnyScheduler, next_token: NextToken | None = None) -> StandinWorker:
+    """The stand-in worker that runs ``s``'s steps, made on first use to match ``s``: its KV pool,
+    whether it can encode, its language model (none for an encoder-only scheduler) and its
+    connector's store and role. ``next_token`` (the token rule) can only be given on first use."""
+    worker = _workers.get(s)
+    if worker is not None:
+        assert next_token is None, "the scheduler's stand-in worker exists already"
+        return worker
+    connector = s.connector
+    worker = StandinWorker(
+        num_kv_blocks=s.config.num_kv_blocks,
+        block_size=s.config.block_size,
+        has_vision_tower=s.config.can_encode,
+        has_language_model=not isinstance(s, EncodeOnlyScheduler),
+        next_token=next_token,
+        ec_store=connector.store if connector is not None else None,
+        ec_role=connector.role if connector is not None else None,
     )
+    _workers[s] = worker
+    return worker
 
 
-def run_step(s: Scheduler, tokens: dict[str, int] | None = None) -> tuple[StepPlan, StepResult]:
+def run_step(s: AnyScheduler) -> tuple[StepPlan, StepResult]:
+    """schedule() → the stand-in worker runs the step's wire form → postprocess()."""
     plan = s.schedule()
-    return plan, s.postprocess(plan, runner_output(s, plan, tokens))
+    sched, frames = to_scheduler_output(plan, s.kv_cache)
+    return plan, s.postprocess(plan, worker_for(s).execute(sched, frames))
 
 
 def encoded(plan: StepPlan) -> list[str]:

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+from pathlib import Path
+
 import pytest
 
-from app.cli import build_parser, engine_config, main, settings_from_args, worker_config
+import app.launcher
+from app.cli import build_parser, main, settings_from_args
+from app.process_configs import engine_config, worker_config
+from app.proxy_cli import config_from_args
 from app.settings import Settings
+from engine.scheduler import SchedulerConfig
 
 
 @pytest.mark.parametrize("role", ["serve", "api", "engine", "worker"])
@@ -50,12 +58,39 @@ def test_settings_reach_engine_and_worker_configs(tmp_path) -> None:
     )
     settings = settings_from_args(args)
     engine = engine_config(settings)
-    assert engine.max_model_len == 1234  # from the checkpoint when --max-model-len is not given
+    assert engine.scheduler.max_model_len == 1234  # from the checkpoint when --max-model-len is not given
     # defaults to the step's token budget, but never below the largest image (576 LLaVA tokens)
-    assert engine.encoder_compute_budget_tokens == 576
-    assert engine.encoder_cache_tokens == 0
+    assert engine.scheduler.encoder_compute_budget_tokens == 576
+    assert engine.scheduler.encoder_cache_tokens == 0
+    assert engine.scheduler.max_num_batched_tokens == 512
     assert worker_config(settings).worker_addr == engine.worker_addr == "tcp://127.0.0.1:7001"
     assert settings.model_name == tmp_path.name
+
+
+def test_the_worker_completes_the_engines_scheduler_options() -> None:
+    settings = Settings(max_model_len=512, encoder_cache_tokens=100, encoder_compute_budget_tokens=50)
+    options = engine_config(settings).scheduler
+    config = SchedulerConfig.for_worker(options, num_kv_blocks=8, block_size=32, can_encode=False)
+    for field in dataclasses.fields(options):
+        assert getattr(config, field.name) == getattr(options, field.name)
+    assert (config.num_kv_blocks, config.block_size, config.can_encode) == (8, 32, False)
+    # what the flags left out comes from the settings' defaults (the configs have none of their own)
+    assert (config.max_num_seqs, config.max_waiting_requests) == (settings.max_num_seqs, 1024)
+    assert worker_config(settings).block_size == settings.block_size
+
+
+def test_the_proxy_defaults_as_an_api_process() -> None:
+    args = build_parser().parse_args(["proxy", "--encoder-url", "http://e:1", "--lm-url", "http://l:2"])
+    config = config_from_args(args)
+    for name in ("host", "port", "max_request_body_mb", "log_level"):
+        assert getattr(config, name) == Settings.model_fields[name].default
+
+
+def test_the_launcher_does_not_import_the_cli() -> None:
+    """The CLI starts the launcher; the launcher gets configs from app/process_configs.py."""
+    tree = ast.parse(Path(app.launcher.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "app.cli" not in imported and "app.process_configs" in imported
 
 
 def test_invalid_settings_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:

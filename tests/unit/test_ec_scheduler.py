@@ -15,24 +15,31 @@ from engine.ec_connector import ECConnectorScheduler
 from engine.ec_store import ECConfig, ECRole
 from engine.ec_store.reconnecting import ReconnectingStore
 from engine.ec_store.shared_storage import SharedStorageStore
-from engine.executor import WorkerFailed
-from engine.protocol import AddRequest, FinishReason, MMFeature, RunnerOutput, SamplingParams, SchedulerOutput
+from engine.protocol import AddRequest, FinishReason, MMFeature, SamplingParams
 from engine.scheduler import Scheduler
+from tests.standin_worker import StandinWorker
+from tests.unit.engine_core_support import PIXELS, add, engine_core, frames, key_only_frames, run_until_idle
 from tests.unit.scheduler_support import config, encoded, make_request, new_ids, run_step
-from tests.unit.test_engine_core import PIXELS, RecordingExecutor, add, frames, run_until_idle
-from tests.unit.test_engine_core import config as core_config
 
 
 class CountingStore(SharedStorageStore):
-    """The real folder store, recording the key lists it was asked about."""
+    """The real folder store, recording the key lists it was asked about; ``lose_before_load`` keys
+    vanish when next read (evicted between the scheduler's lookup and the worker's load)."""
 
     def __init__(self, folder: Path) -> None:
         super().__init__(folder, max_bytes=0)
         self.calls: list[list[str]] = []
+        self.lose_before_load: set[str] = set()
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         self.calls.append(list(keys))
         return super().exists(keys)
+
+    def get(self, key: str) -> bytes | None:
+        if key in self.lose_before_load:
+            self.lose_before_load.discard(key)
+            self.path(key).unlink()
+        return super().get(key)
 
 
 @pytest.fixture
@@ -196,48 +203,21 @@ def test_an_unavailable_request_leaves_no_load_behind(store: CountingStore) -> N
 # ---------------------------------------------------------------------------- engine core
 
 
-class ConsumerExecutor(RecordingExecutor):
-    """The worker's stand-in on a language-model-only instance: loads the step's items from the store
-    (the real folder) and fails the step with ``unavailable_mm_hashes`` when one is missing, as the
-    worker does; checks that every item a step needs is in its encoder store."""
-
-    def __init__(self, ec_store: SharedStorageStore) -> None:
-        super().__init__()
-        self.ec_store = ec_store
-        self.features: dict[str, list[MMFeature]] = {}
-        self.evict_before_load: list[str] = []  # the store loses these between lookup and load
-
-    def execute(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> RunnerOutput:
-        for mm_hash in self.evict_before_load:
-            self.ec_store.path(mm_hash).unlink()
-        self.evict_before_load = []
-        loads = sched.ec_meta.load_mm_hashes if sched.ec_meta is not None else []
-        missing = [h for h in loads if self.ec_store.get(h) is None]
-        output = super().execute(sched, frames)  # (records the step, applies its drops and additions)
-        if missing:
-            raise WorkerFailed("encoder outputs not in the store", unavailable_mm_hashes=missing)
-        self.store.update(loads)
-        self.features.update({new.req_id: list(new.mm_features) for new in sched.new_requests})
-        for req_id in sched.num_scheduled_tokens:
-            lacking = [f.mm_hash for f in self.features[req_id] if f.mm_hash not in self.store]
-            assert not lacking, f"step {sched.step_id}: {req_id} needs {lacking} (MissingEncoderOutput)"
-        return output
-
-
 def two_images(req_id: str, stored: str, missing: str) -> AddRequest:
     features = [MMFeature(stored, 2, 16, tensors=PIXELS), MMFeature(missing, 20, 16, tensors=PIXELS)]
     return AddRequest(req_id, list(range(40)), SamplingParams(max_tokens=2), mm_features=features)
 
 
-def lm_only_core(store: SharedStorageStore) -> tuple[EngineCore, ConsumerExecutor]:
-    executor = ConsumerExecutor(store)
-    connector = ECConnectorScheduler(store, ECRole.CONSUMER)
-    return EngineCore(core_config(can_encode=False), executor, connector), executor
+def lm_only_core(store: SharedStorageStore) -> tuple[EngineCore, StandinWorker]:
+    """A --language-model-only instance: its worker loads from the store and cannot encode (a step
+    whose item it can neither load nor encode fails with unavailable_mm_hashes, as the worker's)."""
+    worker = StandinWorker(has_vision_tower=False, ec_store=store, ec_role=ECRole.CONSUMER)
+    return engine_core(worker, ECConnectorScheduler(store, ECRole.CONSUMER))
 
 
 def test_requests_whose_items_cannot_be_had_get_503_and_others_run(store: CountingStore) -> None:
     store.put("Y", b"v")
-    core, executor = lm_only_core(store)
+    core, worker = lm_only_core(store)
     core.add_request(b"a", add("r1", "X"), frames())
     core.add_request(b"b", add("r2", "Y"), frames())
     outputs = core.step()
@@ -245,7 +225,7 @@ def test_requests_whose_items_cannot_be_had_get_503_and_others_run(store: Counti
     assert out.req_id == "r1" and out.finish_reason is FinishReason.ABORT and out.new_token_ids == []
     assert out.error == ENCODER_OUTPUT_UNAVAILABLE
     assert (out.error.code, out.error.http_status) == ("encoder_output_unavailable", 503)
-    sched = executor.steps[0][0]
+    sched = worker.steps[0].sched
     assert list(sched.num_scheduled_tokens) == ["r2"] and sched.encoder_inputs == []
     assert sched.ec_meta is not None and sched.ec_meta.load_mm_hashes == ["Y"]
     outputs = run_until_idle(core)
@@ -255,10 +235,10 @@ def test_requests_whose_items_cannot_be_had_get_503_and_others_run(store: Counti
 
 def test_a_load_the_worker_could_not_make_fails_the_step_with_503(store: CountingStore) -> None:
     store.put("Y", b"v")
-    core, executor = lm_only_core(store)
+    core, worker = lm_only_core(store)
     core.add_request(b"a", add("r1", "Y"), frames())
     core.add_request(b"a", add("r2", None), frames())
-    executor.evict_before_load = ["Y"]
+    store.lose_before_load = {"Y"}
     outputs = core.step()
     assert [(o.req_id, o.error) for o in outputs[b"a"]] == [
         ("r1", ENCODER_OUTPUT_UNAVAILABLE),
@@ -267,20 +247,20 @@ def test_a_load_the_worker_could_not_make_fails_the_step_with_503(store: Countin
     assert not core.has_work and core.stats().counters["engine_failed_steps_total"] == 1
 
     store.put("Y", b"v")  # back: a retry loads it again
-    assert core.add_request(b"a", add("r3", "Y", with_tensors=False), [b"msg"]) == {}  # type: ignore[list-item]
+    assert core.add_request(b"a", add("r3", "Y", with_tensors=False), key_only_frames()) == {}
     outputs = run_until_idle(core)
     assert outputs[b"a"][-1].finish_reason is FinishReason.LENGTH
-    sched = executor.steps[1][0]
+    sched = worker.steps[1].sched
     assert sched.free_mm_hashes == ["Y"]  # the worker drops whatever it loaded in the failed step
     assert sched.ec_meta is not None and sched.ec_meta.load_mm_hashes == ["Y"]
 
 
 def test_a_stored_item_of_an_unavailable_request_is_loaded_before_it_is_shared(store: CountingStore) -> None:
     store.put("A", b"v")
-    core, executor = lm_only_core(store)
+    core, worker = lm_only_core(store)
     core.add_request(b"a", two_images("r1", "A", "B"), frames())
     [out] = core.step()[b"a"]
     assert out.error == ENCODER_OUTPUT_UNAVAILABLE
     assert core.add_request(b"a", add("r2", "A"), frames()) == {}
-    outputs = run_until_idle(core)  # the stand-in raises where the worker would: MissingEncoderOutput
+    outputs = run_until_idle(core)  # (the stand-in raises StepError for a missing encoder output)
     assert outputs[b"a"][-1].finish_reason is FinishReason.LENGTH

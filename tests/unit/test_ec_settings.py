@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from app.cli import build_parser, settings_from_args, worker_config
+from app.cli import build_parser, settings_from_args
+from app.process_configs import ec_config, worker_config
 from app.settings import GIB, Settings
 from engine.ec_store import ECConfig, ECRole
 from workers.config import ModelParts
@@ -76,7 +77,7 @@ def test_unknown_or_negative_values_are_refused(values: dict[str, Any]) -> None:
 
 def test_no_connector_means_no_ec_config() -> None:
     settings = Settings()
-    assert settings.ec_connector is None and settings.ec_config() is None
+    assert settings.ec_connector is None and ec_config(settings) is None
     assert worker_config(settings).ec is None and worker_config(settings).parts is ModelParts.ALL
 
 
@@ -94,7 +95,7 @@ def test_valid_combinations_give_the_shared_ec_config(
 ) -> None:
     settings = Settings(**SHARED, ec_role=role, ec_storage_max_gb=0.5, **split)
     expected = ECConfig("shared-storage", ECRole(role), storage_path="/srv/ec", storage_max_bytes=GIB // 2)
-    assert settings.ec_config() == expected
+    assert ec_config(settings) == expected
     worker = worker_config(settings)
     assert worker.ec == expected and worker.parts is parts
 
@@ -103,14 +104,14 @@ def test_mooncake_needs_no_folder_and_carries_its_addresses() -> None:
     settings = Settings(
         ec_connector="mooncake", ec_mooncake_master="127.0.0.1:6000", ec_mooncake_local_hostname="127.0.0.2"
     )
-    config = settings.ec_config()
+    config = ec_config(settings)
     assert config is not None and config.connector == "mooncake" and config.role is ECRole.BOTH
     assert (config.mooncake_master, config.mooncake_local_hostname) == ("127.0.0.1:6000", "127.0.0.2")
     assert config.storage_path == ""
 
 
 def test_the_default_bound_is_16_gib() -> None:
-    config = Settings(**SHARED).ec_config()
+    config = ec_config(Settings(**SHARED))
     assert config is not None and config.storage_max_bytes == 16 * GIB
 
 
@@ -141,7 +142,7 @@ def test_cli_flags_reach_the_ec_config(tmp_path) -> None:
     )
     settings = settings_from_args(args)
     assert settings.language_model_only and not settings.encoder_only
-    assert settings.ec_config() == ECConfig(
+    assert ec_config(settings) == ECConfig(
         "shared-storage", ECRole.CONSUMER, storage_path=str(tmp_path), storage_max_bytes=2 * GIB
     )
 

@@ -4,7 +4,7 @@ the step that completed it; FCFS under the compute budget; abort, failed steps a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -14,20 +14,18 @@ from engine.ec_connector import ECConnectorScheduler
 from engine.ec_store import ECRole
 from engine.ec_store.shared_storage import SharedStorageStore
 from engine.encode_scheduler import EncodeOnlyScheduler
-from engine.executor import WorkerFailed
 from engine.protocol import (
     Abort,
     AddRequest,
     FinishReason,
     MMFeature,
     RequestOutput,
-    RunnerOutput,
     SamplingParams,
-    SchedulerOutput,
 )
 from engine.scheduler import StepPlan, StepResult
-from tests.unit.scheduler_support import config, encoded, make_request
-from tests.unit.test_engine_core import PIXELS, frames
+from tests.standin_worker import StandinWorker
+from tests.unit.engine_core_support import PIXELS, engine_core, frames
+from tests.unit.scheduler_support import config, encoded, make_request, run_step
 
 
 @pytest.fixture
@@ -39,12 +37,6 @@ def encoder(
     store: SharedStorageStore, role: ECRole = ECRole.PRODUCER, **overrides: int
 ) -> EncodeOnlyScheduler:
     return EncodeOnlyScheduler(config(**overrides), ECConnectorScheduler(store, role))
-
-
-def step(s: EncodeOnlyScheduler) -> tuple[StepPlan, StepResult]:
-    plan = s.schedule()
-    output = RunnerOutput(plan.step_id, [], [], [], len(plan.encoder_items), 0.0, 0.0)
-    return plan, s.postprocess(plan, output)
 
 
 def finished(result: StepResult) -> list[tuple[str, FinishReason | None, list[int]]]:
@@ -61,7 +53,7 @@ def saves(plan: StepPlan) -> list[str]:
 def test_items_are_encoded_once_and_the_request_ends_in_that_step(store: SharedStorageStore) -> None:
     s = encoder(store)
     s.add_request(make_request("r1", 80, images=[("a", 5, 20), ("b", 30, 20), ("a", 55, 20)]))
-    plan, result = step(s)
+    plan, result = run_step(s)
     assert encoded(plan) == ["a", "b"] and plan.num_scheduled_tokens == {"r1": 0}
     assert plan.new_requests == [] and plan.load_mm_hashes == []
     assert finished(result) == [("r1", FinishReason.LENGTH, [])]
@@ -73,7 +65,7 @@ def test_an_item_already_in_the_store_is_not_encoded(store: SharedStorageStore) 
     store.put("a", b"encoded by another producer")
     s = encoder(store)
     s.add_request(make_request("r1", 60, images=[("a", 5, 20), ("b", 30, 20)]))
-    plan, result = step(s)
+    plan, result = run_step(s)
     assert encoded(plan) == ["b"] and saves(plan) == []
     assert finished(result) == [("r1", FinishReason.LENGTH, [])]
 
@@ -81,17 +73,18 @@ def test_an_item_already_in_the_store_is_not_encoded(store: SharedStorageStore) 
 def test_a_cached_item_the_store_lost_is_saved_again(store: SharedStorageStore) -> None:
     s = encoder(store)
     s.add_request(make_request("r1", 30, images=[("a", 5, 20)]))
-    step(s)
-    store.put("a", b"saved by the worker")
+    run_step(s)
+    assert store.get("a") == b"output of a"  # saved by the (stand-in) worker
 
     s.add_request(make_request("r2", 30, images=[("a", 5, 20)]))
-    plan, result = step(s)  # in the cache and in the store: nothing to do
+    plan, result = run_step(s)  # in the cache and in the store: nothing to do
     assert plan.encoder_items == [] and plan.ec_meta is None and finished(result)[0][0] == "r2"
 
     store.path("a").unlink()  # evicted from the store; the worker still holds the output
     s.add_request(make_request("r3", 30, images=[("a", 5, 20)]))
-    plan, result = step(s)
+    plan, result = run_step(s)
     assert plan.encoder_items == [] and saves(plan) == ["a"]
+    assert store.get("a") == b"output of a"  # saved again from the worker's encoder store
     assert finished(result) == [("r3", FinishReason.LENGTH, [])]
 
 
@@ -101,11 +94,11 @@ def test_the_compute_budget_splits_a_request_and_later_requests_do_not_overtake(
     s = encoder(store, encoder_compute_budget_tokens=400)
     s.add_request(make_request("r1", 700, images=[("a", 0, 300), ("b", 350, 300)]))
     s.add_request(make_request("r2", 120, images=[("c", 0, 100)]))  # would fit the 100 left in step 1
-    plan, result = step(s)
+    plan, result = run_step(s)
     assert encoded(plan) == ["a"] and plan.num_scheduled_tokens == {"r1": 0} and result.finished == []
     assert s.num_running == 1 and s.num_waiting == 1
 
-    plan, result = step(s)
+    plan, result = run_step(s)
     assert encoded(plan) == ["b", "c"] and plan.num_scheduled_tokens == {"r1": 0, "r2": 0}
     assert [r.req_id for r in result.finished] == ["r1", "r2"]
 
@@ -114,30 +107,30 @@ def test_max_num_seqs_bounds_the_requests_of_a_step(store: SharedStorageStore) -
     s = encoder(store, max_num_seqs=2)
     for i in range(3):
         s.add_request(make_request(f"r{i}", 30, images=[(f"h{i}", 5, 20)]))
-    plan, result = step(s)
+    plan, result = run_step(s)
     assert encoded(plan) == ["h0", "h1"] and len(result.finished) == 2
-    plan, result = step(s)
+    plan, result = run_step(s)
     assert encoded(plan) == ["h2"] and [r.req_id for r in result.finished] == ["r2"]
 
 
 def test_a_text_only_request_ends_in_its_first_step(store: SharedStorageStore) -> None:
     s = encoder(store)
     s.add_request(make_request("r1", 30))
-    plan, result = step(s)
+    plan, result = run_step(s)
     assert plan.num_scheduled_tokens == {"r1": 0} and finished(result) == [("r1", FinishReason.LENGTH, [])]
 
 
 def test_abort_releases_what_the_request_held(store: SharedStorageStore) -> None:
     s = encoder(store, encoder_compute_budget_tokens=400)
     s.add_request(make_request("r1", 700, images=[("a", 0, 300), ("b", 350, 300)]))
-    step(s)  # "a" encoded, "b" waits
+    run_step(s)  # "a" encoded, "b" waits
     aborted = s.abort("r1")
     assert aborted is not None and aborted.finish_reason is FinishReason.ABORT
     assert s.abort("r1") is None and not s.has_work
     assert list(s.encoder_cache._freeable) == ["a"]  # no user left: reusable, evictable
 
     s.add_request(make_request("r2", 30, images=[("b", 5, 300)]))
-    plan, _ = step(s)
+    plan, _ = run_step(s)
     assert encoded(plan) == ["b"]
 
 
@@ -154,7 +147,7 @@ def test_a_failed_step_fails_its_requests_and_forgets_its_encodes(store: SharedS
     assert not s.has_work and "a" not in s.encoder_cache and "b" not in s.encoder_cache
 
     s.add_request(make_request("r3", 30, images=[("a", 5, 20)]))
-    plan, result = step(s)
+    plan, result = run_step(s)
     assert plan.free_mm_hashes == ["a", "b"] and encoded(plan) == ["a"]  # the worker drops, then encodes
     assert finished(result)[0][:2] == ("r3", FinishReason.LENGTH)
 
@@ -180,36 +173,12 @@ def test_a_full_queue_is_refused_with_429(store: SharedStorageStore) -> None:
 def test_a_waiting_item_is_one_encoder_cache_query(store: SharedStorageStore) -> None:
     s = encoder(store, encoder_compute_budget_tokens=400)
     s.add_request(make_request("r1", 700, images=[("a", 0, 300), ("b", 350, 300)]))
-    step(s)
-    step(s)
+    run_step(s)
+    run_step(s)
     assert s.encoder_cache.num_queries == 2
 
 
 # ---------------------------------------------------------------------------- engine core
-
-
-class ProducerExecutor:
-    """The encoder-only worker's stand-in: encodes the step's inputs into its encoder store and saves
-    them, and the outputs the scheduler asks to save again, into the real store."""
-
-    def __init__(self, ec_store: SharedStorageStore, fail: Sequence[int] = ()) -> None:
-        self.ec_store, self.fail = ec_store, fail
-        self.steps: list[SchedulerOutput] = []
-        self.outputs: set[str] = set()
-
-    def execute(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> RunnerOutput:
-        self.steps.append(sched)
-        assert sched.new_requests == [] and not any(sched.num_scheduled_tokens.values())
-        self.outputs.difference_update(sched.free_mm_hashes)
-        if sched.step_id in self.fail:
-            raise WorkerFailed(f"worker failed step {sched.step_id}")
-        inputs = [enc.mm_hash for enc in sched.encoder_inputs]
-        assert not self.outputs & set(inputs), "encoded twice"
-        self.outputs.update(inputs)
-        for mm_hash in dict.fromkeys([*inputs, *(sched.ec_meta.save_mm_hashes if sched.ec_meta else [])]):
-            assert mm_hash in self.outputs
-            self.ec_store.put(mm_hash, f"output of {mm_hash}".encode())
-        return RunnerOutput(sched.step_id, [], [], [], len(inputs), 0.01, 0.0)
 
 
 def add(req_id: str, *mm_hashes: str) -> AddRequest:
@@ -218,25 +187,32 @@ def add(req_id: str, *mm_hashes: str) -> AddRequest:
 
 
 def encode_only_core(
-    store: SharedStorageStore, fail: Sequence[int] = ()
-) -> tuple[EngineCore, ProducerExecutor]:
-    executor = ProducerExecutor(store, fail)
-    connector = ECConnectorScheduler(store, ECRole.PRODUCER)
-    return EngineCore(config(num_kv_blocks=0), executor, connector, encode_only=True), executor
+    store: SharedStorageStore, fail_steps: Mapping[int, str] | None = None
+) -> tuple[EngineCore, StandinWorker]:
+    """An --encoder-only instance: its worker has no language model and saves what it encodes; a
+    failing step fails in the encoder (nothing saved)."""
+    worker = StandinWorker(
+        has_language_model=False,
+        ec_store=store,
+        ec_role=ECRole.PRODUCER,
+        fail_steps=fail_steps,
+        fail_stage="encoder",
+    )
+    return engine_core(worker, ECConnectorScheduler(store, ECRole.PRODUCER))
 
 
 def test_engine_answers_once_the_items_are_in_the_store(store: SharedStorageStore) -> None:
-    core, executor = encode_only_core(store)
+    core, worker = encode_only_core(store)
     assert core.add_request(b"a", add("r1", "X", "Y"), frames()) == {}
     outputs = core.step()
     assert outputs == {b"a": [RequestOutput("r1", [], None, FinishReason.LENGTH, num_prompt_tokens=42)]}
     assert store.get("X") == b"output of X" and store.get("Y") == b"output of Y"
-    assert [e.mm_hash for e in executor.steps[0].encoder_inputs] == ["X", "Y"]
+    assert [e.mm_hash for e in worker.steps[0].sched.encoder_inputs] == ["X", "Y"]
     assert not core.has_work and core.stats().counters["encoder_runs_total"] == 2
 
 
 def test_engine_abort_and_failed_step(store: SharedStorageStore) -> None:
-    core, executor = encode_only_core(store, fail=[1])
+    core, worker = encode_only_core(store, fail_steps={1: "CUDA error"})
     core.add_request(b"a", add("r1", "X"), frames())
     [out] = core.step()[b"a"]
     assert out.finish_reason is FinishReason.ABORT and out.error is not None and out.error.http_status == 500
@@ -247,5 +223,5 @@ def test_engine_abort_and_failed_step(store: SharedStorageStore) -> None:
     assert core.abort(b"b", Abort(["r3"])) == {b"b": [RequestOutput("r3", finish_reason=FinishReason.ABORT)]}
     [out] = core.step()[b"a"]
     assert out.req_id == "r2" and out.finish_reason is FinishReason.LENGTH and out.error is None
-    assert [e.mm_hash for e in executor.steps[1].encoder_inputs] == ["X"]  # encoded again, Z never
+    assert [e.mm_hash for e in worker.steps[1].sched.encoder_inputs] == ["X"]  # encoded again, Z never
     assert store.exists(["X", "Z"]) == [True, False]

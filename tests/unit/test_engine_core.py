@@ -1,157 +1,43 @@
-"""EngineCore with an in-test executor (a deterministic stand-in for the worker process): admission
-through the per-sender receiver cache, the mirror's operations applied before any rejection, routing of
-outputs per client, stats, and the wire form of a step."""
+"""EngineCore on the stand-in worker (tests/standin_worker.py, which keeps the worker's books and
+refuses what the worker would): admission through the per-sender receiver cache, the mirror's
+operations applied before any rejection, routing of outputs per client, stats, and the wire form of a
+step."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-
 import pytest
 
-from engine.core import EngineCore, to_scheduler_output
-from engine.executor import WorkerFailed, WorkerLost
+from engine.core import to_scheduler_output
+from engine.executor import WorkerLost
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import (
     Abort,
-    AddRequest,
     ErrorInfo,
     FinishReason,
     Logprob,
-    MMFeature,
     RequestOutput,
     ResetCaches,
-    RunnerOutput,
-    SamplingParams,
-    SchedulerOutput,
     TensorRef,
     TokenLogprobs,
 )
 from engine.request import MMItem
-from engine.scheduler import SchedulerConfig, StepPlan
-
-PIXELS = {"pixel_values": TensorRef("float32", (1, 3, 4, 4), 1)}
-NUM_PIXEL_BYTES = 1 * 3 * 4 * 4 * 4  # 192
-
-
-def config(**overrides: int | bool) -> SchedulerConfig:
-    values = {
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 256,
-        "max_model_len": 512,
-        "encoder_cache_tokens": 1024,
-        "encoder_compute_budget_tokens": 512,
-        "num_kv_blocks": 1024,  # far more than any test needs
-        "enable_prefix_caching": False,
-    }
-    values.update(overrides)
-    return SchedulerConfig(**values)
-
-
-class RecordingExecutor:
-    """Stands in for the worker: records every step and samples ``1000 * step_id + position`` for each
-    request whose known tokens are all computed after the step."""
-
-    def __init__(self) -> None:
-        self.steps: list[tuple[SchedulerOutput, list[bytes]]] = []
-        self.num_tokens: dict[str, int] = {}
-        self.num_computed: dict[str, int] = {}
-        self.store: set[str] = set()  # the encoder store, by mm_hash
-
-    def execute(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> RunnerOutput:
-        self.steps.append((sched, [bytes(f) for f in frames]))
-        for req_id in sched.finished_req_ids:
-            del self.num_tokens[req_id], self.num_computed[req_id]
-        self.store.difference_update(sched.free_mm_hashes)
-        for new in sched.new_requests:
-            self.num_tokens[new.req_id] = len(new.prompt_token_ids)
-            self.num_computed[new.req_id] = new.num_computed_tokens
-        for enc in sched.encoder_inputs:
-            assert enc.mm_hash not in self.store
-            assert all(1 <= ref.frame <= len(frames) for ref in enc.tensors.values())
-            self.store.add(enc.mm_hash)
-        req_ids = []
-        for req_id, num_tokens in sched.num_scheduled_tokens.items():
-            self.num_computed[req_id] += num_tokens
-            if self.num_computed[req_id] >= self.num_tokens[req_id]:
-                req_ids.append(req_id)
-                self.num_tokens[req_id] += 1
-        token_ids = [1000 * sched.step_id + i for i in range(len(req_ids))]
-        return RunnerOutput(
-            step_id=sched.step_id,
-            req_ids=req_ids,
-            sampled_token_ids=token_ids,
-            logprobs=[TokenLogprobs(Logprob(t, -0.5), []) for t in token_ids],
-            num_encoded_items=len(sched.encoder_inputs),
-            encoder_seconds=0.25 if sched.encoder_inputs else 0.0,
-            forward_seconds=0.01,
-        )
-
-    @property
-    def encoder_inputs(self) -> list[str]:
-        return [enc.mm_hash for sched, _ in self.steps for enc in sched.encoder_inputs]
-
-    @property
-    def tensor_frames(self) -> list[bytes]:
-        return [frame for _, frames in self.steps for frame in frames]
-
-
-def frames() -> list[memoryview]:
-    """The frames of an AddRequest with one image: the message, then the pixel bytes (frame 1)."""
-    return [b"msg", memoryview(bytes(NUM_PIXEL_BYTES))]  # type: ignore[list-item]
-
-
-def key_only_frames() -> list[memoryview]:
-    return [b"msg"]  # type: ignore[list-item]
-
-
-def add(
-    req_id: str,
-    mm_hash: str | None = None,
-    *,
-    with_tensors: bool = True,
-    store: bool = True,
-    prompt_len: int = 20,
-    max_tokens: int = 2,
-    num_image_tokens: int = 16,
-    evicted: Sequence[str] = (),
-) -> AddRequest:
-    features = []
-    if mm_hash is not None:
-        features.append(
-            MMFeature(
-                mm_hash,
-                offset=2,
-                num_tokens=num_image_tokens,
-                tensors=PIXELS if with_tensors else None,
-                store=store and with_tensors,
-            )
-        )
-    return AddRequest(
-        req_id=req_id,
-        prompt_token_ids=list(range(prompt_len)),
-        sampling=SamplingParams(max_tokens=max_tokens),
-        mm_features=features,
-        evicted_mm_hashes=list(evicted),
-    )
-
-
-def run_until_idle(core: EngineCore) -> dict[bytes, list[RequestOutput]]:
-    """Steps until no request is left; all outputs per client, in step order."""
-    outputs: dict[bytes, list[RequestOutput]] = {}
-    for _ in range(100):
-        if not core.has_work:
-            return outputs
-        for client, outs in core.step().items():
-            outputs.setdefault(client, []).extend(outs)
-    raise AssertionError("engine did not drain")
-
+from engine.scheduler import StepPlan
+from tests.standin_worker import StandinWorker
+from tests.unit.engine_core_support import (
+    NUM_PIXEL_BYTES,
+    PIXELS,
+    add,
+    engine_core,
+    frames,
+    key_only_frames,
+    run_until_idle,
+)
 
 # ---------------------------------------------------------------------------- receiver cache
 
 
 def test_stored_item_is_resolved_key_only_later_and_encoded_once() -> None:
-    executor = RecordingExecutor()
-    core = EngineCore(config(), executor)
+    core, worker = engine_core()
     assert core.add_request(b"a", add("r1", "X"), frames()) == {}
     cache = core.receiver_caches.for_sender(b"a")
     assert cache.keys() == ["X"] and cache.num_bytes == NUM_PIXEL_BYTES
@@ -165,9 +51,9 @@ def test_stored_item_is_resolved_key_only_later_and_encoded_once() -> None:
     outputs = run_until_idle(core)
     assert [o.finish_reason for o in outputs[b"a"]] == [None, FinishReason.LENGTH]
 
-    assert executor.encoder_inputs == ["X"]
-    assert executor.tensor_frames == [bytes(NUM_PIXEL_BYTES)]  # the pixel frame crossed once
-    first_sched = executor.steps[0][0]
+    assert worker.encoder_inputs == ["X"]
+    assert worker.tensor_frames == [bytes(NUM_PIXEL_BYTES)]  # the pixel frame crossed once
+    first_sched = worker.steps[0].sched
     assert first_sched.encoder_inputs[0].tensors == PIXELS  # renumbered from 1 in the step's frames
     stats = core.stats()
     assert stats.counters["encoder_runs_total"] == 1
@@ -176,19 +62,18 @@ def test_stored_item_is_resolved_key_only_later_and_encoded_once() -> None:
 
 
 def test_concurrent_requests_with_one_image_share_one_encode() -> None:
-    executor = RecordingExecutor()
-    core = EngineCore(config(), executor)
+    core, worker = engine_core()
     core.add_request(b"a", add("r1", "X"), frames())
     core.add_request(b"a", add("r2", "X", with_tensors=False), key_only_frames())
     outputs = core.step()
     assert [o.req_id for o in outputs[b"a"]] == ["r1", "r2"]
-    assert executor.steps[0][0].num_scheduled_tokens == {"r1": 20, "r2": 20}
+    assert worker.steps[0].sched.num_scheduled_tokens == {"r1": 20, "r2": 20}
     run_until_idle(core)
-    assert executor.encoder_inputs == ["X"] and len(executor.tensor_frames) == 1
+    assert worker.encoder_inputs == ["X"] and len(worker.tensor_frames) == 1
 
 
 def test_evictions_are_applied_before_the_features() -> None:
-    core = EngineCore(config(), RecordingExecutor())
+    core, _ = engine_core()
     core.add_request(b"a", add("r1", "X"), frames())
     core.add_request(b"a", add("r2", "Y"), frames())
     cache = core.receiver_caches.for_sender(b"a")
@@ -207,7 +92,7 @@ def test_evictions_are_applied_before_the_features() -> None:
 
 
 def test_key_only_feature_missing_from_the_receiver_cache_is_reported() -> None:
-    core = EngineCore(config(), RecordingExecutor())
+    core, _ = engine_core()
     outputs = core.add_request(b"a", add("r1", "X", with_tensors=False), key_only_frames())
     assert list(outputs) == [b"a"]
     [out] = outputs[b"a"]
@@ -219,7 +104,7 @@ def test_key_only_feature_missing_from_the_receiver_cache_is_reported() -> None:
 
 
 def test_receiver_cache_is_partitioned_per_sender() -> None:
-    core = EngineCore(config(), RecordingExecutor())
+    core, _ = engine_core()
     assert core.add_request(b"a", add("ra", "X"), frames()) == {}
     outputs = core.add_request(b"b", add("rb", "X", with_tensors=False), key_only_frames())
     [out] = outputs[b"b"]
@@ -230,7 +115,7 @@ def test_receiver_cache_is_partitioned_per_sender() -> None:
 
 
 def test_admission_error_still_applies_the_mirror_operations() -> None:
-    core = EngineCore(config(max_model_len=64), RecordingExecutor())
+    core, _ = engine_core(max_model_len=64)
     core.add_request(b"a", add("r0", "OLD"), frames())
     outputs = core.add_request(b"a", add("r1", "X", prompt_len=60, max_tokens=5, evicted=["OLD"]), frames())
     [out] = outputs[b"a"]
@@ -249,8 +134,7 @@ def test_admission_error_still_applies_the_mirror_operations() -> None:
 
 
 def test_reset_caches_clears_the_senders_partition_and_freeable_encoder_entries() -> None:
-    executor = RecordingExecutor()
-    core = EngineCore(config(), executor)
+    core, worker = engine_core()
     core.add_request(b"a", add("ra", "X"), frames())
     core.add_request(b"b", add("rb", "Y"), frames())
     run_until_idle(core)
@@ -260,23 +144,22 @@ def test_reset_caches_clears_the_senders_partition_and_freeable_encoder_entries(
     assert core.receiver_caches.for_sender(b"a").keys() == []
     assert core.receiver_caches.for_sender(b"b").keys() == ["Y"]
     assert core.step() == {}  # nothing to run, but the worker must drop the evicted tensors
-    sched = executor.steps[-1][0]
+    sched = worker.steps[-1].sched
     assert sched.num_scheduled_tokens == {} and sched.free_mm_hashes == ["X", "Y"]
-    assert executor.store == set()
+    assert worker.outputs == {}
 
 
 # ---------------------------------------------------------------------------- requests and outputs
 
 
 def test_abort_from_another_client_is_ignored() -> None:
-    executor = RecordingExecutor()
-    core = EngineCore(config(), executor)
+    core, worker = engine_core()
     core.add_request(b"a", add("r1", max_tokens=10), [])
     core.step()
     assert core.abort(b"b", Abort(["r1"])) == {}
     assert "r1" in core.scheduler.requests
     core.step()
-    assert executor.steps[-1][0].num_scheduled_tokens == {"r1": 1}
+    assert worker.steps[-1].sched.num_scheduled_tokens == {"r1": 1}
 
     # the owner's abort ends it with a final output (the API then releases what the request held)
     assert core.abort(b"a", Abort(["r1", "unknown"])) == {
@@ -284,40 +167,40 @@ def test_abort_from_another_client_is_ignored() -> None:
     }
     assert not core.has_work
     assert core.step() == {}
-    assert executor.steps[-1][0].finished_req_ids == ["r1"] and executor.num_tokens == {}
+    assert worker.steps[-1].sched.finished_req_ids == ["r1"] and worker.requests == {}
 
 
 def test_outputs_are_routed_per_client() -> None:
-    executor = RecordingExecutor()
-    core = EngineCore(config(), executor)
-    core.add_request(b"a", add("ra", prompt_len=5, max_tokens=2), [])
+    core, worker = engine_core()
+    core.add_request(b"a", add("ra", prompt_len=5, max_tokens=2, num_top_logprobs=0), [])
     core.add_request(b"b", add("rb", prompt_len=7, max_tokens=1), [])
     outputs = core.step()
     assert set(outputs) == {b"a", b"b"}
     [out_a], [out_b] = outputs[b"a"], outputs[b"b"]
     assert (out_a.req_id, out_a.new_token_ids, out_a.finish_reason, out_a.num_prompt_tokens) == (
         "ra",
-        [1000],
+        [5],  # the stand-in counts on from the prompt's last token
         None,
         5,
     )
     assert (out_b.req_id, out_b.new_token_ids, out_b.finish_reason, out_b.num_prompt_tokens) == (
         "rb",
-        [1001],
+        [7],
         FinishReason.LENGTH,
         7,
     )
-    assert out_a.logprobs == [TokenLogprobs(Logprob(1000, -0.5), [])]
+    assert out_a.logprobs == [TokenLogprobs(Logprob(5, -0.5), [])] and out_b.logprobs is None
 
     outputs = core.step()
     assert list(outputs) == [b"a"]
     [out_a] = outputs[b"a"]
-    assert (out_a.new_token_ids, out_a.finish_reason) == ([2000], FinishReason.LENGTH)
-    assert executor.steps[-1][0].finished_req_ids == ["rb"]
+    assert (out_a.new_token_ids, out_a.finish_reason) == ([6], FinishReason.LENGTH)
+    assert worker.steps[-1].sched.finished_req_ids == ["rb"]
 
 
 def test_stats_counters_gauges_and_drained_observations() -> None:
-    core = EngineCore(config(max_num_seqs=2, encoder_cache_tokens=100), RecordingExecutor())
+    worker = StandinWorker(encoder_seconds=0.25, forward_seconds=0.01, delay_s={1: 0.05, 2: 0.05})
+    core, _ = engine_core(worker, max_num_seqs=2, encoder_cache_tokens=100)
     core.add_request(b"a", add("r1", "X", max_tokens=3), frames())
     core.add_request(b"a", add("r2", "X", with_tensors=False, max_tokens=3), key_only_frames())
     core.add_request(b"a", add("r3", prompt_len=4, max_tokens=3), [])
@@ -335,6 +218,7 @@ def test_stats_counters_gauges_and_drained_observations() -> None:
     core.step()
     stats = core.stats()
     assert stats.counters["engine_steps_total"] == 2
+    assert 0.1 <= stats.counters["worker_busy_seconds_total"] < 5  # two steps of 50 ms each, and then some
     assert stats.counters["encoder_runs_total"] == 1
     assert stats.counters["encoder_cache_queries_total"] == 2
     assert stats.counters["encoder_cache_hits_total"] == 1
@@ -344,6 +228,7 @@ def test_stats_counters_gauges_and_drained_observations() -> None:
         "num_requests_per_step": [2, 2],
         "num_batched_tokens_per_step": [40, 2],
         "encoder_seconds": [0.25],
+        "forward_seconds": [0.01, 0.01],
     }
     assert core.stats().observations == {}  # drained by the previous snapshot
 
@@ -398,26 +283,9 @@ def test_to_scheduler_output_numbers_tensor_frames_from_one() -> None:
 # ---------------------------------------------------------------------------- faults
 
 
-class FailingExecutor(RecordingExecutor):
-    """Runs a step like the worker would, up to its encodes included, then fails the steps listed in
-    ``fail`` (``WorkerFailed``) or ``lose`` (``WorkerLost``)."""
-
-    def __init__(self, fail: Collection[int] = (), lose: Collection[int] = ()) -> None:
-        super().__init__()
-        self.fail, self.lose = fail, lose
-
-    def execute(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> RunnerOutput:
-        if sched.step_id in self.lose:
-            raise WorkerLost("the worker's connection closed")
-        output = super().execute(sched, frames)
-        if sched.step_id in self.fail:
-            raise WorkerFailed(f"worker failed step {sched.step_id}: CUDA error")
-        return output
-
-
 def test_failed_step_fails_its_requests_and_a_retry_recomputes_everything() -> None:
-    executor = FailingExecutor(fail={1})
-    core = EngineCore(config(enable_prefix_caching=True, block_size=4), executor)
+    worker = StandinWorker(block_size=4, fail_steps={1: "CUDA error"})
+    core, _ = engine_core(worker, enable_prefix_caching=True)
     core.add_request(b"a", add("r1", "X"), frames())
     outputs = core.step()
     [out] = outputs[b"a"]
@@ -429,7 +297,7 @@ def test_failed_step_fails_its_requests_and_a_retry_recomputes_everything() -> N
     # the same prompt and image again (key only: the receiver cache kept the item)
     core.add_request(b"a", add("r2", "X", with_tensors=False), key_only_frames())
     outputs = run_until_idle(core)
-    sched = executor.steps[1][0]
+    sched = worker.steps[1].sched
     assert sched.new_requests[0].num_computed_tokens == 0  # no prefix hit on the failed step's blocks
     assert [e.mm_hash for e in sched.encoder_inputs] == ["X"]  # encoded again
     assert sched.free_mm_hashes == ["X"] and sched.finished_req_ids == ["r1"]  # the worker forgets too
@@ -437,13 +305,13 @@ def test_failed_step_fails_its_requests_and_a_retry_recomputes_everything() -> N
 
     core.add_request(b"a", add("r3", "X", with_tensors=False), key_only_frames())
     run_until_idle(core)
-    sched = [s for s, _ in executor.steps if "r3" in s.num_scheduled_tokens][0]
+    sched = [s for s, _ in worker.steps if "r3" in s.num_scheduled_tokens][0]
     assert sched.new_requests[0].num_computed_tokens == 16  # r2's blocks do hit (4 full of 20 tokens)
     assert sched.encoder_inputs == []
 
 
 def test_failed_step_spares_requests_it_did_not_run() -> None:
-    core = EngineCore(config(max_num_seqs=1), FailingExecutor(fail={1}))
+    core, _ = engine_core(StandinWorker(fail_steps={1: "CUDA error"}), max_num_seqs=1)
     core.add_request(b"a", add("r1", None), frames())
     core.add_request(b"b", add("r2", None), frames())
     outputs = core.step()
@@ -454,7 +322,7 @@ def test_failed_step_spares_requests_it_did_not_run() -> None:
 
 
 def test_lost_worker_propagates_and_fail_all_ends_every_request() -> None:
-    core = EngineCore(config(max_num_seqs=1), FailingExecutor(lose={2}))
+    core, _ = engine_core(StandinWorker(lose_steps={2}), max_num_seqs=1)
     core.add_request(b"a", add("r1", "X", max_tokens=5), frames())
     core.add_request(b"b", add("r2", None), frames())
     core.step()
@@ -470,7 +338,7 @@ def test_lost_worker_propagates_and_fail_all_ends_every_request() -> None:
 
 
 def test_drain_refuses_new_requests_after_applying_their_mirror_decisions() -> None:
-    core = EngineCore(config(), RecordingExecutor())
+    core, _ = engine_core()
     core.add_request(b"a", add("r1", "X", max_tokens=3), frames())
     core.step()
     core.drain()

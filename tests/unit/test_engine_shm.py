@@ -12,10 +12,9 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from engine.core import EngineCore
 from engine.protocol import AddRequest, FinishReason, MMFeature, SamplingParams, ShmItemRef, ShmTensor
 from engine.shm_ring import ShmRingWriter, ring_name
-from tests.unit.test_engine_core import RecordingExecutor, config
+from tests.unit.engine_core_support import engine_core
 
 PIXELS = {"pixel_values": ShmTensor("float32", (1, 3, 4, 4), 0)}
 
@@ -39,14 +38,13 @@ def request(req_id: str, *refs: tuple[str, ShmItemRef]) -> AddRequest:
 
 
 def test_a_valid_reference_reaches_the_worker_as_a_reference(ring: ShmRingWriter) -> None:
-    executor = RecordingExecutor()
-    core = EngineCore(config(), executor)
+    core, worker = engine_core()
     ref = shm_ref(ring, "h1")
     assert core.add_request(b"a", request("r1", ("h1", ref)), []) == {}
     core.step()
-    (sched, frames), *_ = executor.steps
+    (sched, frames), *_ = worker.steps
     assert [(e.mm_hash, e.shm, e.tensors) for e in sched.encoder_inputs] == [("h1", ref, {})]
-    assert frames == []  # nothing crossed as a frame
+    assert frames == [] and "h1" in worker.outputs  # nothing crossed as a frame; read from the ring
     assert len(core.receiver_caches.for_sender(b"a")) == 0  # the ring holds it, not the engine
 
 
@@ -65,8 +63,7 @@ def test_a_valid_reference_reaches_the_worker_as_a_reference(ring: ShmRingWriter
     ids=["id", "offset", "size", "ring", "name", "tensor"],
 )
 def test_a_stale_reference_is_refused_with_its_hash_and_counted(ring: ShmRingWriter, corrupt) -> None:
-    executor = RecordingExecutor()
-    core = EngineCore(config(), executor)
+    core, _ = engine_core()
     good, bad = shm_ref(ring, "good"), corrupt(shm_ref(ring, "bad"))
     outputs = core.add_request(b"a", request("r1", ("good", good), ("bad", bad)), [])
     (output,) = outputs[b"a"]

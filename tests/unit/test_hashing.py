@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from app.hashing import canonical_option, framed_digest, mm_hash
+from app.hashing import KnownDataUrls, canonical_option, framed_digest, mm_hash
 
 DATA = b"\x89PNG fake image bytes"
 
@@ -109,3 +109,24 @@ def test_canonical_option() -> None:
     assert canonical_option(True) is True
     with pytest.raises(TypeError):
         canonical_option(object())
+
+
+def test_known_data_urls_key_on_the_url_text_and_everything_the_mm_hash_covers() -> None:
+    def key(url: str = "data:image/png;base64,AAAA", model_id: str = "m", **options: Any) -> str:
+        return KnownDataUrls.key(model_id=model_id, modality="image", url=url, options=options)
+
+    assert key() == key()
+    assert (
+        len({key(), key(url="data:image/png;base64, AAAA"), key(model_id="n"), key(do_normalize=False)}) == 4
+    )
+    assert key() != h()  # its own domain: never mistaken for an mm_hash
+
+
+def test_known_data_urls_are_an_lru_bounded_in_entries() -> None:
+    known = KnownDataUrls(max_entries=2)
+    known.put("a", "hash-a", 1)
+    known.put("b", "hash-b", 2)
+    assert known.get("a") == ("hash-a", 1)  # now the most recently used
+    known.put("c", "hash-c", 3)
+    assert len(known) == 2 and known.get("b") is None
+    assert known.get("a") == ("hash-a", 1) and known.get("c") == ("hash-c", 3)

@@ -160,6 +160,20 @@ def test_file_urls_are_refused_by_default() -> None:
     assert load_error("file:///etc/passwd").code == "image_url_forbidden"
 
 
+def test_whitespace_in_a_data_url_payload_is_ignored() -> None:
+    encoded = base64.b64encode(PNG).decode()
+    spaced = " \t".join(encoded[i : i + 7] for i in range(0, len(encoded), 7)) + "\r\n\x0b\x0c"
+    assert load("data:image/png;base64," + spaced) == PNG
+    # exactly the bytes a bytes regex's \s matches; other control characters are not base64
+    assert (
+        load_error("data:image/png;base64," + encoded[:8] + "\x1c" + encoded[8:]).code == "invalid_image_url"
+    )
+    assert (
+        load_error("data:image/png;base64," + encoded[:8] + "\u00a0" + encoded[8:]).code
+        == "invalid_image_url"
+    )
+
+
 def test_data_url_over_the_byte_cap() -> None:
     assert load_error(data_url(PNG), max_bytes=len(PNG) - 1).code == "image_too_large"
     assert load(data_url(PNG), max_bytes=len(PNG)) == PNG

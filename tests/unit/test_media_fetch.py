@@ -464,7 +464,15 @@ def image_message(*urls: str) -> ChatMessageParam:
 
 def prepare(settings: Settings, fetcher_policy: MediaPolicy, *urls: str) -> Any:
     """Stage 2 of a real ``InputProcessor``; the family, caches and engine are not reached."""
-    family = SimpleNamespace(hash_options=lambda kwargs: {}, render_prompt=lambda m: "", model_id="m")
+    family = SimpleNamespace(
+        hash_options=lambda kwargs: {},
+        render_prompt=lambda m: "",
+        model_id="m",
+        image_token="<image>",
+        image_token_id=0,
+        tokenizer=SimpleNamespace(bos_token=None, get_added_vocab=lambda: {"<image>": 0}),
+        hf_processor=SimpleNamespace(chat_template=""),
+    )
 
     async def main() -> Any:
         async with httpx.AsyncClient(trust_env=False) as client:

@@ -1,4 +1,4 @@
-"""Scheduler, step by step: schedule() → a hand-built RunnerOutput → postprocess(). No processes.
+"""Scheduler, step by step: schedule() → the stand-in worker runs the step → postprocess(). No processes.
 
 Each test drives the scheduler as the engine core does and checks the exact plan of every step: how many
 tokens each request computes, which items the encoder runs on, which hashes the worker frees and which
@@ -13,7 +13,6 @@ from engine.protocol import FinishReason
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from tests.unit.scheduler_support import (
-    DEFAULT_TOKEN,
     config,
     encoded,
     freeable,
@@ -21,6 +20,7 @@ from tests.unit.scheduler_support import (
     new_ids,
     run_step,
     users,
+    worker_for,
 )
 
 # ---------------------------------------------------------------------------- continuous batching
@@ -31,12 +31,12 @@ def test_requests_join_between_steps_and_advance_together() -> None:
     s.add_request(make_request("r1", 10, max_tokens=3))
     plan, result = run_step(s)
     assert plan.num_scheduled_tokens == {"r1": 10} and new_ids(plan) == ["r1"]
-    assert result.new_token_ids == {"r1": [DEFAULT_TOKEN]} and result.finished == []
+    assert result.new_token_ids == {"r1": [6]} and result.finished == []  # prompt tokens are all 5
 
     s.add_request(make_request("r2", 5, max_tokens=2))
     plan, result = run_step(s)
     assert plan.num_scheduled_tokens == {"r1": 1, "r2": 5} and new_ids(plan) == ["r2"]
-    assert result.new_token_ids == {"r1": [DEFAULT_TOKEN], "r2": [DEFAULT_TOKEN]}
+    assert result.new_token_ids == {"r1": [7], "r2": [6]}
 
     plan, result = run_step(s)
     assert plan.num_scheduled_tokens == {"r1": 1, "r2": 1} and new_ids(plan) == []
@@ -76,8 +76,8 @@ def test_long_prompt_is_chunked_under_the_token_budget() -> None:
     assert plans == [
         ({"r1": 16}, ["r1"], {}),  # no token sampled before the prompt is fully computed
         ({"r1": 16}, [], {}),
-        ({"r1": 8}, [], {"r1": [DEFAULT_TOKEN]}),
-        ({"r1": 1}, [], {"r1": [DEFAULT_TOKEN]}),
+        ({"r1": 8}, [], {"r1": [6]}),
+        ({"r1": 1}, [], {"r1": [7]}),
     ]
     assert not s.has_work
 
@@ -140,8 +140,10 @@ def run_to_finish(request: Request, tokens: Sequence[int]) -> Request:
     """Runs one text-only request, sampling ``tokens`` in order; returns it once finished."""
     s = Scheduler(config())
     s.add_request(request)
-    for token in tokens:
-        _, result = run_step(s, {request.req_id: token})
+    script = iter(tokens)
+    worker_for(s, next_token=lambda _req_id, _token_ids: next(script))
+    for _ in tokens:
+        _, result = run_step(s)
         if result.finished:
             assert result.finished == [request] and not s.has_work
             return request

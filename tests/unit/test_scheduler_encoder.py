@@ -1,11 +1,13 @@
 """Scheduler and encoder cache, step by step: which images run through the encoder in which step, how
-entries are shared, released and evicted, and a seeded soak that keeps a simulated worker store in step."""
+entries are shared, released and evicted, and a seeded soak that keeps the stand-in worker's encoder
+store in step."""
 
 from __future__ import annotations
 
 import random
 from collections import Counter
 
+from engine.core import to_scheduler_output
 from engine.protocol import FinishReason
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
@@ -17,8 +19,8 @@ from tests.unit.scheduler_support import (
     make_request,
     new_ids,
     run_step,
-    runner_output,
     users,
+    worker_for,
 )
 
 # ---------------------------------------------------------------------------- encoder scheduling
@@ -252,7 +254,7 @@ def test_randomized_soak_loses_nothing_and_keeps_worker_store_in_step() -> None:
         specs.append(request)
     total_tokens = sum(r.num_prompt_tokens + r.sampling.max_tokens for r in specs)
 
-    store: set[str] = set()  # the worker's encoder store
+    worker = worker_for(s, next_token=lambda _req_id, _token_ids: rng.randint(0, 30))
     finished: dict[str, FinishReason] = {}
     sent: Counter[str] = Counter()
     reported: Counter[str] = Counter()
@@ -278,23 +280,13 @@ def test_randomized_soak_loses_nothing_and_keeps_worker_store_in_step() -> None:
         sent.update(new_ids(plan))
         reported.update(plan.finished_req_ids)
 
-        # the worker: frees first, then encodes; never encodes what it holds
-        for mm_hash in plan.free_mm_hashes:
-            assert mm_hash in store
-            store.remove(mm_hash)
-        for mm_hash, _ in plan.encoder_items:
-            assert mm_hash not in store
-            store.add(mm_hash)
-        assert store == {h for h in pool if h in s.encoder_cache}
-        for req_id, num_tokens in plan.num_scheduled_tokens.items():
-            request = s.requests[req_id]
-            start, end = request.num_computed_tokens, request.num_computed_tokens + num_tokens
-            for f in request.mm_features:
-                if f.offset < end and f.offset + f.num_tokens > start:
-                    assert f.mm_hash in store, (plan.step_id, req_id, f)
-
-        tokens = {req_id: rng.randint(0, 30) for req_id in plan.num_scheduled_tokens}
-        result = s.postprocess(plan, runner_output(s, plan, tokens))
+        # the stand-in worker frees first, then encodes; it refuses (StepError) to encode what it
+        # holds, and a chunk whose placeholders need an output it does not hold
+        assert set(plan.free_mm_hashes) <= worker.outputs.keys()  # nothing freed that it lacks
+        sched, frames = to_scheduler_output(plan, s.kv_cache)
+        output = worker.execute(sched, frames)
+        assert worker.outputs.keys() == {h for h in pool if h in s.encoder_cache}
+        result = s.postprocess(plan, output)
         for request in result.finished:
             assert request.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
             assert 1 <= len(request.output_token_ids) <= request.sampling.max_tokens

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
-from engine.protocol import FinishReason, RunnerOutput
+from engine.protocol import FinishReason
 from engine.request import RequestStatus
-from engine.scheduler import Scheduler, StepPlan, StepResult
-from tests.unit.scheduler_support import DEFAULT_TOKEN, config, encoded, make_request
+from engine.scheduler import Scheduler
+from tests.unit.scheduler_support import config, encoded, make_request, run_step
 
 BLOCK = 16
 
@@ -17,30 +17,15 @@ def kv_config(**overrides: int | bool) -> object:
     return config(**{"block_size": BLOCK, "enable_prefix_caching": True, **overrides})
 
 
-def step(s: Scheduler) -> tuple[StepPlan, StepResult]:
-    """One step; the stand-in worker samples for every request whose known tokens are then all
-    computed (a resumed request first recomputes its prompt and earlier outputs)."""
-    plan = s.schedule()
-    req_ids = [
-        req_id
-        for req_id, n in plan.num_scheduled_tokens.items()
-        if s.requests[req_id].num_computed_tokens + n >= s.requests[req_id].num_tokens
-    ]
-    output = RunnerOutput(
-        plan.step_id, req_ids, [DEFAULT_TOKEN] * len(req_ids), [None] * len(req_ids), 0, 0.0, 0.0
-    )
-    return plan, s.postprocess(plan, output)
-
-
 def test_blocks_grow_with_the_tokens_and_return_when_finished() -> None:
     s = Scheduler(kv_config(num_kv_blocks=8, max_num_batched_tokens=20))
     s.add_request(make_request("r", 40, max_tokens=9))
-    plan, _ = step(s)
+    plan, _ = run_step(s)
     assert plan.num_scheduled_tokens == {"r": 20} and s.kv_cache.block_ids("r") == [0, 1]
-    plan, _ = step(s)
+    plan, _ = run_step(s)
     assert plan.new_block_ids == {"r": [2]}  # 40 tokens: 3 blocks
     while s.has_work:
-        step(s)
+        run_step(s)
     assert s.kv_cache.num_free_blocks == 8 and s.kv_cache.usage == 0
 
 
@@ -49,12 +34,12 @@ def test_running_request_preempts_the_most_recently_admitted() -> None:
     s = Scheduler(kv_config(num_kv_blocks=6, enable_prefix_caching=False))
     s.add_request(make_request("r1", 40, max_tokens=30))
     s.add_request(make_request("r2", 40, max_tokens=30))
-    plan, _ = step(s)
+    plan, _ = run_step(s)
     assert plan.num_scheduled_tokens == {"r1": 40, "r2": 40}
     assert s.kv_cache.num_free_blocks == 0
     preempted_plan = None
     for _ in range(30):
-        plan, _ = step(s)
+        plan, _ = run_step(s)
         if plan.preempted_req_ids:
             preempted_plan = plan
             break
@@ -66,13 +51,13 @@ def test_running_request_preempts_the_most_recently_admitted() -> None:
     assert outputs_before, "r2 had produced tokens before it was preempted"
     # r1 runs alone until it finishes; then r2 resumes and recomputes prompt + outputs
     while s.requests.get("r1") is not None:
-        plan, _ = step(s)
-    resumed_plan = plan if plan.resumed_requests else step(s)[0]
+        plan, _ = run_step(s)
+    resumed_plan = plan if plan.resumed_requests else run_step(s)[0]
     assert [r.req_id for r in resumed_plan.resumed_requests] == ["r2"]
     assert resumed_plan.num_scheduled_tokens["r2"] == 40 + len(outputs_before)
     assert r2.output_token_ids[: len(outputs_before)] == outputs_before  # nothing streamed is changed
     while s.has_work:
-        step(s)
+        run_step(s)
     assert r2.finish_reason is FinishReason.LENGTH and len(r2.output_token_ids) == 30
     assert s.kv_cache.num_free_blocks == 6 and s.num_preemptions == 1
 
@@ -81,9 +66,9 @@ def test_prefix_cache_admits_with_computed_blocks() -> None:
     s = Scheduler(kv_config(num_kv_blocks=32))
     s.add_request(make_request("a", 50, max_tokens=1))
     while s.has_work:
-        step(s)
+        run_step(s)
     s.add_request(make_request("b", 50, max_tokens=1))
-    plan, _ = step(s)
+    plan, _ = run_step(s)
     (new,) = plan.new_requests
     assert new.num_cached_tokens == 48  # 3 full blocks; the last token is always computed
     assert plan.num_scheduled_tokens == {"b": 2}
@@ -93,13 +78,13 @@ def test_prefix_cache_admits_with_computed_blocks() -> None:
 def test_prefix_cache_covering_an_image_skips_its_encoder_run() -> None:
     s = Scheduler(kv_config(num_kv_blocks=64))
     s.add_request(make_request("a", 100, images=[("img", 10, 40)], max_tokens=1))
-    plan, _ = step(s)
+    plan, _ = run_step(s)
     assert encoded(plan) == ["img"]
     while s.has_work:
-        step(s)
+        run_step(s)
     queries = s.encoder_cache.num_queries
     s.add_request(make_request("b", 100, images=[("img", 10, 40)], max_tokens=1))
-    plan, _ = step(s)
+    plan, _ = run_step(s)
     assert plan.new_requests[0].num_cached_tokens == 96 and encoded(plan) == []
     assert s.encoder_cache.num_queries == queries  # the image was not even looked up
 
@@ -108,18 +93,18 @@ def test_different_image_same_tokens_misses_from_the_image_block_on() -> None:
     s = Scheduler(kv_config(num_kv_blocks=64))
     s.add_request(make_request("a", 100, images=[("img-a", 40, 30)], max_tokens=1))
     while s.has_work:
-        step(s)
+        run_step(s)
     s.add_request(make_request("b", 100, images=[("img-b", 40, 30)], max_tokens=1))
-    plan, _ = step(s)
+    plan, _ = run_step(s)
     assert plan.new_requests[0].num_cached_tokens == 32  # blocks 0-1 are text only; block 2 has the image
 
 
 def test_disabled_chunked_mm_input_stops_before_an_image_it_cannot_cover() -> None:
     s = Scheduler(kv_config(num_kv_blocks=64, max_num_batched_tokens=64, disable_chunked_mm_input=True))
     s.add_request(make_request("r", 120, images=[("img", 30, 50)], max_tokens=1))
-    plan, _ = step(s)
+    plan, _ = run_step(s)
     assert plan.num_scheduled_tokens == {"r": 30} and encoded(plan) == []
-    plan, _ = step(s)
+    plan, _ = run_step(s)
     assert plan.num_scheduled_tokens == {"r": 64} and encoded(plan) == ["img"]  # [30, 94) covers it whole
 
 
@@ -144,10 +129,12 @@ def test_no_request_is_lost_under_heavy_preemption() -> None:
     for _ in range(20_000):
         if not s.has_work:
             break
-        plan, result = step(s)
+        plan, result = run_step(s)
         assert plan.num_scheduled_tokens, "every step with work makes progress"
         for request in result.finished:
             finished[request.req_id] = len(request.output_token_ids)
+            # the stand-in counts on from the prompt's 5s: a resumed request's outputs went on unchanged
+            assert request.output_token_ids == list(range(6, 6 + len(request.output_token_ids)))
     assert finished == lengths  # every request finished with exactly its max_tokens outputs
     assert s.num_preemptions > 0
     assert s.kv_cache.num_free_blocks == 24 and s.kv_cache.usage == 0

@@ -74,7 +74,6 @@ class FamilyModel:
                 if hasattr(config.vision_config, name):
                     setattr(config.vision_config, name, 0)
         model = self.hf_class.from_pretrained(model_dir, config=config, dtype=dtype)
-        self.parts = parts
         self.hf_model = model.to(device).eval()
         self.config = model.config
         self.device = device

@@ -13,10 +13,13 @@ import string
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedConfig, PreTrainedModel
+
+ModelT = TypeVar("ModelT", bound=PreTrainedModel)
 
 # The tokenizer's training corpus: fixed (not seeded by the caller), so every seed shares one tokenizer.
 _CORPUS_SEED = 0
@@ -99,7 +102,7 @@ def write_checkpoint(out_dir: str | Path, write: Callable[[Path], None]) -> Path
     return out_path
 
 
-def construct(model_class: Callable[[object], torch.nn.Module], config: object) -> torch.nn.Module:
+def construct(model_class: type[ModelT], config: PreTrainedConfig) -> ModelT:
     """The model from its config; the constructor's throwaway init must not touch the global RNG."""
     with torch.random.fork_rng(devices=[]):
         return model_class(config)
@@ -162,4 +165,4 @@ def init_weights(
                     gain = row_gains.reshape(-1, *([1] * (param.dim() - 1)))
                 fan_in = param[0].numel()
                 param.copy_(torch.randn(param.shape, generator=gen) * (gain / fan_in**0.5))
-        model.lm_head.weight[silent_token_ids] = 0.0
+        model.get_parameter("lm_head.weight")[silent_token_ids] = 0.0

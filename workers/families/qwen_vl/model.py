@@ -5,8 +5,11 @@ levels kept together with the main embeddings as one [num_tokens, levels, hidden
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from transformers import (
+    PreTrainedModel,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
@@ -17,7 +20,7 @@ from workers.families.model import FamilyModel, RequestPositions
 
 
 class QwenVLModel(FamilyModel):
-    hf_class = Qwen2VLForConditionalGeneration
+    hf_class: ClassVar[type[PreTrainedModel]] = Qwen2VLForConditionalGeneration
 
     @property
     def merge_size(self) -> int:

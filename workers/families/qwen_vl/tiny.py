@@ -20,6 +20,7 @@ import torch
 from tokenizers import Regex, normalizers, pre_tokenizers
 from transformers import (
     GenerationConfig,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -120,8 +121,8 @@ QWEN3_CHAT_TEMPLATE = _RENDER_CONTENT + _QWEN3_TURNS
 
 @dataclass(frozen=True)
 class _Family:
-    config_class: type
-    model_class: type
+    config_class: type[Qwen2VLConfig | Qwen2_5_VLConfig | Qwen3VLConfig]
+    model_class: type[PreTrainedModel]
     processor_class: str  # the stock processor a real checkpoint names (it needs torchvision for video)
     chat_template: str
     patch_size: int
@@ -134,11 +135,12 @@ class _Family:
     text: dict[str, Any]
 
 
+CLIP_MEAN, CLIP_STD = tuple(OPENAI_CLIP_MEAN), tuple(OPENAI_CLIP_STD)  # Qwen2 and Qwen2.5 normalize as CLIP
 _QWEN2_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 12845056}  # 4..16384 tokens of 28x28 px
 FAMILIES: dict[str, _Family] = {
     "qwen2_vl": _Family(
         Qwen2VLConfig, Qwen2VLForConditionalGeneration, "Qwen2VLProcessor", QWEN2_CHAT_TEMPLATE,
-        patch_size=14, **_QWEN2_PIXELS, image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD,
+        patch_size=14, **_QWEN2_PIXELS, image_mean=CLIP_MEAN, image_std=CLIP_STD,
         vision={"depth": 2, "embed_dim": 64, "hidden_size": 128, "num_heads": 4, "mlp_ratio": 4},
         # the real [16, 24, 24] of head_dim 128, scaled to 32
         rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e6},
@@ -146,7 +148,7 @@ FAMILIES: dict[str, _Family] = {
     ),
     "qwen2_5_vl": _Family(
         Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, "Qwen2_5_VLProcessor", QWEN2_CHAT_TEMPLATE,
-        patch_size=14, **_QWEN2_PIXELS, image_mean=OPENAI_CLIP_MEAN, image_std=OPENAI_CLIP_STD,
+        patch_size=14, **_QWEN2_PIXELS, image_mean=CLIP_MEAN, image_std=CLIP_STD,
         # window_size 112 px = 4x4 merged tokens per window; blocks 1 and 3 attend over the whole image
         vision={"depth": 4, "hidden_size": 64, "out_hidden_size": 128, "intermediate_size": 128,
                 "num_heads": 4, "window_size": 112, "fullatt_block_indexes": [1, 3]},
@@ -191,7 +193,8 @@ def _write(out_path: Path, spec: _Family, seed: int) -> None:
         image_mean=list(spec.image_mean),
         image_std=list(spec.image_std),
     )
-    image_processor.processor_class = spec.processor_class
+    # saved like every attribute of an image processor, though transformers declares no such one
+    image_processor.processor_class = spec.processor_class  # type: ignore[attr-defined]
     image_processor.save_pretrained(out_path)
 
     model = construct(spec.model_class, _build_config(spec, tokenizer))
@@ -246,7 +249,9 @@ def _build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def _build_config(spec: _Family, tokenizer: PreTrainedTokenizerFast) -> Any:
+def _build_config(
+    spec: _Family, tokenizer: PreTrainedTokenizerFast
+) -> Qwen2VLConfig | Qwen2_5_VLConfig | Qwen3VLConfig:
     vocab = tokenizer.get_vocab()
     text_config = {
         "vocab_size": len(tokenizer),

@@ -1,0 +1,494 @@
+"""The tests' one stand-in for the worker process: it follows the engine⇄worker protocol
+(``engine/protocol.py``) without a model, keeping the worker's books and refusing what it refuses.
+
+    in process   EngineCore ──execute(SchedulerOutput, tensor frames)──▶ StandinWorker (an Executor)
+    over ZeroMQ  WorkerClient (ROUTER) ──[SchedulerOutput, frames...]──▶ serve(): DEALER, StandinWorker
+                              ◀──[WorkerReady | RunnerOutput | WorkerError]──
+                 serve() runs in a thread (``serving``) or as ``python -m tests.standin_worker ADDR``
+
+A step runs as in ``ModelRunner.execute`` (workers/model_runner.py), in its order, bytes for tensors:
+drops (unknown ids ignored); additions, checked first; ``ec_meta`` loads from ``ec_store``; "encoding"
+(``pixel_values`` in a valid frame or shm chunk; output ``b"output of " + mm_hash``); a producer's
+saves; each scheduled chunk checked (request known and not preempted, tokens uncomputed, KV slots in its
+blocks, the encoder outputs its placeholders need held), then advanced, sampling where the step computed
+the last known token. A contradiction raises ``StepError``, as in the worker; stricter than the worker
+(the engine must never ask it): encoding or loading an item already held, saving one not held.
+
+Tokens: ``next_token(req_id, token_ids)``, by default the last token + 1 modulo ``vocab_size`` (a prompt
+ending in 19 goes on 20, 21, ... whatever the batch, step or preemption); no min_tokens masking (the
+scheduler's stop rules are under test). Logprobs, when asked: the sampled token at ``SAMPLED_LOGPROB``;
+top k: the sampled token and the ids after it, each 1.0 lower.
+
+Failures: over ZeroMQ each is a ``WorkerError`` reply and serving goes on (as workers/worker_main.py).
+In process ``execute`` raises what ``WorkerClient`` would (``WorkerFailed``, ``WorkerLost``), but
+``StepError`` as is: the engine has a bug, and the test must fail rather than see a 500.
+
+Options (keyword arguments; "steps" are step ids):
+    num_kv_blocks, block_size, has_vision_tower, has_language_model   what ``ready`` announces
+    next_token, vocab_size          the token rule
+    ec_store, ec_role               the encoder-cache connector's store and role (None: none)
+    encoder_seconds, forward_seconds   the timings reported for a step that encoded / computed tokens
+    fail_steps {step: message}      the step fails (a CUDA error) at ``fail_stage``: "forward" (after
+                                    its loads, encodes and saves) or "encoder" (before any of them)
+    lose_steps                      the worker dies on receiving the step (nothing of it applied)
+    delay_s {step: seconds}         the reply comes that late
+    drop_replies                    the step runs but is never answered (in process: a timeout)
+    undecodable_steps               answered as if frame 0 could not be decoded
+    misnumber_replies               every reply carries step id + this (a protocol violation)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import msgspec
+import zmq
+
+from engine.ec_store import ECRole, ECStore, ECStoreError
+from engine.executor import WorkerFailed, WorkerLost
+from engine.protocol import (
+    UNDECODABLE_STEP_ID,
+    ECConnectorMeta,
+    ECStepStats,
+    EncoderInput,
+    Logprob,
+    MMFeature,
+    NewRequestData,
+    ResumedRequestData,
+    RunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+    TensorRef,
+    TokenLogprobs,
+    WorkerError,
+    WorkerReady,
+    WorkerShutdown,
+    decode_worker_inbound,
+    encode,
+)
+from engine.shm_ring import ShmRingReader
+
+VOCAB_SIZE = 32_000
+SAMPLED_LOGPROB = -0.5
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1}
+
+NextToken = Callable[[str, Sequence[int]], int]
+Buffer = Any  # bytes, memoryview, zmq frame buffers
+
+
+class StepError(ValueError):
+    """The step contradicts the stand-in's books (as ``workers.model_runner.StepError``)."""
+
+
+@dataclass
+class RequestState:
+    """The worker's books for one request (``workers.model_runner.RequestState`` without tensors)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt, then every token sampled for it
+    mm_features: list[MMFeature]
+    sampling: SamplingParams
+    block_ids: list[int] | None  # None while preempted
+    num_computed_tokens: int
+
+
+class Step(NamedTuple):
+    sched: SchedulerOutput
+    frames: list[bytes]  # its tensor frames (frame 1 first)
+
+
+class StandinWorker:
+    def __init__(
+        self,
+        *,
+        num_kv_blocks: int = 1024,
+        block_size: int = 16,
+        has_vision_tower: bool = True,
+        has_language_model: bool = True,
+        next_token: NextToken | None = None,
+        vocab_size: int = VOCAB_SIZE,
+        ec_store: ECStore | None = None,
+        ec_role: ECRole | None = None,
+        encoder_seconds: float = 0.0,
+        forward_seconds: float = 0.0,
+        fail_steps: Mapping[int, str] | None = None,
+        fail_stage: Literal["encoder", "forward"] = "forward",
+        lose_steps: Collection[int] = (),
+        delay_s: Mapping[int, float] | None = None,
+        drop_replies: Collection[int] = (),
+        undecodable_steps: Collection[int] = (),
+        misnumber_replies: int = 0,
+    ) -> None:
+        self.ready = WorkerReady(
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=num_kv_blocks if has_language_model else 0,
+            block_size=block_size,
+            has_vision_tower=has_vision_tower,
+            has_language_model=has_language_model,
+        )
+        self.vocab_size = vocab_size
+        self.next_token = next_token or self.count_up
+        assert (ec_store is None) == (ec_role is None), "a connector needs its store and its role"
+        self.ec_store, self.ec_role = ec_store, ec_role
+        self.encoder_seconds, self.forward_seconds = encoder_seconds, forward_seconds
+        self.fail_steps, self.fail_stage = dict(fail_steps or {}), fail_stage
+        self.lose_steps, self.drop_replies = set(lose_steps), set(drop_replies)
+        self.delay_s = dict(delay_s or {})
+        self.undecodable_steps = set(undecodable_steps)
+        self.misnumber_replies = misnumber_replies
+
+        self.requests: dict[str, RequestState] = {}
+        self.outputs: dict[str, bytes] = {}  # the encoder store
+        self.steps: list[Step] = []  # every step received, in order
+        self.errors: list[str] = []  # over ZeroMQ: the StepErrors answered as WorkerError
+        self.dead = False  # a lose_steps step arrived
+        self._shm_reader: ShmRingReader | None = None
+
+    def count_up(self, req_id: str, token_ids: Sequence[int]) -> int:
+        """The default token rule: the request's last token + 1, modulo ``vocab_size``."""
+        return (token_ids[-1] + 1) % self.vocab_size
+
+    # ------------------------------------------------------------------ what tests read
+
+    @property
+    def received_step_ids(self) -> list[int]:
+        return [step.sched.step_id for step in self.steps]
+
+    @property
+    def encoder_inputs(self) -> list[str]:
+        """The mm_hashes sent to encode, over all steps, in order."""
+        return [enc.mm_hash for step in self.steps for enc in step.sched.encoder_inputs]
+
+    @property
+    def tensor_frames(self) -> list[bytes]:
+        return [frame for step in self.steps for frame in step.frames]
+
+    # ------------------------------------------------------------------ the Executor
+
+    def execute(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> RunnerOutput:
+        """``engine.executor.Executor``: ``frames`` are the step's tensor frames (``TensorRef.frame``
+        1 is ``frames[0]``). Raises what ``WorkerClient`` would, and ``StepError`` (see the module)."""
+        reply = self.handle(sched, frames)
+        if self.dead:
+            raise WorkerLost("the worker's connection closed (stand-in: lose_steps)")
+        if reply is None:
+            raise WorkerFailed(f"worker did not answer step {sched.step_id} (stand-in: drop_replies)")
+        if isinstance(reply, WorkerError):
+            raise WorkerFailed(
+                f"worker failed step {sched.step_id}: {reply.message}", reply.unavailable_mm_hashes
+            )
+        return reply
+
+    def handle(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> RunnerOutput | WorkerError | None:
+        """One step as the worker process answers it; None: no answer (dropped, or ``dead``)."""
+        self.steps.append(Step(sched, [bytes(f) for f in frames]))
+        if sched.step_id in self.lose_steps:
+            self.dead = True
+            return None
+        reply: RunnerOutput | WorkerError
+        if sched.step_id in self.undecodable_steps:
+            reply = WorkerError(UNDECODABLE_STEP_ID, "undecodable message (stand-in: undecodable_steps)")
+        else:
+            try:
+                reply = self._run(sched, frames)
+            except WorkerFailed as exc:
+                reply = WorkerError(sched.step_id, str(exc), exc.unavailable_mm_hashes)
+        time.sleep(self.delay_s.get(sched.step_id, 0.0))
+        if sched.step_id in self.drop_replies:
+            return None
+        if self.misnumber_replies and reply.step_id != UNDECODABLE_STEP_ID:
+            reply = msgspec.structs.replace(reply, step_id=reply.step_id + self.misnumber_replies)
+        return reply
+
+    def close(self) -> None:
+        if self._shm_reader is not None:
+            self._shm_reader.close()
+
+    # ------------------------------------------------------------------ one step
+
+    def _run(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> RunnerOutput:
+        self._apply_decisions(sched)
+        failure = self.fail_steps.get(sched.step_id)
+        if failure is not None and self.fail_stage == "encoder":
+            raise WorkerFailed(failure)
+        num_encoded, ec_stats = self._load_and_encode(sched, frames)
+        if failure is not None:
+            raise WorkerFailed(failure)
+        to_sample: list[RequestState] = []
+        if self.ready.has_language_model:
+            to_sample = self._advance_chunks(sched.num_scheduled_tokens)
+        elif any(sched.num_scheduled_tokens.values()):
+            raise StepError("tokens scheduled on an encoder-only worker (it has no language model)")
+        for req in to_sample:
+            req.token_ids.append(self.next_token(req.req_id, req.token_ids) % self.vocab_size)
+        return RunnerOutput(
+            step_id=sched.step_id,
+            req_ids=[req.req_id for req in to_sample],
+            sampled_token_ids=[req.token_ids[-1] for req in to_sample],
+            logprobs=[self._logprobs(req.sampling, req.token_ids[-1]) for req in to_sample],
+            num_encoded_items=num_encoded,
+            encoder_seconds=self.encoder_seconds if num_encoded else 0.0,
+            forward_seconds=self.forward_seconds if any(sched.num_scheduled_tokens.values()) else 0.0,
+            ec_stats=ec_stats,
+        )
+
+    def _apply_decisions(self, sched: SchedulerOutput) -> None:
+        for mm_hash in sched.free_mm_hashes:
+            self.outputs.pop(mm_hash, None)
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in sched.preempted_req_ids:
+            if (req := self.requests.get(req_id)) is not None:
+                req.block_ids, req.num_computed_tokens = None, 0
+        self._check_additions(sched)
+        for resumed in sched.resumed_requests:
+            req = self.requests[resumed.req_id]
+            req.block_ids, req.num_computed_tokens = list(resumed.block_ids), resumed.num_computed_tokens
+        for new in sched.new_requests:
+            self.requests[new.req_id] = RequestState(
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids),
+                mm_features=list(new.mm_features),
+                sampling=new.sampling,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+            )
+        for req_id, block_ids in sched.new_block_ids.items():
+            table = self.requests[req_id].block_ids
+            assert table is not None  # checked
+            table.extend(block_ids)
+
+    def _check_additions(self, sched: SchedulerOutput) -> None:
+        if not self.ready.has_language_model and (
+            sched.new_requests or sched.resumed_requests or sched.new_block_ids
+        ):
+            raise StepError("requests sent to an encoder-only worker (it has no language model)")
+        for resumed in sched.resumed_requests:
+            req = self.requests.get(resumed.req_id)
+            if req is None or req.block_ids is not None:
+                state = "unknown" if req is None else "not preempted"
+                raise StepError(f"request {resumed.req_id!r} is resumed but {state} on this worker")
+            self._check_blocks(resumed.req_id, resumed.block_ids)
+            self._check_num_computed(resumed, len(req.token_ids))
+        new_ids: set[str] = set()
+        for new in sched.new_requests:
+            if new.req_id in self.requests or new.req_id in new_ids:
+                raise StepError(f"request {new.req_id!r} is already running on this worker")
+            new_ids.add(new.req_id)
+            for feat in new.mm_features:
+                if feat.offset < 0 or feat.offset + feat.num_tokens > len(new.prompt_token_ids):
+                    raise StepError(
+                        f"mm item {feat.mm_hash!r} at {feat.offset}+{feat.num_tokens} is outside the prompt"
+                    )
+            self._check_blocks(new.req_id, new.block_ids)
+            self._check_num_computed(new, len(new.prompt_token_ids))
+        added = new_ids | {r.req_id for r in sched.resumed_requests}
+        for req_id, block_ids in sched.new_block_ids.items():
+            req = self.requests.get(req_id)
+            if req_id not in added and (req is None or req.block_ids is None):
+                state = "unknown" if req is None else "preempted"
+                raise StepError(f"request {req_id!r} gets new blocks but is {state} on this worker")
+            self._check_blocks(req_id, block_ids)
+
+    def _check_blocks(self, req_id: str, block_ids: Sequence[int]) -> None:
+        if bad := [b for b in block_ids if not 0 <= b < self.ready.num_kv_blocks]:
+            raise StepError(
+                f"request {req_id!r}: block ids {bad} outside the pool of {self.ready.num_kv_blocks}"
+            )
+
+    def _check_num_computed(self, data: NewRequestData | ResumedRequestData, num_tokens: int) -> None:
+        num_computed, num_slots = data.num_computed_tokens, len(data.block_ids) * self.ready.block_size
+        if not 0 <= num_computed < num_tokens or num_computed > num_slots:
+            raise StepError(
+                f"request {data.req_id!r}: {num_computed} computed tokens of {num_tokens}, {num_slots} slots"
+            )
+
+    def _load_and_encode(
+        self, sched: SchedulerOutput, frames: Sequence[Buffer]
+    ) -> tuple[int, ECStepStats | None]:
+        inputs = list(sched.encoder_inputs)
+        if self.ec_store is None or self.ec_role is None:
+            return self._encode(inputs, frames), None
+        counts: Counter[str] = Counter()
+        meta = sched.ec_meta if sched.ec_meta is not None else ECConnectorMeta()
+        failed = []
+        for mm_hash in meta.load_mm_hashes:
+            self._check_not_held(mm_hash, "load")
+            with contextlib.suppress(ECStoreError):
+                if (value := self.ec_store.get(mm_hash)) is not None:
+                    self.outputs[mm_hash] = value
+                    counts.update(num_loads=1, load_bytes=len(value))
+                    continue
+            counts["num_load_failures"] += 1
+            failed.append(mm_hash)
+        loaded = set(meta.load_mm_hashes) - set(failed)
+        inputs = [item for item in inputs if item.mm_hash not in loaded]
+        unavailable = sorted(set(failed) - {item.mm_hash for item in inputs})
+        if unavailable:
+            raise WorkerFailed(
+                f"encoder outputs not in the store and no vision tower here: {unavailable}", unavailable
+            )
+        counts["num_fallback_encodes"] += len(failed)
+        num_encoded = self._encode(inputs, frames)
+        if self.ec_role.saves:
+            for mm_hash in dict.fromkeys([*(item.mm_hash for item in inputs), *meta.save_mm_hashes]):
+                if mm_hash not in self.outputs:
+                    raise StepError(f"asked to save {mm_hash!r}, which this worker does not hold")
+                stored = False
+                with contextlib.suppress(ECStoreError):
+                    stored = self.ec_store.put(mm_hash, self.outputs[mm_hash])
+                if stored:
+                    counts.update(num_saves=1, save_bytes=len(self.outputs[mm_hash]))
+                else:
+                    counts["num_save_failures"] += 1
+        if not any(counts.values()):
+            return num_encoded, None
+        return num_encoded, ECStepStats(**counts, load_seconds=[0.0] * counts["num_loads"])
+
+    def _encode(self, inputs: Sequence[EncoderInput], frames: Sequence[Buffer]) -> int:
+        if inputs and not self.ready.has_vision_tower:
+            raise StepError("items to encode on a worker without a vision tower (--language-model-only)")
+        seen: set[str] = set()
+        for item in inputs:
+            self._check_not_held(item.mm_hash, "encode")
+            if item.mm_hash in seen:
+                raise StepError(f"mm item {item.mm_hash!r} sent to encode twice in one step")
+            seen.add(item.mm_hash)
+            names = item.shm.tensors if item.shm is not None else item.tensors
+            if item.modality != "image" or "pixel_values" not in names:
+                raise StepError(f"cannot encode {item.modality!r} item {item.mm_hash!r} with {sorted(names)}")
+            if item.shm is not None:
+                self._shm_reader = self._shm_reader or ShmRingReader()
+                if (problem := self._shm_reader.check(item.shm)) is not None:
+                    raise StepError(f"mm item {item.mm_hash!r}: {problem}")
+            for name, ref in item.tensors.items():
+                self._check_frame(f"{item.mm_hash!r}/{name}", ref, frames)
+        for item in inputs:
+            self.outputs[item.mm_hash] = f"output of {item.mm_hash}".encode()
+        return len(inputs)
+
+    def _check_not_held(self, mm_hash: str, what: str) -> None:
+        if mm_hash in self.outputs:
+            raise StepError(f"asked to {what} {mm_hash!r}, which this worker already holds")
+
+    @staticmethod
+    def _check_frame(what: str, ref: TensorRef, frames: Sequence[Buffer]) -> None:
+        if not 1 <= ref.frame <= len(frames):
+            raise StepError(f"{what}: tensor frame {ref.frame} not among the step's {len(frames)} frames")
+        if (itemsize := DTYPE_BYTES.get(ref.dtype)) is None:
+            raise StepError(f"{what}: unsupported tensor dtype {ref.dtype!r}")
+        expected, nbytes = itemsize * math.prod(ref.shape), memoryview(frames[ref.frame - 1]).nbytes
+        if nbytes != expected:
+            raise StepError(f"{what}: frame {ref.frame} holds {nbytes} bytes, {ref.shape} needs {expected}")
+
+    def _advance_chunks(self, num_scheduled_tokens: Mapping[str, int]) -> list[RequestState]:
+        """Checks every scheduled chunk, then advances them all; returns the requests that sample."""
+        chunks = []
+        for req_id, num_new_tokens in num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.block_ids is None:
+                state = "unknown" if req is None else "preempted (no blocks)"
+                raise StepError(f"request {req_id!r} is scheduled but {state} on this worker")
+            start, num_slots = req.num_computed_tokens, len(req.block_ids) * self.ready.block_size
+            end = start + num_new_tokens
+            if not start < end <= len(req.token_ids):
+                num_known = len(req.token_ids) - start
+                raise StepError(
+                    f"request {req_id!r} scheduled {num_new_tokens} tokens, {num_known} are computable"
+                )
+            if end > num_slots:
+                raise StepError(f"request {req_id!r} needs {end} KV slots, its blocks hold {num_slots}")
+            needed = {
+                f.mm_hash for f in req.mm_features if f.offset < end and f.offset + f.num_tokens > start
+            }
+            if missing := sorted(needed - self.outputs.keys()):
+                raise StepError(f"request {req_id!r} needs the encoder output of {missing}, not held here")
+            chunks.append((req, end))
+        for req, end in chunks:  # all checked: the step's state changes only now
+            req.num_computed_tokens = end
+        return [req for req, end in chunks if end == len(req.token_ids)]
+
+    def _logprobs(self, sampling: SamplingParams, token: int) -> TokenLogprobs | None:
+        if sampling.num_top_logprobs is None:
+            return None
+        top = [
+            Logprob((token + i) % self.vocab_size, SAMPLED_LOGPROB - i)
+            for i in range(sampling.num_top_logprobs)
+        ]
+        return TokenLogprobs(Logprob(token, SAMPLED_LOGPROB), top)
+
+
+# ---------------------------------------------------------------------- over ZeroMQ
+
+
+def serve(worker: StandinWorker, addr: str, stop: threading.Event) -> None:
+    """``workers/worker_main.py``'s loop around ``worker``: a DEALER connects to ``addr``, says
+    ``worker.ready`` and answers each step, until ``WorkerShutdown``, ``stop``, or a ``lose_steps``
+    step (the socket closes unanswered, so the engine sees the connection drop)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(addr)
+        sock.send(encode(worker.ready))
+        while not stop.is_set():
+            if not sock.poll(20):
+                continue
+            parts = sock.recv_multipart(copy=False)
+            try:
+                msg = decode_worker_inbound(parts[0].buffer)
+            except msgspec.MsgspecError as exc:
+                sock.send(encode(WorkerError(UNDECODABLE_STEP_ID, str(exc))))
+                continue
+            if isinstance(msg, WorkerShutdown):
+                return
+            reply: RunnerOutput | WorkerError | None
+            try:
+                reply = worker.handle(msg, [part.buffer for part in parts[1:]])
+            except Exception as exc:  # as the worker does: answered, and serving goes on
+                worker.errors.append(f"step {msg.step_id}: {type(exc).__name__}: {exc}")
+                reply = WorkerError(msg.step_id, f"{type(exc).__name__}: {exc}")
+            if worker.dead:
+                return
+            if reply is not None:
+                sock.send(encode(reply))
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        worker.close()
+
+
+@contextlib.contextmanager
+def serving(worker: StandinWorker, addr: str) -> Iterator[StandinWorker]:
+    """``serve`` in a thread for the duration of the block; yields ``worker``."""
+    stop = threading.Event()
+    thread = threading.Thread(target=serve, args=(worker, addr, stop), daemon=True)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def main() -> None:
+    """``python -m tests.standin_worker ADDR [--drop-replies STEP ...]``: the stand-in as a process of its
+    own (for tests that SIGKILL it)."""
+    parser = argparse.ArgumentParser(description="the tests' stand-in worker")
+    parser.add_argument("addr")
+    parser.add_argument("--drop-replies", type=int, nargs="*", default=[], metavar="STEP")
+    args = parser.parse_args()
+    serve(StandinWorker(drop_replies=args.drop_replies), args.addr, threading.Event())
+
+
+if __name__ == "__main__":
+    main()

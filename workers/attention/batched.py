@@ -1,0 +1,127 @@
+"""The portable batched backend (CPU and CUDA): the step's spans run as two padded batches, one
+``scaled_dot_product_attention`` call each per layer, whatever the number of requests.
+
+    decodes  (1 new token each)   q [B, heads, 1, d]     x  K/V [B, kv_heads, Lmax, d]
+    prefills (chunks, resumes)    q [B, heads, Qmax, d]  x  K/V [B, kv_heads, Lmax, d]
+
+Everything that depends only on the step is built once, before the first layer, and copied to the
+device in one transfer: each batch's query rows (which of the step's tokens, padded), each span's
+block table (padded with block 0), which rows are real, and an additive mask (query i of a span at
+position past + i sees keys 0..past + i and none of the padding). Per layer a batch is then one gather
+of K and one of V from the pool, whole blocks at a time (a few large copies instead of one per token:
+several times faster), one attention call and one scatter of the real rows back into the step's token
+order. Decodes and prefills are separate batches so a long
+prefill chunk does not pad every decode to its length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.attention.base import SeqSpan, StepAttention, slot_matrix, write_slots
+from workers.kv_pool import KVPool
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Spans attended together. Indices are flat: row r of span b is ``b * num_queries + r``."""
+
+    num_spans: int
+    num_queries: int  # Qmax
+    num_keys: int  # Lmax: the longest span's keys, rounded up to whole blocks
+    query_tokens: torch.Tensor  # [B * Qmax]: the step's token index of each query row (padding: a real one)
+    real_rows: torch.Tensor  # [n]: flat rows that are real queries
+    real_tokens: torch.Tensor  # [n]: the step's token index of each of them
+    key_blocks: torch.Tensor  # [B * Lmax / block_size]: each span's block table, padded with block 0
+    mask: torch.Tensor  # [B, 1, Qmax, Lmax] additive (0 or -inf), the query's dtype
+
+
+class BatchedAttention(StepAttention):
+    def __init__(self, pool: KVPool, spans: list[SeqSpan], device: torch.device, dtype: torch.dtype) -> None:
+        starts, start = [], 0
+        for span in spans:
+            starts.append(start)
+            start += span.num_new_tokens
+        decodes = [i for i, s in enumerate(spans) if s.num_new_tokens == 1]
+        prefills = [i for i, s in enumerate(spans) if s.num_new_tokens > 1]
+        host: list[torch.Tensor] = []
+        plans = [_plan(pool, spans, starts, group, host) for group in (decodes, prefills) if group]
+        all_slots = slot_matrix(spans, pool.block_size, max(s.num_kv_tokens for s in spans))
+        host.append(write_slots(spans, all_slots))
+        parts = iter(torch.cat([t.flatten() for t in host]).to(device).split([t.numel() for t in host]))
+        self.batches = []
+        for num_spans, num_queries, num_keys in plans:
+            query_tokens, real_rows, real_tokens, key_blocks, last_key = (next(parts) for _ in range(5))
+            self.batches.append(
+                _Batch(
+                    num_spans,
+                    num_queries,
+                    num_keys,
+                    query_tokens,
+                    real_rows,
+                    real_tokens,
+                    key_blocks,
+                    _additive_mask(last_key.view(num_spans, num_queries), num_keys, dtype),
+                )
+            )
+        super().__init__(pool, spans, next(parts))
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        num_heads, num_tokens, head_dim = query.shape
+        out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+        k_blocks, v_blocks = self.pool.blocks(layer_idx, 0), self.pool.blocks(layer_idx, 1)
+        num_kv_heads = self.pool.kv.shape[3]
+        for b in self.batches:
+            q = query.index_select(1, b.query_tokens).view(num_heads, b.num_spans, b.num_queries, head_dim)
+            k = k_blocks.index_select(0, b.key_blocks).view(b.num_spans, b.num_keys, num_kv_heads, head_dim)
+            v = v_blocks.index_select(0, b.key_blocks).view(b.num_spans, b.num_keys, num_kv_heads, head_dim)
+            o = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=b.mask,
+                scale=scaling,
+                enable_gqa=num_heads != num_kv_heads,
+            )  # [B, heads, Qmax, d]
+            rows = o.transpose(1, 2).reshape(b.num_spans * b.num_queries, num_heads, head_dim)
+            out.index_copy_(0, b.real_tokens, rows.index_select(0, b.real_rows))
+        return out
+
+
+def _plan(
+    pool: KVPool, spans: list[SeqSpan], starts: list[int], group: list[int], host: list[torch.Tensor]
+) -> tuple[int, int, int]:
+    """Appends one batch's host tensors to ``host`` (query tokens, real rows, real tokens, key slots,
+    each query row's last visible key); returns (B, Qmax, Lmax)."""
+    members = [spans[i] for i in group]
+    num_queries = max(s.num_new_tokens for s in members)
+    block_size = pool.block_size
+    num_blocks = -(-max(s.num_kv_tokens for s in members) // block_size)
+    num_keys = num_blocks * block_size
+    new = torch.tensor([s.num_new_tokens for s in members], dtype=torch.long)
+    past = torch.tensor([s.num_past_tokens for s in members], dtype=torch.long)
+    first = torch.tensor([starts[i] for i in group], dtype=torch.long)
+    row = torch.arange(num_queries, dtype=torch.long)
+    real = row.unsqueeze(0) < new.unsqueeze(1)  # [B, Qmax]
+    # a padding row repeats the span's first query and sees what it sees: never an empty row
+    query_tokens = first.unsqueeze(1) + torch.where(real, row.unsqueeze(0), 0)
+    last_key = past.unsqueeze(1) + torch.where(real, row.unsqueeze(0), 0)  # query i sees keys 0..past + i
+    real_rows = real.flatten().nonzero().squeeze(1)
+    key_blocks = torch.zeros(len(members), num_blocks, dtype=torch.long)
+    for index, span in enumerate(members):
+        table = span.block_ids[: -(-span.num_kv_tokens // block_size)]
+        key_blocks[index, : len(table)] = torch.tensor(table, dtype=torch.long)
+    host += [query_tokens, real_rows, query_tokens.flatten()[real_rows], key_blocks, last_key]
+    return len(members), num_queries, num_keys
+
+
+def _additive_mask(last_key: torch.Tensor, num_keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, Qmax, Lmax]: 0 where key j <= ``last_key[b, i]``, -inf elsewhere (padding keys included,
+    since a real query's last key is below its span's key count)."""
+    keys = torch.arange(num_keys, device=last_key.device)
+    visible = keys.view(1, 1, -1) <= last_key.unsqueeze(2)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=last_key.device)
+    return mask.masked_fill_(~visible, float("-inf")).unsqueeze(1)

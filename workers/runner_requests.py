@@ -1,0 +1,136 @@
+"""The worker's view of its requests, and the checks a step passes before it changes any of them.
+
+The worker tracks, per request, its tokens, how many of them have K/V in its blocks, its block table
+and its positions; everything else comes from the engine's ``SchedulerOutput``. A step that contradicts
+that state (an unknown request, blocks outside the pool, more tokens than are known) raises
+``StepError`` before anything changes, so a failed step leaves every request as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.protocol import MMFeature, NewRequestData, ResumedRequestData, SamplingParams, SchedulerOutput
+from workers.attention import SeqSpan
+from workers.families.model import RequestPositions
+
+PromptPositions = Callable[[int, list[MMFeature]], RequestPositions]  # the family's, from placements
+
+
+class StepError(ValueError):
+    """The step contradicts the worker's state (unknown request, too many tokens, bad placement)."""
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]  # prompt, then every token sampled for it
+    num_prompt_tokens: int
+    mm_features: list[MMFeature]
+    sampling: SamplingParams
+    generator: torch.Generator
+    block_ids: list[int] | None  # None while preempted: the engine took its blocks back
+    positions: RequestPositions  # rotary positions of its tokens, fixed by the prompt
+    num_computed_tokens: int = 0  # leading tokens whose K/V is in its blocks
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class Pool:
+    """What the checks need of the KV pool: its size (None: no language model, so no pool)."""
+
+    num_blocks: int | None
+    block_size: int
+
+
+def check_additions(
+    sched: SchedulerOutput, requests: dict[str, RequestState], pool: Pool, prompt_positions: PromptPositions
+) -> dict[str, RequestPositions]:
+    """Raises StepError before any state changes; returns the new requests' positions (built from
+    their placements, which checks them too)."""
+    positions: dict[str, RequestPositions] = {}
+    if pool.num_blocks is None and (sched.new_requests or sched.resumed_requests or sched.new_block_ids):
+        raise StepError("requests sent to an encoder-only worker (it has no language model)")
+    for resumed in sched.resumed_requests:
+        req = requests.get(resumed.req_id)
+        if req is None or req.block_ids is not None:
+            state = "unknown" if req is None else "not preempted"
+            raise StepError(f"request {resumed.req_id!r} is resumed but {state} on this worker")
+        _check_blocks(resumed.req_id, resumed.block_ids, pool)
+        _check_num_computed(resumed, len(req.token_ids), pool)
+    new_ids = set()
+    for new in sched.new_requests:
+        if new.req_id in requests or new.req_id in new_ids:
+            raise StepError(f"request {new.req_id!r} is already running on this worker")
+        new_ids.add(new.req_id)
+        for feat in new.mm_features:
+            if feat.offset < 0 or feat.offset + feat.num_tokens > len(new.prompt_token_ids):
+                raise StepError(
+                    f"mm item {feat.mm_hash!r} at {feat.offset}+{feat.num_tokens} is outside the prompt"
+                )
+        try:
+            positions[new.req_id] = prompt_positions(len(new.prompt_token_ids), list(new.mm_features))
+        except ValueError as exc:
+            raise StepError(f"request {new.req_id!r}: {exc}") from exc
+        _check_blocks(new.req_id, new.block_ids, pool)
+        _check_num_computed(new, len(new.prompt_token_ids), pool)
+    resumed_ids = {r.req_id for r in sched.resumed_requests}
+    for req_id, block_ids in sched.new_block_ids.items():
+        req = requests.get(req_id)
+        if req_id not in new_ids | resumed_ids and (req is None or req.block_ids is None):
+            state = "unknown" if req is None else "preempted"
+            raise StepError(f"request {req_id!r} gets new blocks but is {state} on this worker")
+        _check_blocks(req_id, block_ids, pool)
+    return positions
+
+
+def _check_blocks(req_id: str, block_ids: list[int], pool: Pool) -> None:
+    assert pool.num_blocks is not None  # (checked first: no blocks without a pool)
+    bad = [b for b in block_ids if not 0 <= b < pool.num_blocks]
+    if bad:
+        raise StepError(f"request {req_id!r}: block ids {bad} outside the pool of {pool.num_blocks}")
+
+
+def _check_num_computed(data: NewRequestData | ResumedRequestData, num_tokens: int, pool: Pool) -> None:
+    # At least one token is left to compute: sampling needs the logits of the last one.
+    if not 0 <= data.num_computed_tokens < num_tokens:
+        raise StepError(
+            f"request {data.req_id!r}: {data.num_computed_tokens} computed tokens of {num_tokens}"
+        )
+    if data.num_computed_tokens > len(data.block_ids) * pool.block_size:
+        raise StepError(
+            f"request {data.req_id!r}: {data.num_computed_tokens} computed tokens but only "
+            f"{len(data.block_ids)} blocks"
+        )
+
+
+def step_spans(
+    num_scheduled_tokens: dict[str, int], requests: dict[str, RequestState], block_size: int
+) -> list[SeqSpan]:
+    """Each scheduled request's slice of the step, checked against what it knows and the blocks it has."""
+    spans = []
+    for req_id, num_new_tokens in num_scheduled_tokens.items():
+        req = requests.get(req_id)
+        if req is None:
+            raise StepError(f"request {req_id!r} is scheduled but unknown to this worker")
+        if req.block_ids is None:
+            raise StepError(f"request {req_id!r} is scheduled but preempted (no blocks) on this worker")
+        num_known = len(req.token_ids) - req.num_computed_tokens
+        if not 0 < num_new_tokens <= num_known:
+            raise StepError(
+                f"request {req_id!r} scheduled {num_new_tokens} tokens, {num_known} are computable"
+            )
+        num_tokens = req.num_computed_tokens + num_new_tokens
+        if num_tokens > len(req.block_ids) * block_size:
+            raise StepError(
+                f"request {req_id!r} needs {num_tokens} KV slots, its {len(req.block_ids)} blocks "
+                f"hold {len(req.block_ids) * block_size}"
+            )
+        spans.append(SeqSpan(req_id, req.num_computed_tokens, num_new_tokens, req.block_ids))
+    return spans

@@ -1,0 +1,55 @@
+"""A step's input embeddings: token embeddings with each image placeholder position replaced by its
+row of the item's encoder output (what transformers does with ``masked_scatter``), sliced at chunk
+boundaries; and, for families whose outputs have deeper levels (Qwen3-VL's deepstack), those levels'
+rows for the same positions."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.attention import SeqSpan
+from workers.encoder_store import EncoderStore
+from workers.paged_lm import Deepstack
+from workers.runner_requests import RequestState, StepError
+
+
+def step_embeddings(
+    embed_tokens: nn.Module,
+    token_ids: list[int],
+    spans: list[SeqSpan],
+    requests: dict[str, RequestState],
+    encoder_store: EncoderStore,
+    device: torch.device,
+) -> tuple[torch.Tensor, Deepstack | None]:
+    """[len(token_ids), hidden] embeddings of the step's tokens (ordered as ``spans``), and the
+    deepstack inputs where the encoder outputs have deeper levels."""
+    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    embeds = embed_tokens(ids)
+    deep_rows: list[torch.Tensor] = []
+    deep_mask = torch.zeros(len(token_ids), dtype=torch.bool)
+    base = 0
+    for span in spans:
+        start, end = span.num_past_tokens, span.num_past_tokens + span.num_new_tokens
+        for feat in sorted(requests[span.req_id].mm_features, key=lambda f: f.offset):
+            lo, hi = max(start, feat.offset), min(end, feat.offset + feat.num_tokens)
+            if lo >= hi:
+                continue
+            output = encoder_store.get(feat.mm_hash)
+            if output.shape[0] != feat.num_tokens:
+                raise StepError(
+                    f"mm item {feat.mm_hash!r} has {output.shape[0]} embeddings, "
+                    f"its placement {feat.num_tokens}"
+                )
+            rows = output[lo - feat.offset : hi - feat.offset]
+            if rows.ndim == 3:  # [rows, levels, hidden]
+                deep_rows.append(rows[:, 1:])
+                deep_mask[base + lo - start : base + hi - start] = True
+                rows = rows[:, 0]
+            embeds[base + lo - start : base + hi - start] = rows.to(embeds.dtype)
+        base += span.num_new_tokens
+    if not deep_rows:
+        return embeds, None
+    # Placements were visited in token order, so the rows line up with the mask's True positions.
+    levels = torch.cat(deep_rows).to(embeds.dtype).unbind(dim=1)
+    return embeds, Deepstack(mask=deep_mask.to(device), levels=list(levels))
