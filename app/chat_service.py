@@ -72,7 +72,7 @@ class ChatService:
         arrival = time.time()
         req_id = f"chatcmpl-{uuid.uuid4().hex}"
         prepared = await self.inputs.prepare(body.messages, body.mm_processor_kwargs or {})
-        queue, first = await self._submit(body, prepared, req_id, arrival)
+        queue, first = await self._submit(body, prepared, req_id)
         self.metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
         gen = Generation(
             req_id=req_id,
@@ -127,7 +127,7 @@ class ChatService:
         )
 
     async def _submit(
-        self, body: ChatCompletionRequest, prepared: PreparedRequest, req_id: str, arrival: float
+        self, body: ChatCompletionRequest, prepared: PreparedRequest, req_id: str
     ) -> tuple[asyncio.Queue[RequestOutput | EngineGone], RequestOutput]:
         """Resolves, sends and waits for the first output; re-sends with payloads if the engine lacked an
         item the mirror claimed, or found an shm reference stale (the safety net, counted, normally never
@@ -138,7 +138,7 @@ class ChatService:
                 while queue is None:
                     await self.inputs.resolve(prepared)
                     sampling = self._sampling(body, len(prepared.prompt_token_ids))
-                    queue = self.inputs.submit(prepared, req_id, sampling, arrival)
+                    queue = self.inputs.submit(prepared, req_id, sampling)
             finally:
                 self.inputs.release_pins(prepared)
             try:

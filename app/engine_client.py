@@ -166,7 +166,6 @@ class EngineClient:
         req_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
-        arrival_time: float,
         items: Sequence[OutgoingItem],
     ) -> asyncio.Queue[RequestOutput | EngineGone] | None:
         """Stage 7 of the request path, in one synchronous step (docs/architecture.md, "IPC mirror",
@@ -217,7 +216,6 @@ class EngineClient:
                 sampling=sampling,
                 mm_features=features,
                 evicted_mm_hashes=evicted,
-                arrival_time=arrival_time,
             )
             queue = self._add_request(msg, frames)
             self.metrics.ipc_payload_bytes.inc(payload_bytes)

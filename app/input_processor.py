@@ -314,7 +314,7 @@ class InputProcessor:
     # -- stage 7 ----------------------------------------------------------------------------------
 
     def submit(
-        self, prepared: PreparedRequest, req_id: str, sampling: SamplingParams, arrival_time: float
+        self, prepared: PreparedRequest, req_id: str, sampling: SamplingParams
     ) -> asyncio.Queue[RequestOutput | EngineGone] | None:
         """Hands the request to ``EngineClient.send_request``, which decides what crosses the pipe and
         sends it in one synchronous step (no ``await``), and releases the mirror pins.
@@ -329,7 +329,7 @@ class InputProcessor:
             placement = MMFeature(image.mm_hash, offset, image.num_tokens, shm=shm, grid_thw=image.grid_thw)
             items.append(OutgoingItem(placement, image.item, image.pinned))
         try:
-            queue = self.engine.send_request(req_id, prepared.prompt_token_ids, sampling, arrival_time, items)
+            queue = self.engine.send_request(req_id, prepared.prompt_token_ids, sampling, items)
         finally:
             for image in prepared.images:  # send_request released the pins, sent or not
                 image.pinned = False

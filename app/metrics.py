@@ -45,8 +45,8 @@ ENGINE_COUNTERS = {
     "num_preemptions_total": "Requests preempted (KV freed, recomputed later) because KV blocks ran out.",
     "mm_ipc_cache_resends_total": "Items the receiver cache lacked though the mirror said cached (stays 0).",
     "engine_failed_steps_total": "Engine steps the worker failed or did not answer in time.",
-    "worker_busy_seconds_total": "Seconds the worker spent on engine steps, from sending a step to its "
-    "reply (its rate is the worker's busy fraction).",
+    "worker_busy_seconds_total": "Seconds the worker spent on engine steps, as it reports them (its rate "
+    "is the worker's busy fraction).",
     "worker_losses_total": "Times the engine lost its worker (the process died or disconnected).",
     "worker_stale_replies_total": "Late worker replies to an earlier step, discarded.",
     "mm_shm_stale_refs_total": "Shared-memory references the engine found stale; re-sent with payload.",

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 import setproctitle
+import torch
 
 from app.errors import InternalError, MMServeError
 from app.media import decode_image
@@ -98,6 +99,8 @@ def child_main(model: str, api_pid: int, conn: Connection) -> None:
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setproctitle.setproctitle("mmserve: preprocess")
+    # one image at a time per process: a second OpenMP thread would only spin on a core the worker needs
+    torch.set_num_threads(1)
     family = load_processing(model)  # on failure: a traceback in the log, EOF for the API
     try:
         conn.send_bytes(encoder.encode(Loaded()))

@@ -58,7 +58,7 @@ def create_app(
         media = MediaFetcher(MediaPolicy.from_settings(settings), http)
         inputs = InputProcessor(settings, family, processor_cache, engine, metrics, media, pool)
         chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics)
-        app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, http, drain)
+        app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, drain)
         try:
             await pool.start()
             await engine.start()

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated
 
-import httpx
 from fastapi import Depends, Request
 
 from app.chat_service import ChatService
@@ -22,7 +21,6 @@ class ApiState:
     metrics: ApiMetrics
     engine: EngineClient
     chat: ChatService
-    http: httpx.AsyncClient
     drain: Drain
 
 

@@ -37,13 +37,7 @@ from app.url_policy import MediaPolicy
 from engine.protocol import AddRequest, EngineReady, Hello, SamplingParams, decode_engine_inbound, encode
 from workers.families import load_processing
 
-READY = EngineReady(
-    epoch="bench",
-    max_model_len=4096,
-    max_num_batched_tokens=2048,
-    encoder_cache_tokens=8192,
-    encoder_compute_budget_tokens=2048,
-)
+READY = EngineReady(epoch="bench")
 
 
 class ByteSink:
@@ -90,7 +84,7 @@ async def one_request(inputs: InputProcessor, url: str, req_id: str) -> float:
     queue = None
     while queue is None:
         await inputs.resolve(prepared)
-        queue = inputs.submit(prepared, req_id, SamplingParams(max_tokens=1), time.time())
+        queue = inputs.submit(prepared, req_id, SamplingParams(max_tokens=1))
     elapsed = time.perf_counter() - start
     inputs.engine.release(req_id, abort=False)
     return elapsed

@@ -12,10 +12,10 @@ store. A step the worker fails (``WorkerFailed``) ends the step's requests with 
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgspec
 
@@ -47,6 +47,16 @@ from engine.stats import EngineMetrics
 log = logging.getLogger(__name__)
 
 Outputs = dict[bytes, list[RequestOutput]]  # client identity -> its outputs of this step
+
+
+@dataclass
+class Launched:
+    """A step sent to the worker (``sent``), or one with nothing to run; ``outputs``: for requests
+    that ended while it was scheduled."""
+
+    plan: StepPlan
+    outputs: dict[bytes, list[RequestOutput]]
+    sent: bool = False
 
 
 def item_from_wire(feature: MMFeature, frames: Sequence[memoryview]) -> MMItem | None:
@@ -136,7 +146,6 @@ class EngineCore:
                 sampling=msg.sampling,
                 mm_features=[msgspec.structs.replace(f, tensors=None, store=False) for f in msg.mm_features],
                 mm_items=mm_items,
-                arrival_time=msg.arrival_time or time.time(),
             )
         )
         return {}
@@ -205,26 +214,39 @@ class EngineCore:
         return self.scheduler.has_work
 
     def step(self) -> Outputs:
-        """One engine step: schedule → execute on the worker → postprocess (or, when the worker failed
-        the step, roll it back and fail its requests). Raises ``WorkerLost``."""
+        """One engine step: ``launch`` then ``finish``. Raises ``WorkerLost``."""
+        return self.finish(self.launch())
+
+    def launch(self) -> Launched:
+        """Schedules a step and sends it to the worker, without waiting for the reply: until ``finish``
+        the caller may publish outputs and take in messages (new requests wait for the next step;
+        aborts and cache resets only release what the step does not need before it ends). Raises
+        ``WorkerLost``."""
         plan = self.scheduler.schedule()
-        outputs: Outputs = defaultdict(list)
+        launched = Launched(plan, defaultdict(list))
         for request in plan.unavailable:  # ended before the step: nothing here can produce its embeddings
-            outputs[request.client].append(_unavailable_output(request.req_id))
+            launched.outputs[request.client].append(_unavailable_output(request.req_id))
         if plan.is_empty and not (plan.free_mm_hashes or plan.finished_req_ids or plan.preempted_req_ids):
-            return dict(outputs)
+            return launched
         sched, frames = to_scheduler_output(plan, self.scheduler.kv_cache)
-        sent = time.perf_counter()
+        self.executor.send(sched, frames)
+        launched.sent = True
+        return launched
+
+    def finish(self, launched: Launched) -> Outputs:
+        """Waits for the launched step's reply, then postprocesses (or, when the worker failed the step,
+        rolls it back and fails its requests). Raises ``WorkerLost``."""
+        plan, outputs = launched.plan, launched.outputs
+        if not launched.sent:
+            return dict(outputs)
         try:
-            runner_output = self.executor.execute(sched, frames)
+            runner_output = self.executor.wait(plan.step_id)
         except WorkerLost:
             raise
         except WorkerFailed as exc:
             for client, failed in self._fail_step(plan, exc).items():
                 outputs[client] += failed
             return dict(outputs)
-        finally:
-            self.metrics.count("worker_busy_seconds_total", time.perf_counter() - sent)
         result = self.scheduler.postprocess(plan, runner_output)
         self.metrics.record_step(plan, runner_output)
 
@@ -245,7 +267,7 @@ class EngineCore:
                     num_cached_tokens=request.num_cached_tokens,
                 )
             )
-        return outputs
+        return dict(outputs)
 
     def _fail_step(self, plan: StepPlan, exc: WorkerFailed) -> Outputs:
         log.error("step %d failed: %s", plan.step_id, exc)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from collections import deque
 
+from engine.admission import AdmissionError, queue_full_error
 from engine.ec_connector import ECConnectorScheduler
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
 from engine.protocol import FinishReason, RunnerOutput
 from engine.request import MMItem, Request, RequestStatus
-from engine.scheduler import AdmissionError, SchedulerConfig, StepPlan, StepResult, queue_full_error
+from engine.scheduler import SchedulerConfig, StepPlan, StepResult
 
 
 class EncodeOnlyScheduler:

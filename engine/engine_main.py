@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import zmq
 
 from engine.config import EngineConfig
-from engine.core import EngineCore, Outputs
+from engine.core import EngineCore, Launched, Outputs
 from engine.ec_connector import ECConnectorScheduler
 from engine.ec_store.reconnecting import ReconnectingStore
 from engine.executor import WorkerLost
@@ -67,6 +67,7 @@ class EngineServer:
         for sock in (self.api_sock, self.worker.sock, self.worker.monitor):
             self._poller.register(sock, zmq.POLLIN)
         self._core: EngineCore | None = None  # built once a worker says how large its KV pool is
+        self._launched: Launched | None = None  # the step in flight on the worker
         self.clients: dict[bytes, float] = {}  # identity -> last time it sent anything
         self.running = True
         self.draining = False  # Drain: new requests are refused, held ones run on
@@ -86,14 +87,7 @@ class EngineServer:
         return self._core is not None and self._core.has_work
 
     def ready_message(self) -> EngineReady:
-        c = self.config.scheduler
-        return EngineReady(
-            epoch=self.core.epoch,
-            max_model_len=c.max_model_len,
-            max_num_batched_tokens=c.max_num_batched_tokens,
-            encoder_cache_tokens=c.encoder_cache_tokens,
-            encoder_compute_budget_tokens=c.encoder_compute_budget_tokens,
-        )
+        return EngineReady(epoch=self.core.epoch)
 
     def serve(self) -> None:
         log.info(
@@ -116,7 +110,12 @@ class EngineServer:
                 self.running = False
 
     def _advance(self) -> None:
-        """One turn of the loop after the inbox: adopt a worker, or run a step, or idle work."""
+        """One turn of the loop after the inbox: adopt a worker, or finish the step in flight and
+        launch the next, or launch one, or idle work.
+
+        A step's outputs are published after the next step went out, and the inbox is read while it
+        runs: the worker does not wait for either (a request that arrives meanwhile joins the step
+        after). Only one step is in flight: the next is scheduled from the previous one's results."""
         if self._core is None:
             ready = self.worker.poll_ready(timeout_s=0)
             if ready is not None:
@@ -124,10 +123,17 @@ class EngineServer:
             elif self._stop_when_idle:
                 self.running = False
             return
+        if self._launched is not None:
+            launched, self._launched = self._launched, None
+            outputs = self._core.finish(launched)
+            if self._core.has_work:
+                self._launch(self._core)
+            self._publish(outputs, with_stats=True)
+            self._stats_dirty = False
+            return
         self.worker.check()
         if self._core.has_work:
-            self._publish(self._core.step(), with_stats=True)
-            self._stats_dirty = False
+            self._launch(self._core)
         elif self._stop_when_idle:
             log.info("drained: stopping")
             self.running = False
@@ -136,6 +142,14 @@ class EngineServer:
             self._stats_dirty = False
         else:
             self._forget_silent_clients()
+
+    def _launch(self, core: EngineCore) -> None:
+        launched = core.launch()
+        if launched.sent:
+            self._launched = launched
+        else:  # nothing to run; requests that ended while it was scheduled hear it now
+            self._publish(core.finish(launched), with_stats=True)
+            self._stats_dirty = False
 
     def _start_core(self, ready: WorkerReady) -> None:
         """A fresh core for a new worker: empty caches, new epoch; every known API hears of it at
@@ -176,6 +190,7 @@ class EngineServer:
             code="worker_unavailable",
             http_status=503,
         )
+        self._launched = None
         self._publish(self.core.fail_all(error), with_stats=True)
         for client in self.clients:
             self._send(client, EngineDead(f"worker lost: {reason}"))

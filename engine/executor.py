@@ -1,6 +1,8 @@
 """What ``EngineCore`` needs from whatever runs its steps: the worker client, or a test double.
 
-``execute`` either returns the step's ``RunnerOutput`` or raises:
+``send`` hands a step over without waiting, so the engine can publish the previous step's outputs and
+read its inbox while the worker computes; ``wait`` then returns that step's ``RunnerOutput`` or raises
+(``send`` raises ``WorkerLost`` only):
 
 - ``WorkerFailed``: this step did not complete (the worker answered ``WorkerError``, or did not answer
   in time). The worker is still there; the engine fails the step's requests and rolls back what the
@@ -32,4 +34,6 @@ class WorkerLost(WorkerFailed):
 
 
 class Executor(Protocol):
-    def execute(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> RunnerOutput: ...
+    def send(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> None: ...
+
+    def wait(self, step_id: int) -> RunnerOutput: ...

@@ -105,7 +105,6 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     sampling: SamplingParams
     mm_features: list[MMFeature] = []
     evicted_mm_hashes: list[str] = []
-    arrival_time: float = 0.0
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
@@ -184,10 +183,6 @@ class EngineOutputs(msgspec.Struct, frozen=True, tag="outputs"):
 
 class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
     epoch: str  # new for every engine start; a new epoch empties the API's mirror
-    max_model_len: int
-    max_num_batched_tokens: int
-    encoder_cache_tokens: int
-    encoder_compute_budget_tokens: int
 
 
 class EngineDead(msgspec.Struct, frozen=True, tag="dead"):
@@ -311,6 +306,7 @@ class RunnerOutput(msgspec.Struct, frozen=True, tag="runner"):
     num_encoded_items: int
     encoder_seconds: float
     forward_seconds: float
+    step_seconds: float = 0.0  # the worker's whole time on the step, from receiving it to replying
     ec_stats: ECStepStats | None = None
 
 

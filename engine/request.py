@@ -40,7 +40,6 @@ class Request:
     sampling: SamplingParams
     mm_features: list[MMFeature]  # placements (tensors stripped)
     mm_items: dict[str, MMItem]  # mm_hash -> item, resolved at admission
-    arrival_time: float
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission

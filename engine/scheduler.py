@@ -6,7 +6,9 @@ tensors (block bookkeeping is the ``KVCacheManager``'s, encoder bookkeeping the
 A step is ``schedule()`` → the worker runs it → ``postprocess(runner_output)``, or ``fail_step()`` when
 the worker did not complete it (the step's requests end; what it would have written is forgotten by
 the prefix and encoder caches; its drops are sent again). Requests join (from
-``waiting``) and leave (finished, aborted) between steps; all running requests advance together. When
+``waiting``) when a step is scheduled and may leave (aborted) while one runs: ``postprocess`` skips
+what the step computed for them; all running requests advance together. Admission checks are
+``engine.admission``'s. When
 KV blocks run out, the most recently admitted running request is preempted: its blocks are freed, it
 goes back to the front of the queue and is recomputed later (outputs already produced are kept).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+from engine.admission import AdmissionError, admission_error
 from engine.block_pool import BlockHash
 from engine.config import SchedulerOptions
 from engine.ec_connector import ECConnectorScheduler
@@ -45,26 +48,6 @@ class SchedulerConfig(SchedulerOptions):
             block_size=block_size,
             can_encode=can_encode,
         )
-
-
-@dataclass(frozen=True)
-class AdmissionError:
-    message: str
-    code: str  # OpenAI-style error code
-    http_status: int = 400
-
-
-def queue_full_error(config: SchedulerConfig, num_waiting: int) -> AdmissionError | None:
-    """429 when ``num_waiting`` requests already wait (``--max-waiting-requests``)."""
-    limit = config.max_waiting_requests
-    if limit is None or num_waiting < limit:
-        return None
-    return AdmissionError(
-        f"The server is busy: {num_waiting} requests are waiting (--max-waiting-requests {limit}). "
-        "Retry shortly.",
-        "too_many_requests",
-        http_status=429,
-    )
 
 
 @dataclass
@@ -129,48 +112,10 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
 
     def admission_error(self, prompt_len: int, max_tokens: int, mm_sizes: list[int]) -> AdmissionError | None:
-        """Why a request is refused (checked before it is queued), or None: it could never run (400),
-        or the waiting queue is full (429; requests already queued are never dropped for a new one)."""
-        busy = queue_full_error(self.config, self.num_waiting)
-        if busy is not None:
-            return busy
-        if prompt_len + max_tokens > self.config.max_model_len:
-            return AdmissionError(
-                f"This model's maximum context length is {self.config.max_model_len} tokens. However, "
-                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
-                f"{max_tokens} in the completion).",
-                "context_length_exceeded",
-            )
-        kv_pool_tokens = self.config.num_kv_blocks * self.config.block_size
-        if prompt_len + max_tokens > kv_pool_tokens:
-            return AdmissionError(
-                f"The request needs up to {prompt_len + max_tokens} tokens of KV cache ({prompt_len} in the "
-                f"messages, {max_tokens} in the completion), more than the whole KV pool holds "
-                f"({kv_pool_tokens} tokens).",
-                "kv_cache_exceeded",
-            )
-        for num_tokens in mm_sizes:
-            flag = self._budget_below(num_tokens)
-            if flag is not None:
-                return AdmissionError(
-                    f"An image of this request needs {num_tokens} encoder tokens, more than {flag} "
-                    f"allows; raise {flag} to at least {num_tokens} (or send a smaller image or "
-                    "mm_processor_kwargs.max_pixels).",
-                    "mm_item_too_large",
-                )
-        return None
-
-    def _budget_below(self, num_tokens: int) -> str | None:
-        """The flag whose budget an item of ``num_tokens`` embeddings exceeds (it could never be
-        scheduled: one item is encoded whole, in one step), or None."""
-        c = self.config
-        if num_tokens > c.encoder_compute_budget_tokens:
-            return f"--encoder-compute-budget-tokens ({c.encoder_compute_budget_tokens})"
-        if self.encoder_cache.enabled and num_tokens > c.encoder_cache_tokens:
-            return f"--encoder-cache-tokens ({c.encoder_cache_tokens})"
-        if c.disable_chunked_mm_input and num_tokens > c.max_num_batched_tokens:
-            return f"--max-num-batched-tokens ({c.max_num_batched_tokens}) with --disable-chunked-mm-input"
-        return None
+        """Why a request is refused before it is queued, or None (``engine.admission``)."""
+        return admission_error(
+            self.config, self.num_waiting, self.encoder_cache.enabled, prompt_len, max_tokens, mm_sizes
+        )
 
     def add_request(self, request: Request) -> None:
         self.requests[request.req_id] = request

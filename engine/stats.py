@@ -27,6 +27,7 @@ class EngineMetrics:
     def record_step(self, plan: StepPlan, output: RunnerOutput) -> None:
         """Called after every step that ran on the worker."""
         self.count("engine_steps_total")
+        self.count("worker_busy_seconds_total", output.step_seconds)
         self.count("encoder_runs_total", output.num_encoded_items)
         if plan.num_scheduled_tokens:
             self._observations["num_requests_per_step"].append(len(plan.num_scheduled_tokens))

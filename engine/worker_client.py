@@ -63,6 +63,7 @@ class WorkerClient:
         self._lost: str | None = None  # why the current worker is gone, until forget_worker()
         self._next_ready: tuple[bytes, int | None, WorkerReady] | None = None
         self.num_stale_replies = 0
+        self._deadline = 0.0  # of the step in flight
 
     def poll_ready(self, timeout_s: float) -> WorkerReady | None:
         """Waits up to ``timeout_s`` for a worker to connect and say WorkerReady (a new process after a
@@ -92,8 +93,13 @@ class WorkerClient:
         self._raise_if_lost()
 
     def execute(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> RunnerOutput:
-        """Sends the step and waits for its reply: ``WorkerFailed`` on ``WorkerError`` or after
-        ``step_timeout_s``, ``WorkerLost`` as soon as the worker's connection closes."""
+        """``send`` then ``wait``."""
+        self.send(sched, frames)
+        return self.wait(sched.step_id)
+
+    def send(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> None:
+        """Sends the step (no step may be in flight: its reply would be discarded as stray);
+        ``WorkerLost`` if the worker is gone."""
         self.check()
         assert self.worker_id is not None, "poll_ready() first"
         try:
@@ -101,15 +107,19 @@ class WorkerClient:
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer's pipe is gone
             self._lost = f"cannot send step {sched.step_id}: {exc}"
             self._raise_if_lost()
-        deadline = time.monotonic() + self.step_timeout_s
+        self._deadline = time.monotonic() + self.step_timeout_s
+
+    def wait(self, step_id: int) -> RunnerOutput:
+        """The reply to the step ``send`` sent: ``WorkerFailed`` on ``WorkerError`` or after
+        ``step_timeout_s`` from its send, ``WorkerLost`` as soon as the worker's connection closes."""
         while True:
-            if not self._wait(deadline):
-                raise WorkerFailed(f"worker did not answer step {sched.step_id} in {self.step_timeout_s:g}s")
             self._read_monitor()
-            reply = self._read_replies(expected_step_id=sched.step_id)
+            reply = self._read_replies(expected_step_id=step_id)
             if reply is not None:
                 return reply
             self._raise_if_lost()
+            if not self._wait(self._deadline):
+                raise WorkerFailed(f"worker did not answer step {step_id} in {self.step_timeout_s:g}s")
 
     def shutdown(self) -> None:
         if self.worker_id is not None:

@@ -1,7 +1,7 @@
 """The tests' one stand-in for the worker process: it follows the engine⇄worker protocol
 (``engine/protocol.py``) without a model, keeping the worker's books and refusing what it refuses.
 
-    in process   EngineCore ──execute(SchedulerOutput, tensor frames)──▶ StandinWorker (an Executor)
+    in process   EngineCore ──send(SchedulerOutput, frames), wait(step id)──▶ StandinWorker (an Executor)
     over ZeroMQ  WorkerClient (ROUTER) ──[SchedulerOutput, frames...]──▶ serve(): DEALER, StandinWorker
                               ◀──[WorkerReady | RunnerOutput | WorkerError]──
                  serve() runs in a thread (``serving``) or as ``python -m tests.standin_worker ADDR``
@@ -31,7 +31,7 @@ Options (keyword arguments; "steps" are step ids):
     fail_steps {step: message}      the step fails (a CUDA error) at ``fail_stage``: "forward" (after
                                     its loads, encodes and saves) or "encoder" (before any of them)
     lose_steps                      the worker dies on receiving the step (nothing of it applied)
-    delay_s {step: seconds}         the reply comes that late
+    delay_s {step: seconds}         the reply comes that late, reporting that many step_seconds
     drop_replies                    the step runs but is never answered (in process: a timeout)
     undecodable_steps               answered as if frame 0 could not be decoded
     misnumber_replies               every reply carries step id + this (a protocol violation)
@@ -151,6 +151,7 @@ class StandinWorker:
         self.steps: list[Step] = []  # every step received, in order
         self.errors: list[str] = []  # over ZeroMQ: the StepErrors answered as WorkerError
         self.dead = False  # a lose_steps step arrived
+        self._sent: tuple[int, RunnerOutput | Exception] | None = None  # send's outcome, until wait
         self._shm_reader: ShmRingReader | None = None
 
     def count_up(self, req_id: str, token_ids: Sequence[int]) -> int:
@@ -174,8 +175,28 @@ class StandinWorker:
 
     # ------------------------------------------------------------------ the Executor
 
+    def send(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> None:
+        """``engine.executor.Executor``: runs the step at once; ``wait`` gives its outcome. A step sent
+        while another is unanswered is a bug in the engine (``StepError``)."""
+        if self._sent is not None:
+            raise StepError(f"step {sched.step_id} sent while step {self._sent[0]} is unanswered")
+        try:
+            outcome: RunnerOutput | Exception = self.execute(sched, frames)
+        except WorkerLost:
+            raise  # send reports a lost worker at once, as WorkerClient does for a closed pipe
+        except WorkerFailed as exc:
+            outcome = exc
+        self._sent = (sched.step_id, outcome)
+
+    def wait(self, step_id: int) -> RunnerOutput:
+        assert self._sent is not None and self._sent[0] == step_id, f"step {step_id} was not sent"
+        outcome, self._sent = self._sent[1], None
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
     def execute(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> RunnerOutput:
-        """``engine.executor.Executor``: ``frames`` are the step's tensor frames (``TensorRef.frame``
+        """One step, send and wait in one: ``frames`` are the step's tensor frames (``TensorRef.frame``
         1 is ``frames[0]``). Raises what ``WorkerClient`` would, and ``StepError`` (see the module)."""
         reply = self.handle(sched, frames)
         if self.dead:
@@ -202,7 +223,10 @@ class StandinWorker:
                 reply = self._run(sched, frames)
             except WorkerFailed as exc:
                 reply = WorkerError(sched.step_id, str(exc), exc.unavailable_mm_hashes)
-        time.sleep(self.delay_s.get(sched.step_id, 0.0))
+        delay_s = self.delay_s.get(sched.step_id, 0.0)
+        time.sleep(delay_s)
+        if isinstance(reply, RunnerOutput) and delay_s:  # busy all that time, as far as the engine knows
+            reply = msgspec.structs.replace(reply, step_seconds=delay_s)
         if sched.step_id in self.drop_replies:
             return None
         if self.misnumber_replies and reply.step_id != UNDECODABLE_STEP_ID:

@@ -155,6 +155,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> RunnerOutput:
         """Run one step. ``frames`` is the whole multipart message (indexed by ``TensorRef.frame``;
         frame 0, the message itself, is not read)."""
+        received = time.perf_counter()
         self._apply_decisions(sched)
 
         start = time.perf_counter()
@@ -178,6 +179,7 @@ class ModelRunner:
             num_encoded_items=num_encoded_items,
             encoder_seconds=encoded - start,
             forward_seconds=done - encoded,
+            step_seconds=time.perf_counter() - received,
             ec_stats=self.ec_connector.take_stats() if self.ec_connector is not None else None,
         )
 

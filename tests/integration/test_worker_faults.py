@@ -15,22 +15,16 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import zmq
 
 from engine.protocol import (
     AddRequest,
     Drain,
-    EngineDead,
-    EngineOutputs,
-    EngineReady,
-    EngineStats,
-    Hello,
     RequestOutput,
     SamplingParams,
     Shutdown,
-    decode_engine_outbound,
     encode,
 )
+from tests.api_peer import ApiPeer, tokens
 from tests.integration.fake_engine import Prompt
 from tests.integration.runner_support import greedy
 from workers.frames import tensor_to_frame
@@ -65,46 +59,7 @@ class Role:
         self.proc.wait(30)
 
 
-class Api:
-    """What the API process does on the engine socket, synchronously."""
-
-    def __init__(self, addr: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(addr)
-        self.dead: list[EngineDead] = []
-        self.received: dict[str, list[RequestOutput]] = {}
-        self.stats: EngineStats | None = None
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
-
-    def recv(self, timeout_s: float) -> EngineOutputs | EngineReady | EngineDead | None:
-        if not self.sock.poll(int(timeout_s * 1000)):
-            return None
-        msg = decode_engine_outbound(self.sock.recv_multipart()[0])
-        if isinstance(msg, EngineDead):
-            self.dead.append(msg)
-        if isinstance(msg, EngineOutputs):
-            self.stats = msg.stats or self.stats
-            for output in msg.outputs:
-                self.received.setdefault(output.req_id, []).append(output)
-        return msg
-
-    def wait_ready(self, timeout_s: float) -> EngineReady | None:
-        """Says Hello every 0.5 s until an EngineReady arrives."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            self.sock.send(encode(Hello()))
-            end = min(deadline, time.monotonic() + 0.5)
-            while (left := end - time.monotonic()) > 0:
-                msg = self.recv(left)
-                if isinstance(msg, EngineReady):
-                    return msg
-        return None
-
+class Api(ApiPeer):
     def submit(self, req_id: str, prompt: Prompt, sampling: SamplingParams) -> None:
         """With the image's pixels (store=True), as after a mirror miss."""
         frames, features = [], []
@@ -129,10 +84,6 @@ class Api:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{req_id}: no end within {timeout_s}s: {got}")
             self.recv(0.05)
-
-
-def tokens(outputs: list[RequestOutput]) -> list[int]:
-    return [t for o in outputs for t in o.new_token_ids]
 
 
 @pytest.fixture

@@ -52,7 +52,6 @@ def make_request(
             h: MMItem("image", n, {"pixel_values": ("uint8", (4,))}, {"pixel_values": PIXEL_BYTES})
             for h, _, n in images
         },
-        arrival_time=0.0,
     )
 
 

@@ -27,13 +27,7 @@ from workers.families.processing import ProcessedItem
 ITEM = ProcessedItem(
     tensors={"pixel_values": torch.arange(48, dtype=torch.float32).reshape(1, 3, 4, 4)}, num_tokens=16
 )
-READY = EngineReady(
-    epoch="e1",
-    max_model_len=4096,
-    max_num_batched_tokens=2048,
-    encoder_cache_tokens=8192,
-    encoder_compute_budget_tokens=2048,
-)
+READY = EngineReady(epoch="e1")
 SAMPLING = SamplingParams(max_tokens=4)
 
 
@@ -50,7 +44,7 @@ class Client:
         self.sent.append((msg, list(frames)))  # the tensor frames: frames[0] is the message's frame 1
 
     def send(self, req_id: str, *items: OutgoingItem) -> asyncio.Queue[Any] | None:
-        return self.engine.send_request(req_id, [1, 2, 3], SAMPLING, 0.0, list(items))
+        return self.engine.send_request(req_id, [1, 2, 3], SAMPLING, list(items))
 
     def last_request(self) -> tuple[AddRequest, list[memoryview]]:
         msg, frames = self.sent[-1]
