@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine
+.PHONY: setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -67,6 +67,11 @@ bench-input-scale: setup model
 bench-ec: setup
 	$(PY) bench/bench_ec.py
 
-# ~18 min: issue 10's loads on HEAD, 7786cb7 and vLLM's CPU peer (if set up), one server at a time
+# ~11 min: issue 10's loads on HEAD, 7786cb7 and vLLM's CPU peer (if set up), one server at a time
 bench-engine: setup model
 	$(PY) bench/bench_engine.py --model $(MODEL)
+
+# ~2 min: the worker's LM forward on one step per attention backend (glibc's malloc and the worker's),
+# and the kernel candidates (SDPA with a mask, flex_attention)
+bench-attention: setup model
+	$(PY) bench/bench_attention.py --model $(MODEL)
