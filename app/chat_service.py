@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -83,7 +84,7 @@ class ChatService:
             want_logprobs=bool(body.logprobs),
             detok=IncrementalDetokenizer(self.tokenizer, stop=body.stop),
         )
-        outputs = _chain(first, queue)
+        outputs = request_outputs(first, queue)
         if body.stream:
             return StreamingResponse(
                 self._stream(gen, outputs, body.include_usage), media_type="text/event-stream"
@@ -211,16 +212,41 @@ class ChatService:
             self.engine.release(gen.req_id, abort=gen.finish_reason is None)
 
 
-async def _chain(
+async def request_outputs(
     first: RequestOutput, queue: asyncio.Queue[RequestOutput | EngineGone]
 ) -> AsyncIterator[RequestOutput]:
+    """The request's outputs in order. Outputs that queued up while the consumer was busy (the API
+    behind the engine under load) come out merged into one, as vLLM's output collector does: one SSE
+    chunk and one detokenizer call for several tokens instead of one each, so a busy API does less
+    work per token rather than falling further behind. A failure is never merged: it comes after the
+    outputs before it."""
     yield first
-    while first.finish_reason is None:
-        out = await queue.get()
+    if first.finish_reason is not None:
+        return
+    pending: RequestOutput | EngineGone | None = None
+    while True:
+        out = pending if pending is not None else await queue.get()
+        pending = None
         if isinstance(out, EngineGone):
             raise EngineUnavailableError(out.reason)
         if out.error is not None:  # e.g. the worker died or its step failed under the request
             raise error_from_engine(out.error)
+        while out.finish_reason is None and not queue.empty():
+            following = queue.get_nowait()
+            if isinstance(following, EngineGone) or following.error is not None:
+                pending = following
+                break
+            out = merged(out, following)
         yield out
         if out.finish_reason is not None:
             return
+
+
+def merged(out: RequestOutput, following: RequestOutput) -> RequestOutput:
+    """``out`` then ``following`` (the same request's next output) as one output."""
+    logprobs = None
+    if out.logprobs is not None or following.logprobs is not None:
+        logprobs = [*(out.logprobs or []), *(following.logprobs or [])]
+    return msgspec.structs.replace(
+        following, new_token_ids=[*out.new_token_ids, *following.new_token_ids], logprobs=logprobs
+    )

@@ -46,19 +46,25 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(samples)
 
 
-def step_shapes() -> dict[str, list[tuple[int, int]]]:
-    """name -> [(num_past_tokens, num_new_tokens) per request]."""
+SHARED_PREFIX_TOKENS = 576  # a LLaVA image's prompt: the blocks requests for the same image share
+
+
+def step_shapes() -> dict[str, list[tuple[int, int, int | None]]]:
+    """name -> [(num_past_tokens, num_new_tokens, image) per request]: requests with the same ``image``
+    share the blocks of their first ``SHARED_PREFIX_TOKENS`` tokens (prefix-cache hits), None: no one."""
     return {
-        "16 decodes, 600-token contexts": [(600, 1)] * 16,
-        "64 decodes, 600-token contexts": [(600, 1)] * 64,
-        "16 decodes, 40-token contexts": [(40, 1)] * 16,
-        "64 decodes, 40-token contexts": [(40, 1)] * 64,
-        "512-token chunk + 15 decodes": [(0, 512)] + [(600, 1)] * 15,
+        "16 decodes, 600-token contexts": [(600, 1, None)] * 16,
+        "16 decodes, 600, 8 shared images": [(600, 1, i % 8) for i in range(16)],
+        "64 decodes, 600-token contexts": [(600, 1, None)] * 64,
+        "64 decodes, 600, 8 shared images": [(600, 1, i % 8) for i in range(64)],
+        "16 decodes, 40-token contexts": [(40, 1, None)] * 16,
+        "64 decodes, 40-token contexts": [(40, 1, None)] * 64,
+        "512-token chunk + 15 decodes": [(0, 512, None)] + [(600, 1, None)] * 15,
     }
 
 
 def forward_ms(
-    runners: dict[str, ModelRunner], shape: list[tuple[int, int]], repeats: int
+    runners: dict[str, ModelRunner], shape: list[tuple[int, int, int | None]], repeats: int
 ) -> dict[str, float]:
     """Median ms of each runner's LM forward on one step of ``shape``; the backends take turns, call by
     call, so that load from elsewhere on the machine affects them alike."""
@@ -74,18 +80,27 @@ def forward_ms(
     return {name: 1000 * statistics.median(values) for name, values in samples.items()}
 
 
-def _forward_call(runner: ModelRunner, shape: list[tuple[int, int]]) -> Callable[[], object]:
+def _forward_call(runner: ModelRunner, shape: list[tuple[int, int, int | None]]) -> Callable[[], object]:
     lm = runner.lm_forward
     assert lm is not None
     block_size, spans, next_block = runner.block_size, [], 0
-    for i, (past, new) in enumerate(shape):
-        num_blocks = -(-(past + new) // block_size)
-        spans.append(SeqSpan(f"r{i}", past, new, list(range(next_block, next_block + num_blocks))))
+    shared: dict[int, list[int]] = {}
+    for i, (past, new, image) in enumerate(shape):
+        table = []
+        if image is not None:
+            if image not in shared:
+                num_shared = SHARED_PREFIX_TOKENS // block_size
+                shared[image] = list(range(next_block, next_block + num_shared))
+                next_block += num_shared
+            table = list(shared[image])
+        num_blocks = -(-(past + new) // block_size) - len(table)
+        table += range(next_block, next_block + num_blocks)
         next_block += num_blocks
-    num_tokens = sum(new for _, new in shape)
+        spans.append(SeqSpan(f"r{i}", past, new, table))
+    num_tokens = sum(new for _, new, _ in shape)
     hidden = runner.embed_tokens.weight.shape[1]
     embeds = torch.randn(num_tokens, hidden, dtype=runner.dtype)
-    positions = torch.cat([torch.arange(past, past + new) for past, new in shape]).unsqueeze(0)
+    positions = torch.cat([torch.arange(past, past + new) for past, new, _ in shape]).unsqueeze(0)
     rows = list(range(num_tokens))
     return lambda: lm(embeds, positions, spans, rows)
 

@@ -146,7 +146,9 @@ def record_logits(runner: ModelRunner) -> list[torch.Tensor]:
 def run_mixed_steps(runner: ModelRunner, hf_model: Any, prompts: dict[str, Prompt]) -> FakeEngine:
     """Steps that mix everything a backend must handle: "text" decodes while "one" and "two" prefill in
     64-token chunks that cut through their images; "text" is preempted, its blocks reused, and resumed
-    (its prompt and outputs recomputed in one chunk) while the others still prefill; then all decode."""
+    (its prompt and outputs recomputed in one chunk) while the others still prefill; once "one" has its
+    prompt's K/V, "again" and "thrice" arrive with the same prompt and share its full blocks (prefix-cache
+    hits), so their decodes share leading blocks; then all decode."""
     engine = FakeEngine(runner, chunk_tokens=64)
     engine.add("text", prompts["text"], greedy(hf_model, max_tokens=10))
     engine.step()
@@ -158,9 +160,24 @@ def run_mixed_steps(runner: ModelRunner, hf_model: Any, prompts: dict[str, Promp
     engine.preempt("text")
     engine.step()
     engine.resume("text")
+    prompt = prompts["one"]
+    for _ in range(len(prompt.input_ids)):
+        if engine.num_computed["one"] >= len(prompt.input_ids):
+            break
+        engine.step()
+    for name in ("again", "thrice"):
+        engine.add(
+            name,
+            prompt,
+            greedy(hf_model, max_tokens=6),
+            prefix=("one", len(prompt.input_ids) // engine.block_size),
+        )
     engine.run()
     kinds = [sorted(scheduled.values()) for scheduled, _ in engine.history]
     assert any(k[0] == 1 and k[-1] > 1 for k in kinds), "a step with decodes and prefill chunks"
+    both = [s for s, _ in engine.history if s.get("again") == 1 and s.get("thrice") == 1]
+    assert both, "a step where two decodes share a prompt's blocks"
+    assert engine.outputs["again"] == engine.outputs["thrice"] == engine.outputs["one"][:6]
     return engine
 
 

@@ -16,12 +16,14 @@ prefill chunk does not pad every decode to its length.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from workers.attention.base import SeqSpan, StepAttention, slot_matrix, write_slots
+from workers.attention.shared_prefix import SharedPrefixes, host_tensors, prefix_groups, suffix_spans
 from workers.kv_pool import KVPool
 
 
@@ -37,6 +39,7 @@ class _Batch:
     real_tokens: torch.Tensor  # [n]: the step's token index of each of them
     key_blocks: torch.Tensor  # [B * Lmax / block_size]: each span's block table, padded with block 0
     mask: torch.Tensor  # [B, 1, Qmax, Lmax] additive (0 or -inf), the query's dtype
+    shared: SharedPrefixes | None = None  # decodes only: leading blocks attended once per group
 
 
 class BatchedAttention(StepAttention):
@@ -48,7 +51,17 @@ class BatchedAttention(StepAttention):
         decodes = [i for i, s in enumerate(spans) if s.num_new_tokens == 1]
         prefills = [i for i, s in enumerate(spans) if s.num_new_tokens > 1]
         host: list[torch.Tensor] = []
-        plans = [_plan(pool, spans, starts, group, host) for group in (decodes, prefills) if group]
+        # decodes sharing leading blocks (the same image) attend them once per group; the batch then
+        # holds only each decode's own remaining blocks
+        decode_spans = [spans[i] for i in decodes]
+        groups = prefix_groups(decode_spans, pool.block_size)
+        planned = list(spans)
+        for i, suffix in zip(decodes, suffix_spans(decode_spans, groups, pool.block_size), strict=True):
+            planned[i] = suffix
+        plans = [_plan(pool, planned, starts, group, host) for group in (decodes, prefills) if group]
+        if groups:
+            group_tensors, (max_members, max_blocks) = host_tensors(groups, decode_spans)
+            host += group_tensors
         all_slots = slot_matrix(spans, pool.block_size, max(s.num_kv_tokens for s in spans))
         host.append(write_slots(spans, all_slots))
         parts = iter(torch.cat([t.flatten() for t in host]).to(device).split([t.numel() for t in host]))
@@ -67,6 +80,11 @@ class BatchedAttention(StepAttention):
                     _additive_mask(last_key.view(num_spans, num_queries), num_keys, dtype),
                 )
             )
+        if groups:  # the decode batch is the first
+            shared = SharedPrefixes.from_device(
+                [next(parts) for _ in range(4)], max_members, max_blocks, pool.block_size, dtype
+            )
+            self.batches[0] = dataclasses.replace(self.batches[0], shared=shared)
         super().__init__(pool, spans, next(parts))
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
@@ -78,6 +96,18 @@ class BatchedAttention(StepAttention):
             q = query.index_select(1, b.query_tokens).view(num_heads, b.num_spans, b.num_queries, head_dim)
             k = k_blocks.index_select(0, b.key_blocks).view(b.num_spans, b.num_keys, num_kv_heads, head_dim)
             v = v_blocks.index_select(0, b.key_blocks).view(b.num_spans, b.num_keys, num_kv_heads, head_dim)
+            if b.shared is not None:  # decodes, one query each
+                o = b.shared.attend(
+                    q.transpose(0, 1).reshape(b.num_spans, num_kv_heads, num_heads // num_kv_heads, head_dim),
+                    k.transpose(1, 2),
+                    v.transpose(1, 2),
+                    b.mask,
+                    k_blocks,
+                    v_blocks,
+                    head_dim**-0.5 if scaling is None else scaling,
+                )
+                out.index_copy_(0, b.real_tokens, o.reshape(b.num_spans, num_heads, head_dim))
+                continue
             o = F.scaled_dot_product_attention(
                 q.transpose(0, 1),
                 k.transpose(1, 2),
