@@ -73,6 +73,25 @@ def slot_matrix(spans: list[SeqSpan], block_size: int, num_positions: int) -> to
     return slots.contiguous()
 
 
-def write_slots(spans: list[SeqSpan], slots: torch.Tensor) -> torch.Tensor:
-    """The slots of every span's new tokens, in the step's token order (``slots`` from ``slot_matrix``)."""
-    return torch.cat([slots[row, s.num_past_tokens : s.num_kv_tokens] for row, s in enumerate(spans)])
+def write_slots(spans: list[SeqSpan], block_size: int) -> torch.Tensor:
+    """[num_tokens] CPU int64: the pool slot of every span's new tokens, in the step's token order. A
+    decode's one slot is plain arithmetic; a chunk's come from its blocks (no [spans, positions] matrix:
+    that would cost a row of the longest context per decode)."""
+    parts: list[torch.Tensor] = []
+    decodes: list[int] = []  # consecutive decodes' slots, not yet in ``parts``
+    offsets = torch.arange(block_size, dtype=torch.long)
+    for span in spans:
+        past = span.num_past_tokens
+        if span.num_new_tokens == 1:
+            decodes.append(span.block_ids[past // block_size] * block_size + past % block_size)
+            continue
+        if decodes:
+            parts.append(torch.tensor(decodes, dtype=torch.long))
+            decodes = []
+        first = past // block_size
+        table = torch.tensor(span.block_ids[first : -(-span.num_kv_tokens // block_size)], dtype=torch.long)
+        slots = (table.unsqueeze(1) * block_size + offsets).flatten()
+        parts.append(slots[past - first * block_size : span.num_kv_tokens - first * block_size])
+    if decodes:
+        parts.append(torch.tensor(decodes, dtype=torch.long))
+    return torch.cat(parts)

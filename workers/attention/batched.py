@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.attention.base import SeqSpan, StepAttention, slot_matrix, write_slots
-from workers.attention.shared_prefix import SharedPrefixes, host_tensors, prefix_groups, suffix_spans
+from workers.attention.base import SeqSpan, StepAttention, write_slots
+from workers.attention.shared_prefix import SharedPrefixes, group_decodes, host_tensors, suffix_spans
 from workers.kv_pool import KVPool
 
 
@@ -51,19 +51,21 @@ class BatchedAttention(StepAttention):
         decodes = [i for i, s in enumerate(spans) if s.num_new_tokens == 1]
         prefills = [i for i, s in enumerate(spans) if s.num_new_tokens > 1]
         host: list[torch.Tensor] = []
-        # decodes sharing leading blocks (the same image) attend them once per group; the batch then
-        # holds only each decode's own remaining blocks
-        decode_spans = [spans[i] for i in decodes]
-        groups = prefix_groups(decode_spans, pool.block_size)
+        # decodes sharing leading blocks (the same image) attend them once per group, in a batch of
+        # their own holding only each one's remaining blocks: a long-context decode in no group would
+        # pad them all to its length
+        grouped, groups = group_decodes(spans, decodes, pool.block_size)
+        plain = [i for i in decodes if i not in set(grouped)]
+        grouped_spans = [spans[i] for i in grouped]
         planned = list(spans)
-        for i, suffix in zip(decodes, suffix_spans(decode_spans, groups, pool.block_size), strict=True):
+        for i, suffix in zip(grouped, suffix_spans(grouped_spans, groups, pool.block_size), strict=True):
             planned[i] = suffix
-        plans = [_plan(pool, planned, starts, group, host) for group in (decodes, prefills) if group]
+        members = [m for m in (plain, grouped, prefills) if m]
+        plans = [_plan(pool, planned, starts, m, host) for m in members]
         if groups:
-            group_tensors, (max_members, max_blocks) = host_tensors(groups, decode_spans)
+            group_tensors, (max_members, max_blocks) = host_tensors(groups, grouped_spans)
             host += group_tensors
-        all_slots = slot_matrix(spans, pool.block_size, max(s.num_kv_tokens for s in spans))
-        host.append(write_slots(spans, all_slots))
+        host.append(write_slots(spans, pool.block_size))
         parts = iter(torch.cat([t.flatten() for t in host]).to(device).split([t.numel() for t in host]))
         self.batches = []
         for num_spans, num_queries, num_keys in plans:
@@ -80,11 +82,12 @@ class BatchedAttention(StepAttention):
                     _additive_mask(last_key.view(num_spans, num_queries), num_keys, dtype),
                 )
             )
-        if groups:  # the decode batch is the first
+        if groups:
             shared = SharedPrefixes.from_device(
                 [next(parts) for _ in range(4)], max_members, max_blocks, pool.block_size, dtype
             )
-            self.batches[0] = dataclasses.replace(self.batches[0], shared=shared)
+            index = members.index(grouped)
+            self.batches[index] = dataclasses.replace(self.batches[index], shared=shared)
         super().__init__(pool, spans, next(parts))
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
@@ -140,10 +143,8 @@ def _plan(
     query_tokens = first.unsqueeze(1) + torch.where(real, row.unsqueeze(0), 0)
     last_key = past.unsqueeze(1) + torch.where(real, row.unsqueeze(0), 0)  # query i sees keys 0..past + i
     real_rows = real.flatten().nonzero().squeeze(1)
-    key_blocks = torch.zeros(len(members), num_blocks, dtype=torch.long)
-    for index, span in enumerate(members):
-        table = span.block_ids[: -(-span.num_kv_tokens // block_size)]
-        key_blocks[index, : len(table)] = torch.tensor(table, dtype=torch.long)
+    tables = [s.block_ids[: -(-s.num_kv_tokens // block_size)] for s in members]
+    key_blocks = torch.tensor([t + [0] * (num_blocks - len(t)) for t in tables], dtype=torch.long)
     host += [query_tokens, real_rows, query_tokens.flatten()[real_rows], key_blocks, last_key]
     return len(members), num_queries, num_keys
 

@@ -16,7 +16,7 @@ class PerRequestAttention(StepAttention):
         slots = slot_matrix(spans, pool.block_size, max(s.num_kv_tokens for s in spans))
         # one host-to-device copy for the step: every span's read slots, then the write slots
         read = [slots[row, : s.num_kv_tokens] for row, s in enumerate(spans)]
-        writes = write_slots(spans, slots)
+        writes = write_slots(spans, pool.block_size)
         parts = torch.cat([*read, writes]).to(device).split([len(t) for t in read] + [len(writes)])
         super().__init__(pool, spans, parts[-1])
         self.read = list(parts[:-1])

@@ -14,7 +14,8 @@ position, so it sees every key of a shared prefix: the prefix needs no causal ma
 
 Groups: the decodes sorted by block table; neighbours join a group while they share at least
 ``MIN_SHARED_KEYS`` leading keys with its first member, capped so that every member keeps its own new
-token in its suffix. Decodes in no group attend their whole table as their suffix.
+token in its suffix. The grouped decodes form a batch of their own (their suffixes are short); decodes in
+no group stay in the plain padded batch.
 """
 
 from __future__ import annotations
@@ -60,6 +61,21 @@ def prefix_groups(decodes: list[SeqSpan], block_size: int) -> list[PrefixGroup]:
     return groups
 
 
+def group_decodes(
+    spans: list[SeqSpan], decodes: list[int], block_size: int
+) -> tuple[list[int], list[PrefixGroup]]:
+    """The step's decodes (``decodes``: indices into ``spans``) that are in a group, group by group, and
+    the groups with their members numbered by position in that list."""
+    grouped: list[int] = []
+    groups = []
+    for group in prefix_groups([spans[i] for i in decodes], block_size):
+        groups.append(
+            PrefixGroup(list(range(len(grouped), len(grouped) + len(group.members))), group.num_blocks)
+        )
+        grouped += [decodes[i] for i in group.members]
+    return grouped, groups
+
+
 def suffix_spans(decodes: list[SeqSpan], groups: list[PrefixGroup], block_size: int) -> list[SeqSpan]:
     """Each decode's span less its group's shared blocks (unchanged outside any group)."""
     out = list(decodes)
@@ -73,24 +89,23 @@ def suffix_spans(decodes: list[SeqSpan], groups: list[PrefixGroup], block_size: 
 def host_tensors(
     groups: list[PrefixGroup], decodes: list[SeqSpan]
 ) -> tuple[list[torch.Tensor], tuple[int, int]]:
-    """The groups as padded index tensors, for the step's one host-to-device copy: each group's member
-    rows (padding repeats its first member), its shared block ids (padding: block 0), its number of
-    shared blocks, and each decode's row in the groups' flattened member grid (``num_groups * Gmax``
-    for a decode in no group: a row of zeros with a log-sum-exp of -inf). Returns them and (Gmax, Pmax).
-    """
+    """The groups (of every one of ``decodes``) as padded index tensors, for the step's one
+    host-to-device copy: each group's member rows (padding repeats its first member), its shared block
+    ids (padding: block 0), its number of shared blocks, and each decode's row in the groups' flattened
+    [num_groups * Gmax] member grid. Returns them and (Gmax, Pmax)."""
     max_members = max(len(g.members) for g in groups)
     max_blocks = max(g.num_blocks for g in groups)
-    members = torch.zeros(len(groups), max_members, dtype=torch.long)
-    blocks = torch.zeros(len(groups), max_blocks, dtype=torch.long)
-    row_of = torch.full((len(decodes),), len(groups) * max_members, dtype=torch.long)
+    members, blocks, row_of = [], [], [0] * len(decodes)
     for g, group in enumerate(groups):
-        padding = group.members[:1] * (max_members - len(group.members))
-        members[g] = torch.tensor(group.members + padding, dtype=torch.long)
+        members.append(group.members + group.members[:1] * (max_members - len(group.members)))
         # every member's table starts with the shared blocks: take the first member's
-        blocks[g, : group.num_blocks] = torch.tensor(decodes[group.members[0]].block_ids[: group.num_blocks])
-        row_of[group.members] = torch.arange(len(group.members)) + g * max_members
-    num_blocks = torch.tensor([g.num_blocks for g in groups], dtype=torch.long)
-    return [members, blocks, num_blocks, row_of], (max_members, max_blocks)
+        shared = decodes[group.members[0]].block_ids[: group.num_blocks]
+        blocks.append(shared + [0] * (max_blocks - group.num_blocks))
+        for position, member in enumerate(group.members):
+            row_of[member] = g * max_members + position
+    num_blocks = [g.num_blocks for g in groups]
+    as_tensors = [torch.tensor(x, dtype=torch.long) for x in (members, blocks, num_blocks, row_of)]
+    return as_tensors, (max_members, max_blocks)
 
 
 @dataclass(frozen=True)
@@ -129,7 +144,7 @@ class SharedPrefixes:
         """q [B, kv_heads, group, d] (one query per decode, heads grouped by their K/V head), suffix K/V
         [B, kv_heads, L, d] with its additive mask [B, 1, 1, L]; the pool's K/V blocks. -> [B, kv_heads,
         group, d]."""
-        num_decodes, num_kv_heads, group, head_dim = q.shape
+        _, num_kv_heads, group, head_dim = q.shape
         o_suffix, lse_suffix = _attention(q, suffix_k, suffix_v, suffix_mask, scale)
         shape = (self.num_groups, self.num_keys, num_kv_heads, head_dim)
         k = k_blocks.index_select(0, self.key_blocks).view(shape).transpose(1, 2)
@@ -143,8 +158,6 @@ class SharedPrefixes:
         o_prefix, lse_prefix = _attention(q_groups, k, v, self.mask, scale)
         o_prefix = _per_member(o_prefix, self.max_members, group, head_dim)
         lse_prefix = _per_member(lse_prefix, self.max_members, group, 1)
-        o_prefix = torch.cat([o_prefix, o_prefix.new_zeros(1, num_kv_heads, group, head_dim)])
-        lse_prefix = torch.cat([lse_prefix, lse_prefix.new_full((1, num_kv_heads, group, 1), float("-inf"))])
         weight = torch.sigmoid(lse_prefix.index_select(0, self.row_of) - lse_suffix)
         return torch.lerp(o_suffix, o_prefix.index_select(0, self.row_of), weight.to(o_suffix.dtype))
 
