@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -110,6 +111,16 @@ class DrainingServer(uvicorn.Server):
             self.drain.start()
         else:  # a second SIGTERM: stop now
             self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, then the app's lifespan shutdown if uvicorn skipped it (it does after what it takes
+        for a forced exit): that shutdown removes this process's shared memory and is bounded, and a
+        lifespan left waiting is cancelled when the loop closes, which logs a traceback."""
+        await super().shutdown(sockets=sockets)
+        done = getattr(self.lifespan, "shutdown_event", None)
+        if done is not None and not done.is_set():
+            log.info("running the application's shutdown that uvicorn skipped")
+            await self.lifespan.shutdown()
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain.finished and not self.should_exit:
