@@ -1,7 +1,9 @@
-"""The portable batched backend (CPU and CUDA): the step's spans run as two padded batches, one
-``scaled_dot_product_attention`` call each per layer, whatever the number of requests.
+"""The portable batched backend (CPU and CUDA): the step's spans run as at most three padded batches,
+one attention call each per layer, whatever the number of requests.
 
     decodes  (1 new token each)   q [B, heads, 1, d]     x  K/V [B, kv_heads, Lmax, d]
+    decodes sharing leading blocks with others: the shared blocks once per group, then each one's own
+        (``workers.attention.shared_prefix``)
     prefills (chunks, resumes)    q [B, heads, Qmax, d]  x  K/V [B, kv_heads, Lmax, d]
 
 Everything that depends only on the step is built once, before the first layer, and copied to the
@@ -55,7 +57,8 @@ class BatchedAttention(StepAttention):
         # their own holding only each one's remaining blocks: a long-context decode in no group would
         # pad them all to its length
         grouped, groups = group_decodes(spans, decodes, pool.block_size)
-        plain = [i for i in decodes if i not in set(grouped)]
+        in_groups = set(grouped)
+        plain = [i for i in decodes if i not in in_groups]
         grouped_spans = [spans[i] for i in grouped]
         planned = list(spans)
         for i, suffix in zip(grouped, suffix_spans(grouped_spans, groups, pool.block_size), strict=True):
