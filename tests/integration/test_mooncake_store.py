@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ import pytest
 
 from engine.ec_store import ECStoreError
 from engine.ec_store.mooncake import MooncakeStore
-from tests.mooncake_fixtures import LEASE_TTL_MS, MooncakeCluster, mooncake_cluster, mooncake_cluster_at
+from tests.mooncake_fixtures import LEASE_TTL_MS, MooncakeCluster, hung, mooncake_cluster, mooncake_cluster_at
 
 pytestmark = pytest.mark.slow
 __all__ = ["mooncake_cluster"]  # the fixture, imported for pytest
@@ -157,16 +156,13 @@ def test_hung_master_calls_time_out(tmp_path: Path) -> None:
         store = MooncakeStore(cluster.address, rpc_timeout_ms=1000, retry_after_s=0.0)
         try:
             assert store.put("hung", b"v")
-            cluster.master.proc.send_signal(signal.SIGSTOP)
-            try:
+            with hung(cluster.master):
                 for call in (
                     lambda: store.exists(["hung"]),
                     lambda: store.get("hung"),
                     lambda: store.put("h2", b"w"),
                 ):
                     assert _bounded(call) < 5
-            finally:
-                cluster.master.proc.send_signal(signal.SIGCONT)
         finally:
             store.close()
 
@@ -174,11 +170,8 @@ def test_hung_master_calls_time_out(tmp_path: Path) -> None:
 def test_hung_holder_transfer_times_out(tmp_path: Path) -> None:
     with mooncake_cluster_at(tmp_path) as cluster, opened(cluster.address, transfer_timeout_s=2) as store:
         assert store.put("held", os.urandom(1 << 20))
-        cluster.holder.proc.send_signal(signal.SIGSTOP)
-        try:
+        with hung(cluster.holder):
             start = time.monotonic()
             with contextlib.suppress(ECStoreError):
                 assert store.get("held") is None  # or the error: the value could not be read
             assert time.monotonic() - start < 10
-        finally:
-            cluster.holder.proc.send_signal(signal.SIGCONT)
