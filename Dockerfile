@@ -64,6 +64,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 COPY app ./app
 COPY engine ./engine
 COPY workers ./workers
+COPY wire ./wire
 RUN pip install --no-deps . \
     && rm -rf build *.egg-info
 

@@ -6,6 +6,8 @@ Code inside the API raises these; one place (the HTTP layer) maps them to the Op
 
 from __future__ import annotations
 
+from workers.families.errors import FamilyInputError
+
 
 class MMServeError(Exception):
     """Base of every error that reaches the client with an OpenAI-shaped body."""
@@ -104,3 +106,9 @@ class InternalError(MMServeError):
 
     http_status = 500
     err_type = "server_error"
+
+
+def from_family_error(exc: FamilyInputError) -> InvalidRequestError:
+    """The 400 a model family's refusal becomes (the families raise their own type: they live below the
+    API process)."""
+    return InvalidRequestError(exc.message, param=exc.param, code=exc.code)

@@ -20,12 +20,13 @@ from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import values as prometheus_values
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from engine.protocol import EngineStats
+from wire.metric_names import EngineCounter, EngineGauge, EngineObservation
+from wire.protocol import EngineStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 STEP_BUCKETS = (0.001, 0.0025, *LATENCY_BUCKETS)
@@ -34,45 +35,35 @@ TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384)
 EC_BUCKETS = (0.0005, 0.001, 0.0025, *LATENCY_BUCKETS)
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-# engine-side counter/gauge names (without prefix) and their help texts
-ENGINE_COUNTERS = {
-    "encoder_cache_queries_total": "Encoder-cache lookups (items).",
-    "encoder_cache_hits_total": "Encoder-cache lookups that found the item already encoded.",
-    "encoder_runs_total": "Items run through the vision encoder.",
-    "engine_steps_total": "Engine steps run on the worker.",
-    "prefix_cache_queries_total": "Prompt tokens looked up in the prefix cache (at admission).",
-    "prefix_cache_hits_total": "Prompt tokens whose KV came from the prefix cache.",
-    "num_preemptions_total": "Requests preempted (KV freed, recomputed later) because KV blocks ran out.",
-    "mm_ipc_cache_resends_total": "Items the receiver cache lacked though the mirror said cached (stays 0).",
-    "engine_failed_steps_total": "Engine steps the worker failed or did not answer in time.",
-    "worker_busy_seconds_total": "Seconds the worker spent on engine steps, as it reports them (its rate "
-    "is the worker's busy fraction).",
-    "worker_losses_total": "Times the engine lost its worker (the process died or disconnected).",
-    "worker_stale_replies_total": "Late worker replies to an earlier step, discarded.",
-    "mm_shm_stale_refs_total": "Shared-memory references the engine found stale; re-sent with payload.",
-    "ec_lookups_total": "Items looked up in the encoder-cache connector's store (has_caches).",
-    "ec_lookup_hits_total": "Store lookups that found the item (it is loaded instead of encoded).",
-    "ec_lookup_errors_total": "Store lookups that failed: the store could not be reached.",
-    "ec_loads_total": "Encoder outputs loaded from the store.",
-    "ec_load_failures_total": "Loads that failed (missing after the lookup, store down, corrupt value).",
-    "ec_fallback_encodes_total": "Items encoded locally because their load failed.",
-    "ec_saves_total": "Encoder outputs saved to the store.",
-    "ec_save_failures_total": "Saves the store refused (full) or could not take (down); not retried.",
-}
-# engine counters rendered as one labelled family: family name -> (label, {label value: counter name})
-ENGINE_LABELLED_COUNTERS = {
+# Engine counters exported as one family with a label: family -> (help, label, {label value: counter}).
+# Every other counter and every gauge of wire/metric_names.py is a family of its own.
+ENGINE_LABELLED_COUNTERS: dict[str, tuple[str, str, dict[str, EngineCounter]]] = {
     "ec_bytes": (
         "Encoder-output bytes moved through the connector's store.",
         "direction",
-        {"load": "ec_load_bytes_total", "save": "ec_save_bytes_total"},
+        {"load": EngineCounter.EC_LOAD_BYTES, "save": EngineCounter.EC_SAVE_BYTES},
     ),
 }
-ENGINE_GAUGES = {
-    "encoder_cache_usage_tokens": "Encoder-cache space in use (embeddings), freeable entries included.",
-    "encoder_cache_capacity_tokens": "Encoder-cache capacity (embeddings).",
-    "num_requests_running": "Requests running in the engine.",
-    "num_requests_waiting": "Requests waiting in the engine (preempted ones included).",
-    "kv_cache_usage_ratio": "Share of KV-cache blocks in use by running requests.",
+BAD_MESSAGES = "bad_messages"
+BAD_MESSAGES_HELP = (
+    "Messages a process received that did not decode or that it could not take in its state, by the "
+    "receiving process and the sender's role; each was dropped and the process served on."
+)
+# the engine's and its worker's counts, as (process, source) samples of mmserve_bad_messages_total
+ENGINE_BAD_MESSAGES = {
+    ("engine", "api"): EngineCounter.BAD_MESSAGES_FROM_API,
+    ("engine", "worker"): EngineCounter.BAD_MESSAGES_FROM_WORKER,
+    ("worker", "engine"): EngineCounter.WORKER_BAD_MESSAGES,
+}
+HISTOGRAM_BUCKETS = {
+    EngineObservation.ENCODER_SECONDS: LATENCY_BUCKETS,
+    EngineObservation.FORWARD_SECONDS: STEP_BUCKETS,
+    EngineObservation.REQUESTS_PER_STEP: BATCH_BUCKETS,
+    EngineObservation.BATCHED_TOKENS_PER_STEP: TOKEN_BUCKETS,
+    EngineObservation.EC_LOAD_SECONDS: EC_BUCKETS,
+}
+_SEPARATE = {*ENGINE_BAD_MESSAGES.values()} | {
+    counter for _, _, members in ENGINE_LABELLED_COUNTERS.values() for counter in members.values()
 }
 
 
@@ -106,19 +97,41 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
         counters, gauges = self._metrics.engine_counters, self._metrics.engine_gauges
-        for name, help_text in ENGINE_COUNTERS.items():
-            yield CounterMetricFamily(
-                f"mmserve_{name.removesuffix('_total')}", help_text, value=counters.get(name, 0.0)
-            )
+        for counter in EngineCounter:
+            if counter not in _SEPARATE:
+                name = f"mmserve_{counter.removesuffix('_total')}"
+                yield CounterMetricFamily(name, counter.help, value=counters.get(counter, 0.0))
         for family, (help_text, label, members) in ENGINE_LABELLED_COUNTERS.items():
             labelled = CounterMetricFamily(f"mmserve_{family}", help_text, labels=[label])
-            for value, name in members.items():
-                labelled.add_metric([value], counters.get(name, 0.0))
+            for value, counter in members.items():
+                labelled.add_metric([value], counters.get(counter, 0.0))
             yield labelled
-        for name, help_text in ENGINE_GAUGES.items():
-            yield GaugeMetricFamily(f"mmserve_{name}", help_text, value=gauges.get(name, 0.0))
+        bad = CounterMetricFamily(f"mmserve_{BAD_MESSAGES}", BAD_MESSAGES_HELP, labels=["process", "source"])
+        for labels, counter in ENGINE_BAD_MESSAGES.items():
+            bad.add_metric(list(labels), counters.get(counter, 0.0))
+        yield bad
+        for gauge in EngineGauge:
+            yield GaugeMetricFamily(f"mmserve_{gauge}", gauge.help, value=gauges.get(gauge, 0.0))
         for histogram in self._metrics.engine_histograms.values():
             yield histogram.family()
+
+
+class _Merged(Collector):
+    """The families of several collectors, those of one name merged into one (the API's own
+    ``bad_messages`` samples and the engine's): an exposition may name a family only once."""
+
+    def __init__(self, *collectors: Collector) -> None:
+        self._collectors = collectors
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for collector in self._collectors:
+            for family in collector.collect():
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = family
+        yield from merged.values()
 
 
 class ApiMetrics:
@@ -170,27 +183,20 @@ class ApiMetrics:
         )
         self.engine_counters: dict[str, float] = {}
         self.engine_gauges: dict[str, float] = {}
-        self.engine_histograms = {
-            name: EngineHistogram(f"mmserve_{name}", doc, buckets)
-            for name, doc, buckets in (
-                ("encoder_seconds", "Vision-encoder time of one engine step.", LATENCY_BUCKETS),
-                (
-                    "forward_seconds",
-                    "Language-model time of one engine step (forward and sampling).",
-                    STEP_BUCKETS,
-                ),
-                ("num_requests_per_step", "Requests batched together in one engine step.", BATCH_BUCKETS),
-                ("num_batched_tokens_per_step", "Tokens computed in one engine step.", TOKEN_BUCKETS),
-                ("ec_load_seconds", "Time to load one encoder output from the store.", EC_BUCKETS),
-            )
+        self.engine_histograms: dict[str, EngineHistogram] = {
+            name: EngineHistogram(f"mmserve_{name}", name.help, buckets)
+            for name, buckets in HISTOGRAM_BUCKETS.items()
         }
-        if self.multiprocess_dir is None:
-            self.registry.register(_EngineCollector(self))
-            self._exposed = self.registry
-        else:  # every API process's files, plus this process's copy of the engine's figures
-            self._exposed = CollectorRegistry()
-            MultiProcessCollector(self._exposed, path=self.multiprocess_dir)
-            self._exposed.register(_EngineCollector(self))
+        self.bad_messages = counter(BAD_MESSAGES, BAD_MESSAGES_HELP, ("process", "source")).labels(
+            process="api", source="engine"
+        )
+        # this process's own metrics, or every API process's files; plus this process's copy of the
+        # engine's figures
+        own: Collector = self.registry
+        if self.multiprocess_dir is not None:
+            own = MultiProcessCollector(None, path=self.multiprocess_dir)
+        self._exposed = CollectorRegistry()
+        self._exposed.register(_Merged(own, _EngineCollector(self)))
 
     def apply_engine_stats(self, stats: EngineStats) -> None:
         self.engine_counters = stats.counters

@@ -2,7 +2,7 @@
 
 Built once at a process's entry point (CLI flags over ``MMSERVE_*`` environment variables over
 defaults) and passed down; never mutated after start. It holds every default, once: the API reads it
-directly, the engine and the worker get configs built from it (app/process_configs.py).
+directly, the engine and the worker get configs built from it (app/launch/process_configs.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine.shm_ring import HEADER_BYTES  # a ring chunk's header
+from wire.shm_ring import HEADER_BYTES  # a ring chunk's header
+from workers.config import CPU_DEFAULT_KV_CACHE_TOKENS
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -70,7 +71,7 @@ class Settings(BaseSettings):
     api_server_count: int = Field(
         1, ge=1, le=64, description="API processes `serve` runs on one port (SO_REUSEPORT)."
     )
-    mm_processor_workers: int | None = Field(
+    mm_preprocess_processes: int | None = Field(
         None,
         ge=0,
         le=256,
@@ -102,7 +103,7 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description="KV pool size in tokens, allocated at worker start (default: a share of GPU memory "
-        "on CUDA, 65536 on CPU).",
+        f"on CUDA, {CPU_DEFAULT_KV_CACHE_TOKENS} on CPU).",
     )
     gpu_memory_utilization: float = Field(
         0.9,
@@ -158,6 +159,11 @@ class Settings(BaseSettings):
         30.0,
         ge=0,
         description="On SIGTERM: seconds in-flight requests get to finish while new ones get 503.",
+    )
+    step_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A step the worker does not answer within this many seconds fails its requests (500).",
     )
     max_waiting_requests: int | None = Field(
         1024,
@@ -305,9 +311,9 @@ class Settings(BaseSettings):
     def shm_max_object_bytes(self) -> int:
         return int(self.mm_shm_cache_max_object_size_mb * MIB)
 
-    def resolved_processor_workers(self) -> int:
-        if self.mm_processor_workers is not None:
-            return self.mm_processor_workers
+    def resolved_preprocess_processes(self) -> int:
+        if self.mm_preprocess_processes is not None:
+            return self.mm_preprocess_processes
         return max(1, min(4, (os.cpu_count() or 1) // self.api_server_count))
 
     @property
@@ -324,7 +330,11 @@ class Settings(BaseSettings):
             return self.max_model_len
         config = json.loads((Path(self.model) / "config.json").read_text())
         text_config = config.get("text_config", config)
-        return int(text_config.get("max_position_embeddings", 4096))
+        if "max_position_embeddings" not in text_config:
+            raise ValueError(
+                f"{self.model}/config.json gives no max_position_embeddings: set --max-model-len"
+            )
+        return int(text_config["max_position_embeddings"])
 
 
 def setting_default(name: str) -> Any:

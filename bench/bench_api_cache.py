@@ -26,15 +26,15 @@ import httpx
 import zmq
 from images import jpeg_data_url  # bench/ is on sys.path: scripts run as bench/<name>.py
 
-from app.engine_client import EngineClient
-from app.input_processor import InputProcessor
-from app.media_fetch import MediaFetcher
+from app.inputs.engine_client import EngineClient
+from app.inputs.input_processor import InputProcessor
+from app.inputs.preprocess.pool import PreprocessPool
+from app.inputs.processor_cache import ProcessorCache
+from app.media.fetch import MediaFetcher
+from app.media.url_policy import MediaPolicy
 from app.metrics import ApiMetrics
-from app.preprocess_pool import PreprocessPool
-from app.processor_cache import ProcessorCache
 from app.settings import Settings
-from app.url_policy import MediaPolicy
-from engine.protocol import AddRequest, EngineReady, Hello, SamplingParams, decode_engine_inbound, encode
+from wire.protocol import AddRequest, EngineReady, Hello, SamplingParams, decode_engine_inbound, encode
 from workers.families import load_processing
 
 READY = EngineReady(epoch="bench")

@@ -16,7 +16,7 @@
 3. req/s at ``--concurrency`` over two replicas (round-robin), 20 % new images and 80 % drawn from those
    already sent, ``--max-tokens`` tokens, default caches: ``--ec-connector shared-storage --ec-role both``
    on one folder vs no connector.
-Every instance runs ``--mm-processor-workers 0`` (processing in the API process: fewer processes to
+Every instance runs ``--mm-preprocess-processes 0`` (processing in the API process: fewer processes to
 start on a small machine); parts 1 and 3 start their instances together.
 """
 
@@ -99,7 +99,7 @@ def start_mooncake(items: int, folder: Path, stack: ExitStack) -> str | None:
     try:
         import mooncake.store  # noqa: F401
 
-        from engine.ec_store.mooncake_processes import start_holder, start_master
+        from wire.ec_store.mooncake_processes import start_holder, start_master
 
         master = start_master(log_path=folder / "mooncake-master.log")
         stack.callback(master.stop)
@@ -132,7 +132,7 @@ def ttft_part(
 ) -> tuple[dict[str, Run | None], dict[str, tuple[Metrics, Metrics]]]:
     """Part 1's rows (None: its server did not run) and each server's metrics before/after the timed
     rounds."""
-    common = ["--model", str(model_dir), *COMMON_FLAGS, "--mm-processor-workers", "0", *PART1]
+    common = ["--model", str(model_dir), *COMMON_FLAGS, "--mm-preprocess-processes", "0", *PART1]
     ss = ["--ec-connector", "shared-storage", "--ec-storage-path", str(store)]
     servers = {"plain": common}
     servers |= {f"ss-{role}": [*common, *ss, "--ec-role", role] for role in ("producer", "consumer")}
@@ -269,7 +269,7 @@ def reuse_part(
     bodies = encoded(
         model_dir.name, list(zip(texts, reuse_sequence(args.requests), strict=True)), args.max_tokens
     )
-    common = ["--model", str(model_dir), *COMMON_FLAGS, "--mm-processor-workers", "0"]
+    common = ["--model", str(model_dir), *COMMON_FLAGS, "--mm-preprocess-processes", "0"]
     ss = [
         "--ec-connector",
         "shared-storage",

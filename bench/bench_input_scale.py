@@ -1,8 +1,8 @@
 """The input path at scale (issue 8) on real ``mmserve serve`` processes: cold-miss throughput by API
-processes x preprocessing workers, 90 % image reuse with the lru vs the shm processor cache, and the
+processes x preprocessing processes, 90 % image reuse with the lru vs the shm processor cache, and the
 bytes each path moves per cache miss.
 
-    python bench/bench_input_scale.py --model models/tiny-llava [--api-counts 1,2] [--worker-counts 1,2,4]
+    python bench/bench_input_scale.py --model models/tiny-llava [--api-counts 1,2] [--process-counts 1,2,4]
         [--concurrency 32] [--cold-requests 192] [--reuse-requests 640] [--bytes-requests 32]
         [--max-tokens 4] [--image-size 1024]
 
@@ -14,10 +14,10 @@ configuration is a fresh server, warmed up with images of its own (not counted);
 a time. The figures per run come from the client (req/s, TTFT, the ``x-mmserve-api-process`` header) and
 from ``/metrics`` deltas around the run (processor seconds, cache hits, bytes).
 
-1. Cold misses (every image new): ``--api-server-count`` x ``--mm-processor-workers``, the lru cache.
+1. Cold misses (every image new): ``--api-server-count`` x ``--mm-preprocess-processes``, the lru cache.
 2. 90 % reuse: a pool of 8 images for 90 % of the requests, a new image for 10 %, shuffled with a fixed
    seed; the same sequence for ``--mm-processor-cache-type lru`` and ``shm`` (1 API process, default
-   workers).
+   preprocess processes).
 3. Bytes per miss: ``--bytes-requests`` new images on each of those two servers after their reuse run.
 """
 
@@ -237,34 +237,34 @@ def cold_table(cells: dict[tuple[int, int], list[Run] | str], args: argparse.Nam
         f"{args.max_tokens}, --mm-processor-cache-type lru\n"
     )
     print(
-        "| API processes | workers / API process | req/s | vs first row | TTFT p50 ms | TTFT p90 ms | "
-        "processor s / item | requests per API process | failed |"
+        "| API processes | preprocess processes / API process | req/s | vs first row | TTFT p50 ms | "
+        "TTFT p90 ms | processor s / item | requests per API process | failed |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     first = next((c[0].req_per_s for c in cells.values() if not isinstance(c, str)), 0.0)
-    for (num_apis, workers), cell in cells.items():
+    for (num_apis, processes), cell in cells.items():
         if isinstance(cell, str):
-            print(f"| {num_apis} | {workers} | did not run: {cell} | | | | | | |")
+            print(f"| {num_apis} | {processes} | did not run: {cell} | | | | | | |")
             continue
         run = cell[0]
         print(
-            f"| {num_apis} | {workers} | {run.req_per_s:.2f} | {ratio(run.req_per_s, first)} | "
+            f"| {num_apis} | {processes} | {run.req_per_s:.2f} | {ratio(run.req_per_s, first)} | "
             f"{run.ttft_ms(50):.0f} | {run.ttft_ms(90):.0f} | {run.mean('mm_processor_seconds'):.3f} | "
             f"{run.spread()} | {run.failures()} |"
         )
     print(
         "\nprocessor s / item: mean of `mmserve_mm_processor_seconds` (the API process's wait for decode + "
-        "HF processor of one miss, queueing for a free worker included)."
+        "HF processor of one miss, queueing for a free preprocess process included)."
     )
 
 
-def reuse_table(servers: dict[str, list[Run] | str], args: argparse.Namespace, workers: str) -> None:
+def reuse_table(servers: dict[str, list[Run] | str], args: argparse.Namespace, processes: str) -> None:
     num_unique = round((1 - REUSE_SHARE) * args.reuse_requests)
     print(
         f"\n### 2. {REUSE_SHARE:.0%} reuse: {args.reuse_requests} requests, "
         f"{args.reuse_requests - num_unique} of a pool of {POOL_SIZE} images + {num_unique} new ones "
         f"(shuffled, seed 0, the same sequence for both), concurrency {args.concurrency}, 1 API process, "
-        f"{workers} workers\n"
+        f"{processes} preprocess processes\n"
     )
     print(
         "| cache type | req/s | vs first row | TTFT p50 ms | TTFT p90 ms | TTFT p50 vs first row | "
@@ -301,7 +301,7 @@ def reuse_table(servers: dict[str, list[Run] | str], args: argparse.Namespace, w
     )
 
 
-def bytes_table(servers: dict[str, list[Run] | str], args: argparse.Namespace, workers: int | None) -> None:
+def bytes_table(servers: dict[str, list[Run] | str], args: argparse.Namespace, processes: int | None) -> None:
     print(
         f"\n### 3. Bytes per miss: {args.bytes_requests} new images on each server of table 2, after its "
         "reuse run\n"
@@ -321,7 +321,7 @@ def bytes_table(servers: dict[str, list[Run] | str], args: argparse.Namespace, w
         return
     lru, shm = per_miss["lru"], per_miss["shm"]
     item = lru["payload"] - shm["payload"]  # the processed tensors: lru sends them, shm sends the key only
-    pool = workers != 0
+    pool = processes != 0
     pool_copy = "pool process → API process (a /dev/shm file); " if pool else ""
     pool_shm = item if pool else 0.0
     print(
@@ -369,8 +369,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--model", default="models/tiny-llava")
     parser.add_argument("--api-counts", default="1,2", help="--api-server-count values, comma-separated")
-    parser.add_argument("--worker-counts", default="1,2,4", help="--mm-processor-workers values")
-    parser.add_argument("--reuse-workers", type=int, default=None, help="table 2 (default: the server's)")
+    parser.add_argument("--process-counts", default="1,2,4", help="--mm-preprocess-processes values")
+    parser.add_argument("--reuse-processes", type=int, default=None, help="table 2 (default: the server's)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--cold-requests", type=int, default=192, help="per configuration of table 1")
     parser.add_argument("--reuse-requests", type=int, default=640, help="per cache type of table 2")
@@ -386,7 +386,7 @@ def main() -> None:
     # SIGTERM unwinds like Ctrl-C, so every server started is stopped with its process group
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     api_counts = [int(n) for n in args.api_counts.split(",")]
-    worker_counts = [int(n) for n in args.worker_counts.split(",")]
+    process_counts = [int(n) for n in args.process_counts.split(",")]
     model, start = model_dir.name, time.monotonic()
 
     print(f"command: {command}")
@@ -415,15 +415,16 @@ def main() -> None:
         folder = Path(logs)
         cells: dict[tuple[int, int], list[Run] | str] = {}
         for num_apis in api_counts:
-            for workers in worker_counts:
-                flags = [*common, "--api-server-count", str(num_apis), "--mm-processor-workers", str(workers)]
-                label = f"cold {num_apis} API x {workers} workers"
-                cells[num_apis, workers] = run_server(
+            for processes in process_counts:
+                flags = [*common, "--api-server-count", str(num_apis)]
+                flags += ["--mm-preprocess-processes", str(processes)]
+                label = f"cold {num_apis} API x {processes} preprocess processes"
+                cells[num_apis, processes] = run_server(
                     label, flags, num_apis, [cold[: args.cold_requests]], warmup, args, folder
                 )
         reuse_flags = []
-        if args.reuse_workers is not None:
-            reuse_flags = ["--mm-processor-workers", str(args.reuse_workers)]
+        if args.reuse_processes is not None:
+            reuse_flags = ["--mm-preprocess-processes", str(args.reuse_processes)]
         servers = {
             cache_type: run_server(
                 f"reuse {cache_type}",
@@ -437,12 +438,12 @@ def main() -> None:
             for cache_type in ("lru", "shm")
         }
 
-    default_workers = max(1, min(4, (os.cpu_count() or 1)))  # Settings.resolved_processor_workers, 1 API
-    workers = args.reuse_workers if args.reuse_workers is not None else default_workers
+    default_processes = max(1, min(4, (os.cpu_count() or 1)))  # Settings.resolved_preprocess_processes, 1 API
+    processes = args.reuse_processes if args.reuse_processes is not None else default_processes
     print(f"\ncommand: `{command}`\n\nmachine: {machine()}")
     cold_table(cells, args)
-    reuse_table(servers, args, f"{workers}" + (" (the default)" if args.reuse_workers is None else ""))
-    bytes_table(servers, args, workers)
+    reuse_table(servers, args, f"{processes}" + (" (the default)" if args.reuse_processes is None else ""))
+    bytes_table(servers, args, processes)
     print(
         "\nVariance: the client and every server process share the machine's cores, and runs of the same "
         "configuration vary by 20-30 % here; ratios within one run are firmer than absolute figures."

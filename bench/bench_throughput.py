@@ -53,13 +53,13 @@ def rss_mib(pid: int) -> float:
 
 
 class Proc:
-    """``python -m app.cli ROLE ...`` in its own process group, output to a log file."""
+    """``python -m app.launch.cli ROLE ...`` in its own process group, output to a log file."""
 
     def __init__(self, args: list[str], cwd: Path, log_path: Path) -> None:
         self.log_path = log_path
         with log_path.open("wb") as log:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "app.cli", *args],
+                [sys.executable, "-m", "app.launch.cli", *args],
                 cwd=cwd,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 stdout=log,
@@ -118,7 +118,7 @@ def check_reference(tree: Path) -> None:
     files = python("-c", "import app, engine, workers as w; print(app.__file__, engine.__file__, w.__file__)")
     if not all(Path(f).is_relative_to(tree) for f in files.split()):
         raise RuntimeError(f"the reference imports packages outside its worktree: {files}")
-    has_kv_flag = "--kv-cache-tokens" in python("-m", "app.cli", "serve", "--help")
+    has_kv_flag = "--kv-cache-tokens" in python("-m", "app.launch.cli", "serve", "--help")
     print(f"reference imports {tree}/{{app,engine,workers}}; has --kv-cache-tokens: {has_kv_flag}")
 
 

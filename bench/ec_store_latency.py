@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load
 
-from engine.ec_store import ECStore
-from engine.ec_store.shared_storage import SharedStorageStore
+from wire.ec_store import ECStore
+from wire.ec_store.shared_storage import SharedStorageStore
 from workers.ec_codec import decode_output, encode_output
 
 HIDDEN_7B = 3584  # Qwen2.5-VL-7B: the projector's output width (the LM's hidden size)
@@ -104,8 +104,8 @@ def store_latencies(
         if mooncake_master is None:
             stores["mooncake"] = "not running"
         else:
-            from engine.ec_store import ECStoreError
-            from engine.ec_store.mooncake import MooncakeStore
+            from wire.ec_store import ECStoreError
+            from wire.ec_store.mooncake import MooncakeStore
 
             try:
                 stores["mooncake"] = MooncakeStore(mooncake_master)

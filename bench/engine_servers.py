@@ -89,7 +89,7 @@ def serving(server: Server, vllm_peer: Path, vllm_dir: Path, folder: Path) -> It
 def mmserve_server(label: str, cwd: Path, model: str) -> Server:
     """``MMSERVE_FLAGS`` less those the tree's ``serve --help`` lacks (each dropped with a note)."""
     help_text = subprocess.run(
-        [sys.executable, "-m", "app.cli", "serve", "--help"],
+        [sys.executable, "-m", "app.launch.cli", "serve", "--help"],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""Settings of the engine process, built by app/process_configs.py from the user's settings and never
+"""Settings of the engine process, built by app/launch/process_configs.py from the user's settings and never
 mutated. Every field that is a setting is required: the defaults live in ``app.settings.Settings``,
 once."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.ec_store import ECConfig
+from wire.ec_store import ECConfig
 
 
 @dataclass(frozen=True)
@@ -32,5 +32,4 @@ class EngineConfig:
     shutdown_timeout: float  # SIGTERM: held requests get this long to finish
     log_level: str
     ec: ECConfig | None  # the encoder-cache connector (None: none)
-    # not a setting: a step unanswered this long fails its requests (500)
-    step_timeout_s: float = 600.0
+    step_timeout_s: float  # a step unanswered this long fails its requests (500)

@@ -23,7 +23,12 @@ from engine.ec_connector import ECConnectorScheduler
 from engine.encode_scheduler import EncodeOnlyScheduler
 from engine.executor import Executor, WorkerFailed, WorkerLost
 from engine.kv_cache_manager import KVCacheManager
-from engine.protocol import (
+from engine.receiver_cache import ReceiverCachePartitions
+from engine.request import MMItem, Request
+from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.stats import EngineMetrics
+from wire.metric_names import EngineCounter
+from wire.protocol import (
     Abort,
     AddRequest,
     EncoderInput,
@@ -38,11 +43,7 @@ from engine.protocol import (
     SchedulerOutput,
     TensorRef,
 )
-from engine.receiver_cache import ReceiverCachePartitions
-from engine.request import MMItem, Request
-from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
-from engine.shm_ring import ShmRingReader
-from engine.stats import EngineMetrics
+from wire.shm_ring import ShmRingReader
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class EngineCore:
             return self._reject(
                 client, msg.req_id, "The server is shutting down.", "server_shutting_down", http_status=503
             )
-        self.metrics.count("mm_ipc_cache_resends_total", len(missing))
+        self.metrics.count(EngineCounter.IPC_CACHE_RESENDS, len(missing))
         stale = self._stale_shm_refs(msg.mm_features)
         missing += stale
         if missing:
@@ -158,7 +159,7 @@ class EngineCore:
             if f.shm is not None and (problem := self.shm_reader.check(f.shm)) is not None:
                 log.warning("stale shared-memory reference for %s: %s", f.mm_hash, problem)
                 stale.append(f.mm_hash)
-        self.metrics.count("mm_shm_stale_refs_total", len(stale))
+        self.metrics.count(EngineCounter.SHM_STALE_REFS, len(stale))
         return stale
 
     def _reject(
@@ -271,7 +272,7 @@ class EngineCore:
 
     def _fail_step(self, plan: StepPlan, exc: WorkerFailed) -> Outputs:
         log.error("step %d failed: %s", plan.step_id, exc)
-        self.metrics.count("engine_failed_steps_total")
+        self.metrics.count(EngineCounter.FAILED_STEPS)
         error = ErrorInfo(
             message=f"internal error while running the model: {exc}", code="internal_error", http_status=500
         )

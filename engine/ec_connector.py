@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from engine.ec_store import ECRole, ECStore, ECStoreError
-from engine.protocol import ECConnectorMeta
+from wire.ec_store import ECRole, ECStore, ECStoreError
+from wire.protocol import ECConnectorMeta
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from engine.admission import AdmissionError, queue_full_error
 from engine.ec_connector import ECConnectorScheduler
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
-from engine.protocol import FinishReason, RunnerOutput
 from engine.request import MMItem, Request, RequestStatus
 from engine.scheduler import SchedulerConfig, StepPlan, StepResult
+from wire.protocol import FinishReason, RunnerOutput
 
 
 class EncodeOnlyScheduler:

@@ -24,9 +24,12 @@ import zmq
 from engine.config import EngineConfig
 from engine.core import EngineCore, Launched, Outputs
 from engine.ec_connector import ECConnectorScheduler
-from engine.ec_store.reconnecting import ReconnectingStore
 from engine.executor import WorkerLost
-from engine.protocol import (
+from engine.scheduler import SchedulerConfig
+from engine.worker_client import WorkerClient
+from wire.ec_store.reconnecting import ReconnectingStore
+from wire.metric_names import EngineCounter
+from wire.protocol import (
     Abort,
     AddRequest,
     Drain,
@@ -43,8 +46,6 @@ from engine.protocol import (
     decode_engine_inbound,
     encode,
 )
-from engine.scheduler import SchedulerConfig
-from engine.worker_client import WorkerClient
 
 log = logging.getLogger("mmserve.engine")
 
@@ -260,8 +261,8 @@ class EngineServer:
     def _publish(self, outputs: Outputs, *, with_stats: bool) -> None:
         stats = None
         if with_stats and self._core is not None:
-            self._core.metrics.set_total("worker_losses_total", self.num_worker_losses)
-            self._core.metrics.set_total("worker_stale_replies_total", self.worker.num_stale_replies)
+            self._core.metrics.set_total(EngineCounter.WORKER_LOSSES, self.num_worker_losses)
+            self._core.metrics.set_total(EngineCounter.WORKER_STALE_REPLIES, self.worker.num_stale_replies)
             stats = self._core.stats()
         targets = self.clients if stats is not None else set(outputs)
         for client in targets:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from engine.protocol import RunnerOutput, SchedulerOutput
+from wire.protocol import RunnerOutput, SchedulerOutput
 
 
 class WorkerFailed(RuntimeError):

@@ -35,7 +35,7 @@ from typing import Protocol
 import blake3
 
 from engine.block_pool import BlockHash, BlockPool
-from engine.protocol import MMFeature
+from wire.protocol import MMFeature
 
 _HASH_DOMAIN = b"mmserve.kv_block.v1"
 _U64 = struct.Struct("<Q")

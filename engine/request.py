@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine.protocol import FinishReason, MMFeature, SamplingParams, ShmItemRef
+from wire.protocol import FinishReason, MMFeature, SamplingParams, ShmItemRef
 
 
 @dataclass(frozen=True)

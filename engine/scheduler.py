@@ -24,8 +24,8 @@ from engine.config import SchedulerOptions
 from engine.ec_connector import ECConnectorScheduler
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
-from engine.protocol import ECConnectorMeta, FinishReason, RunnerOutput
 from engine.request import MMItem, Request, RequestStatus
+from wire.protocol import ECConnectorMeta, FinishReason, RunnerOutput
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine.executor import WorkerFailed, WorkerLost
-from engine.protocol import (
+from wire.protocol import (
     UNDECODABLE_STEP_ID,
     RunnerOutput,
     SchedulerOutput,
@@ -47,7 +47,7 @@ __all__ = ["WorkerClient", "WorkerFailed", "WorkerLost"]
 
 
 class WorkerClient:
-    def __init__(self, ctx: zmq.Context, worker_addr: str, step_timeout_s: float = 600.0) -> None:
+    def __init__(self, ctx: zmq.Context, worker_addr: str, step_timeout_s: float) -> None:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)

@@ -7,7 +7,7 @@ import time
 
 import zmq
 
-from engine.protocol import (
+from wire.protocol import (
     EngineDead,
     EngineOutputs,
     EngineReady,

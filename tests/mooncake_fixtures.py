@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.ec_store.mooncake_processes import MooncakeProcess, start_holder, start_master
+from wire.ec_store.mooncake_processes import MooncakeProcess, start_holder, start_master
 
 LEASE_TTL_MS = 1000  # short, so tests of a full store wait little for eviction
 

@@ -1,5 +1,5 @@
 """The tests' one stand-in for the worker process: it follows the engine⇄worker protocol
-(``engine/protocol.py``) without a model, keeping the worker's books and refusing what it refuses.
+(``wire/protocol.py``) without a model, keeping the worker's books and refusing what it refuses.
 
     in process   EngineCore ──send(SchedulerOutput, frames), wait(step id)──▶ StandinWorker (an Executor)
     over ZeroMQ  WorkerClient (ROUTER) ──[SchedulerOutput, frames...]──▶ serve(): DEALER, StandinWorker
@@ -52,9 +52,9 @@ from typing import Any, Literal, NamedTuple
 import msgspec
 import zmq
 
-from engine.ec_store import ECRole, ECStore, ECStoreError
 from engine.executor import WorkerFailed, WorkerLost
-from engine.protocol import (
+from wire.ec_store import ECRole, ECStore, ECStoreError
+from wire.protocol import (
     UNDECODABLE_STEP_ID,
     ECConnectorMeta,
     ECStepStats,
@@ -74,7 +74,7 @@ from engine.protocol import (
     decode_worker_inbound,
     encode,
 )
-from engine.shm_ring import ShmRingReader
+from wire.shm_ring import ShmRingReader
 
 VOCAB_SIZE = 32_000
 SAMPLED_LOGPROB = -0.5

@@ -1,4 +1,4 @@
-"""Settings of a worker process, built by app/process_configs.py from the user's settings and never
+"""Settings of a worker process, built by app/launch/process_configs.py from the user's settings and never
 mutated. Every field is required: the defaults live in ``app.settings.Settings``, once."""
 
 from __future__ import annotations
@@ -6,7 +6,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from engine.ec_store import ECConfig
+from wire.ec_store import ECConfig
+
+CPU_DEFAULT_KV_CACHE_TOKENS = 65536  # the KV pool on CPU without --kv-cache-tokens
 
 
 class ModelParts(enum.Enum):

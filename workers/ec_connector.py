@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from engine.ec_store import ECRole, ECStore, ECStoreError
-from engine.protocol import ECConnectorMeta, ECStepStats
+from wire.ec_store import ECRole, ECStore, ECStoreError
+from wire.protocol import ECConnectorMeta, ECStepStats
 from workers.ec_codec import CorruptEncoderOutput, decode_output, encode_output
 from workers.encoder_store import EncoderStore
 

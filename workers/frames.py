@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.protocol import ShmItemRef, TensorRef
+from wire.protocol import ShmItemRef, TensorRef
 
 Buffer = Any  # bytes, memoryview, zmq.Frame: anything exposing the buffer protocol
 

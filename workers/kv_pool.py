@@ -21,9 +21,9 @@ import logging
 
 import torch
 
-logger = logging.getLogger(__name__)
+from workers.config import CPU_DEFAULT_KV_CACHE_TOKENS
 
-CPU_DEFAULT_KV_CACHE_TOKENS = 65536
+logger = logging.getLogger(__name__)
 
 
 class KVPool:

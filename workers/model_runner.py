@@ -26,16 +26,16 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.ec_store import ECConfig
-from engine.ec_store.reconnecting import ReconnectingStore
-from engine.protocol import (
+from wire.ec_store import ECConfig
+from wire.ec_store.reconnecting import ReconnectingStore
+from wire.protocol import (
     ECConnectorMeta,
     EncoderInput,
     RunnerOutput,
     SchedulerOutput,
     TokenLogprobs,
 )
-from engine.shm_ring import ShmRingReader, StaleShmRef
+from wire.shm_ring import ShmRingReader, StaleShmRef
 from workers.attention import attention_backend
 from workers.config import ModelParts
 from workers.ec_connector import ECConnectorWorker

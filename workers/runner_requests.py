@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.protocol import MMFeature, NewRequestData, ResumedRequestData, SamplingParams, SchedulerOutput
+from wire.protocol import MMFeature, NewRequestData, ResumedRequestData, SamplingParams, SchedulerOutput
 from workers.attention import SeqSpan
 from workers.families.model import RequestPositions
 

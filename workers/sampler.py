@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.protocol import Logprob, SamplingParams, TokenLogprobs
+from wire.protocol import Logprob, SamplingParams, TokenLogprobs
 
 _GREEDY_TEMPERATURE = 1e-5
 

@@ -28,7 +28,7 @@ import zmq
 from transformers.utils import logging as transformers_logging
 from zmq.utils.monitor import recv_monitor_message
 
-from engine.protocol import (
+from wire.protocol import (
     UNDECODABLE_STEP_ID,
     RunnerOutput,
     WorkerError,

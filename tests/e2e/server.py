@@ -75,7 +75,7 @@ def api_process(resp: httpx.Response) -> int:
 
 @dataclass
 class ServerProcess:
-    """One process started with ``python -m app.cli ROLE ...``; its output goes to ``log_path``."""
+    """One process started with ``python -m app.launch.cli ROLE ...``; its output goes to ``log_path``."""
 
     args: list[str]
     log_path: Path
@@ -86,7 +86,7 @@ class ServerProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", *self.args],
+            [sys.executable, "-m", "app.launch.cli", *self.args],
             cwd=REPO,
             env=env,
             stdout=log,

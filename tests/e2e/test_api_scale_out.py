@@ -37,7 +37,7 @@ from tests.e2e.server import (
 
 pytestmark = pytest.mark.slow
 
-SCALE_OUT = ("--api-server-count", "2", "--mm-processor-workers", "0")
+SCALE_OUT = ("--api-server-count", "2", "--mm-preprocess-processes", "0")
 IMAGES = [make_image(90 + k) for k in range(4)]
 NUM_REQUESTS = 24
 CONCURRENCY = 8

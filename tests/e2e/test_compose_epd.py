@@ -22,7 +22,7 @@ from tests.e2e.server import REPO, Server, ServerProcess, delta, free_port, stop
 
 pytestmark = pytest.mark.slow
 
-mooncake_processes = pytest.importorskip("engine.ec_store.mooncake_processes")
+mooncake_processes = pytest.importorskip("wire.ec_store.mooncake_processes")
 
 
 def rewrite(value: str, mapping: dict[str, str]) -> str:

@@ -158,7 +158,7 @@ def test_incompatible_settings_fail_at_startup(tiny_model_dir: Path) -> None:
         [
             sys.executable,
             "-m",
-            "app.cli",
+            "app.launch.cli",
             "serve",
             "--model",
             str(tiny_model_dir),

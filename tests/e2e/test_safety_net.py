@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from app.server import create_app
+from app.api.server import create_app
 from app.settings import Settings
-from engine.protocol import ResetCaches
 from tests.e2e.conftest import make_image, user_message
 from tests.e2e.server import ServerProcess, parse_metrics
+from wire.protocol import ResetCaches
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ DEV_SHM = Path("/dev/shm")
 SMALL = ("--mm-processor-cache-gb", "0.004", "--mm-ipc-cache-gb", "0.004")
 SHM = ("--mm-processor-cache-type", "shm", "--mm-shm-cache-max-object-size-mb", "2")
 OFF = ("--mm-processor-cache-gb", "0", "--mm-ipc-cache-gb", "0", "--encoder-cache-tokens", "0")
-COMMON = ("--max-model-len", "2048", "--mm-processor-workers", "1")
+COMMON = ("--max-model-len", "2048", "--mm-preprocess-processes", "1")
 
 IMAGES = [make_image(300 + i, (320 + 16 * i, 240)) for i in range(6)]
 A, B, C, D, E, F = IMAGES
@@ -150,7 +150,8 @@ def test_nothing_left_in_dev_shm_after_sigkill_and_a_new_start(tiny_model_dir: P
 
 @pytest.fixture(scope="module")
 def slow_image_server(tiny_model_dir: Path, log_dir: Path) -> Iterator[Server]:
-    with serving(tiny_model_dir, log_dir, "--max-model-len", "4096", "--mm-processor-workers", "1") as server:
+    flags = ("--max-model-len", "4096", "--mm-preprocess-processes", "1")
+    with serving(tiny_model_dir, log_dir, *flags) as server:
         yield server
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.protocol import (
+from wire.protocol import (
     EncoderInput,
     MMFeature,
     NewRequestData,

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from engine.protocol import (
+from tests.integration.fake_engine import FakeEngine, Prompt
+from wire.protocol import (
     MMFeature,
     SamplingParams,
 )
-from tests.integration.fake_engine import FakeEngine, Prompt
 from workers.attention import ATTENTION_BACKENDS
 from workers.model_runner import ModelRunner
 

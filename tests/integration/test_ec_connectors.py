@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.ec_store import ECStore
-from engine.ec_store.shared_storage import SharedStorageStore
 from tests.mooncake_fixtures import MooncakeCluster, mooncake_cluster
+from wire.ec_store import ECStore
+from wire.ec_store.shared_storage import SharedStorageStore
 from workers.ec_codec import CorruptEncoderOutput, decode_output, encode_output
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ECStore]:
     if request.param == "shared-storage":
         yield SharedStorageStore(tmp_path / "ec", max_bytes=1 << 30)
         return
-    from engine.ec_store.mooncake import MooncakeStore
+    from wire.ec_store.mooncake import MooncakeStore
 
     cluster: MooncakeCluster = request.getfixturevalue("mooncake_cluster")
     mooncake = MooncakeStore(cluster.address)

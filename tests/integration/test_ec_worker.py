@@ -15,9 +15,9 @@ import pytest
 import torch
 from PIL import Image
 
-from engine.ec_store import ECConfig, ECRole
-from engine.ec_store.shared_storage import SharedStorageStore
-from engine.protocol import (
+from wire.ec_store import ECConfig, ECRole
+from wire.ec_store.shared_storage import SharedStorageStore
+from wire.protocol import (
     ECConnectorMeta,
     EncoderInput,
     MMFeature,

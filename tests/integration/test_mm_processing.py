@@ -13,7 +13,7 @@ from PIL import Image
 from transformers import AutoProcessor
 
 from app.errors import InvalidRequestError
-from app.hashing import mm_hash
+from wire.hashing import mm_hash
 from workers.families import load_processing
 from workers.families.processing import FamilyProcessor as MMProcessor
 from workers.families.processing import ProcessedItem

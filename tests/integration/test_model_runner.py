@@ -10,11 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.protocol import (
-    NewRequestData,
-    SamplingParams,
-    SchedulerOutput,
-)
 from tests.integration.fake_engine import FakeEngine
 from tests.integration.runner_support import (
     KV_CACHE_TOKENS,
@@ -22,6 +17,11 @@ from tests.integration.runner_support import (
     blocks,
     greedy,
     run_staggered,
+)
+from wire.protocol import (
+    NewRequestData,
+    SamplingParams,
+    SchedulerOutput,
 )
 from workers.encoder_store import MissingEncoderOutput
 from workers.kv_pool import plan_num_kv_blocks

@@ -10,12 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.protocol import (
-    NewRequestData,
-    ResumedRequestData,
-    SamplingParams,
-    SchedulerOutput,
-)
 from tests.integration.fake_engine import FakeEngine
 from tests.integration.runner_support import (
     KV_CACHE_TOKENS,
@@ -23,8 +17,15 @@ from tests.integration.runner_support import (
     blocks,
     greedy,
 )
+from wire.protocol import (
+    NewRequestData,
+    ResumedRequestData,
+    SamplingParams,
+    SchedulerOutput,
+)
 from workers.attention.base import SeqSpan, slot_matrix
-from workers.kv_pool import CPU_DEFAULT_KV_CACHE_TOKENS, KVPool, plan_num_kv_blocks
+from workers.config import CPU_DEFAULT_KV_CACHE_TOKENS
+from workers.kv_pool import KVPool, plan_num_kv_blocks
 from workers.model_runner import ModelRunner
 from workers.runner_requests import StepError
 

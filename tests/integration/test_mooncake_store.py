@@ -1,4 +1,4 @@
-"""MooncakeStore against a real mooncake_master and holder on 127.0.0.1 (see engine/ec_store/mooncake.py
+"""MooncakeStore against a real mooncake_master and holder on 127.0.0.1 (see wire/ec_store/mooncake.py
 for the semantics asserted here)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.ec_store import ECStoreError
-from engine.ec_store.mooncake import MooncakeStore
 from tests.mooncake_fixtures import LEASE_TTL_MS, MooncakeCluster, hung, mooncake_cluster, mooncake_cluster_at
+from wire.ec_store import ECStoreError
+from wire.ec_store.mooncake import MooncakeStore
 
 pytestmark = pytest.mark.slow
 __all__ = ["mooncake_cluster"]  # the fixture, imported for pytest
@@ -86,7 +86,7 @@ def test_value_outlives_the_client_that_put_it(mooncake_cluster: MooncakeCluster
 
 def test_store_does_not_import_torch(mooncake_cluster: MooncakeCluster) -> None:
     code = (
-        "import sys\nfrom engine.ec_store.mooncake import MooncakeStore\n"
+        "import sys\nfrom wire.ec_store.mooncake import MooncakeStore\n"
         f"s = MooncakeStore({mooncake_cluster.address!r}); assert s.put('nt', b'x'); s.close()\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )

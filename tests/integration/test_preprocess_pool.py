@@ -1,4 +1,5 @@
-"""The preprocessing pool (app/preprocess_pool.py): spawned processes give exactly the in-process items,
+"""The preprocessing pool (app/inputs/preprocess/pool.py): spawned processes give exactly the in-process
+items,
 through shared memory that never leaks, with the same request errors, and survive a killed process; no
 /dev/shm entry (no multiprocessing semaphore) outlives a pool, even when its process group is SIGKILLed."""
 
@@ -33,7 +34,7 @@ from app.errors import (
     MMServeError,
     ModelNotFoundError,
 )
-from app.preprocess_pool import PreprocessPool, output_name, read_output, write_output
+from app.inputs.preprocess.pool import PreprocessPool, output_name, read_output, write_output
 from workers.families import load_processing
 from workers.families.processing import FamilyProcessor, ProcessedItem
 from workers.families.tiny import build_tiny_model
@@ -190,7 +191,7 @@ def test_pool_gives_the_in_process_item(loop, pools, families, name: str, with_o
         want = in_process(loop, family, data, options)
         assert isinstance(want, ProcessedItem)
         assert_same(run(loop, pools[name].process(data, options, PARAM)), want)
-    assert pools[name].workers == (2 if name == "llava" else 1)
+    assert pools[name].num_processes == (2 if name == "llava" else 1)
     assert shm_files() == []
 
 
@@ -370,7 +371,7 @@ def test_killed_api_leaves_no_process_nor_shm_entry(
     script = textwrap.dedent(
         f"""
         import asyncio, os
-        from app.preprocess_pool import PreprocessPool
+        from app.inputs.preprocess.pool import PreprocessPool
 
         async def main():
             pool = PreprocessPool({str(tiny_model_dir)!r}, 1)

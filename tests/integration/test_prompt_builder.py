@@ -1,4 +1,5 @@
-"""app/prompts.py: the prompt's ids with each image token repeated, never tokenizing placeholders, equal
+"""app/inputs/prompts.py: the prompt's ids with each image token repeated, never tokenizing
+placeholders, equal
 the HF processor's own ``input_ids`` (and the family's ``tokenize``) for LLaVA and every Qwen family, for
 every message shape, repeated prompts (the caches) included; a cached render equals the template's."""
 
@@ -12,7 +13,7 @@ import pytest
 from PIL import Image
 
 from app.errors import InvalidRequestError
-from app.prompts import PromptBuilder, messages_key
+from app.inputs.prompts import PromptBuilder, messages_key
 from workers.families import load_processing
 from workers.families.processing import FamilyProcessor
 from workers.families.tiny import TINY_FAMILIES, build_tiny_model

@@ -16,7 +16,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engine.protocol import (
+from tests.api_peer import ApiPeer, tokens
+from tests.integration.fake_engine import Prompt
+from tests.integration.runner_support import greedy
+from wire.protocol import (
     AddRequest,
     Drain,
     RequestOutput,
@@ -24,9 +27,6 @@ from engine.protocol import (
     Shutdown,
     encode,
 )
-from tests.api_peer import ApiPeer, tokens
-from tests.integration.fake_engine import Prompt
-from tests.integration.runner_support import greedy
 from workers.frames import tensor_to_frame
 
 pytestmark = pytest.mark.slow
@@ -36,14 +36,14 @@ LOSS_DEADLINE_S = 5.0
 
 
 class Role:
-    """``python -m app.cli ROLE ...`` with its output in a log file."""
+    """``python -m app.launch.cli ROLE ...`` with its output in a log file."""
 
     def __init__(self, args: list[str], log_path: Path) -> None:
         self.log_path = log_path
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "app.cli", *args],
+                [sys.executable, "-m", "app.launch.cli", *args],
                 cwd=REPO,
                 env=env,
                 stdout=log,

@@ -16,9 +16,12 @@ import pytest
 import torch
 import zmq
 
-from app.process_configs import worker_config
+from app.launch.process_configs import worker_config
 from app.settings import Settings
-from engine.protocol import (
+from tests.integration.runner_support import (
+    greedy,
+)
+from wire.protocol import (
     EncoderInput,
     NewRequestData,
     RunnerOutput,
@@ -28,9 +31,6 @@ from engine.protocol import (
     WorkerShutdown,
     decode_worker_outbound,
     encode,
-)
-from tests.integration.runner_support import (
-    greedy,
 )
 from workers.frames import tensor_from_frame, tensor_to_frame
 from workers.worker_main import ENGINE_LOST, run_worker
@@ -118,7 +118,8 @@ def worker_process(model_dir: Path, addr: str, **settings: float) -> subprocess.
     """``run_worker`` in a process of its own, exiting with its status."""
     extra = "".join(f", {name}={value!r}" for name, value in settings.items())
     code = (
-        "import sys; from app.settings import Settings; from app.process_configs import worker_config; "
+        "import sys; from app.settings import Settings; "
+        "from app.launch.process_configs import worker_config; "
         "from workers.worker_main import run_worker; "
         f"settings = Settings(model={str(model_dir)!r}, worker_addr={addr!r}, device='cpu'{extra}); "
         "sys.exit(run_worker(worker_config(settings)))"

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 from engine.core import EngineCore
 from engine.ec_connector import ECConnectorScheduler
-from engine.protocol import AddRequest, MMFeature, RequestOutput, SamplingParams, TensorRef, WorkerReady
 from engine.scheduler import SchedulerConfig
 from tests.standin_worker import StandinWorker
+from wire.protocol import AddRequest, MMFeature, RequestOutput, SamplingParams, TensorRef, WorkerReady
 
 PIXELS = {"pixel_values": TensorRef("float32", (1, 3, 4, 4), 1)}
 NUM_PIXEL_BYTES = 1 * 3 * 4 * 4 * 4  # 192

@@ -9,10 +9,10 @@ from weakref import WeakKeyDictionary
 
 from engine.core import to_scheduler_output
 from engine.encode_scheduler import EncodeOnlyScheduler
-from engine.protocol import MMFeature, SamplingParams
 from engine.request import MMItem, Request
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, StepResult
 from tests.standin_worker import NextToken, StandinWorker
+from wire.protocol import MMFeature, SamplingParams
 
 Image = tuple[str, int, int]  # (mm_hash, offset, num_tokens)
 PROMPT_TOKEN = 5  # every prompt token; the stand-in then samples 6, 7, 8, ...

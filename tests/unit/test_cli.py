@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-import app.launcher
-from app.cli import build_parser, main, settings_from_args
-from app.process_configs import engine_config, worker_config
-from app.proxy_cli import config_from_args
+import app.launch.launcher
+from app.launch.cli import build_parser, main, settings_from_args
+from app.launch.process_configs import engine_config, worker_config
+from app.proxy.cli import config_from_args
 from app.settings import Settings
 from engine.scheduler import SchedulerConfig
 
@@ -87,10 +87,10 @@ def test_the_proxy_defaults_as_an_api_process() -> None:
 
 
 def test_the_launcher_does_not_import_the_cli() -> None:
-    """The CLI starts the launcher; the launcher gets configs from app/process_configs.py."""
-    tree = ast.parse(Path(app.launcher.__file__).read_text())
+    """The CLI starts the launcher; the launcher gets configs from app/launch/process_configs.py."""
+    tree = ast.parse(Path(app.launch.launcher.__file__).read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert "app.cli" not in imported and "app.process_configs" in imported
+    assert "app.launch.cli" not in imported and "app.launch.process_configs" in imported
 
 
 def test_invalid_settings_exit_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from app.detokenizer import IncrementalDetokenizer
+from app.api.detokenizer import IncrementalDetokenizer
 
 # Mostly ASCII, so that the few merges of multi-byte text give tokens that split characters, and some
 # that straddle two ("¥æ": the end of 日 and the start of 本).

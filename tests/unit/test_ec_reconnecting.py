@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.ec_store import ECConfig, ECRole, ECStore, ECStoreError, open_store
-from engine.ec_store.reconnecting import ReconnectingStore
-from engine.ec_store.shared_storage import SharedStorageStore
+from wire.ec_store import ECConfig, ECRole, ECStore, ECStoreError, open_store
+from wire.ec_store.reconnecting import ReconnectingStore
+from wire.ec_store.shared_storage import SharedStorageStore
 
 RETRY_AFTER_S = 0.2
 

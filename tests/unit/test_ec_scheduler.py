@@ -12,14 +12,14 @@ import pytest
 
 from engine.core import ENCODER_OUTPUT_UNAVAILABLE, EngineCore
 from engine.ec_connector import ECConnectorScheduler
-from engine.ec_store import ECConfig, ECRole
-from engine.ec_store.reconnecting import ReconnectingStore
-from engine.ec_store.shared_storage import SharedStorageStore
-from engine.protocol import AddRequest, FinishReason, MMFeature, SamplingParams
 from engine.scheduler import Scheduler
 from tests.standin_worker import StandinWorker
 from tests.unit.engine_core_support import PIXELS, add, engine_core, frames, key_only_frames, run_until_idle
 from tests.unit.scheduler_support import config, encoded, make_request, new_ids, run_step
+from wire.ec_store import ECConfig, ECRole
+from wire.ec_store.reconnecting import ReconnectingStore
+from wire.ec_store.shared_storage import SharedStorageStore
+from wire.protocol import AddRequest, FinishReason, MMFeature, SamplingParams
 
 
 class CountingStore(SharedStorageStore):

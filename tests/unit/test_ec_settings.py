@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from app.cli import build_parser, settings_from_args
-from app.process_configs import ec_config, worker_config
+from app.launch.cli import build_parser, settings_from_args
+from app.launch.process_configs import ec_config, worker_config
 from app.settings import GIB, Settings
-from engine.ec_store import ECConfig, ECRole
+from wire.ec_store import ECConfig, ECRole
 from workers.config import ModelParts
 
 EC_FLAGS = [

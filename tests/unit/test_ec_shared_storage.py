@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.ec_store import ECConfig, ECRole, ECStoreError, open_store
-from engine.ec_store.shared_storage import STALE_TMP_S, SUFFIX, SharedStorageStore
+from wire.ec_store import ECConfig, ECRole, ECStoreError, open_store
+from wire.ec_store.shared_storage import STALE_TMP_S, SUFFIX, SharedStorageStore
 
 
 def values_on_disk(folder: Path) -> dict[str, bytes]:

@@ -11,10 +11,14 @@ import pytest
 
 from engine.core import EngineCore
 from engine.ec_connector import ECConnectorScheduler
-from engine.ec_store import ECRole
-from engine.ec_store.shared_storage import SharedStorageStore
 from engine.encode_scheduler import EncodeOnlyScheduler
-from engine.protocol import (
+from engine.scheduler import StepPlan, StepResult
+from tests.standin_worker import StandinWorker
+from tests.unit.engine_core_support import PIXELS, engine_core, frames
+from tests.unit.scheduler_support import config, encoded, make_request, run_step
+from wire.ec_store import ECRole
+from wire.ec_store.shared_storage import SharedStorageStore
+from wire.protocol import (
     Abort,
     AddRequest,
     FinishReason,
@@ -22,10 +26,6 @@ from engine.protocol import (
     RequestOutput,
     SamplingParams,
 )
-from engine.scheduler import StepPlan, StepResult
-from tests.standin_worker import StandinWorker
-from tests.unit.engine_core_support import PIXELS, engine_core, frames
-from tests.unit.scheduler_support import config, encoded, make_request, run_step
 
 
 @pytest.fixture

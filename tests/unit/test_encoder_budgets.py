@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from app.encoder_budgets import budget_warnings, derive_encoder_budgets, startup_error
+from app.inputs.encoder_budgets import budget_warnings, derive_encoder_budgets, startup_error
 from app.settings import Settings
 from workers.families import UnsupportedModelError, largest_item_tokens
 

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from app.engine_client import EngineClient, EngineGone, OutgoingItem
+from app.inputs.engine_client import EngineClient, EngineGone, OutgoingItem
 from app.metrics import ApiMetrics
-from engine.protocol import (
+from wire.protocol import (
     AddRequest,
     EngineReady,
     MMFeature,

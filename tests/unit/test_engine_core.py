@@ -10,16 +10,6 @@ import pytest
 from engine.core import to_scheduler_output
 from engine.executor import WorkerLost
 from engine.kv_cache_manager import KVCacheManager
-from engine.protocol import (
-    Abort,
-    ErrorInfo,
-    FinishReason,
-    Logprob,
-    RequestOutput,
-    ResetCaches,
-    TensorRef,
-    TokenLogprobs,
-)
 from engine.request import MMItem
 from engine.scheduler import StepPlan
 from tests.standin_worker import StandinWorker
@@ -31,6 +21,16 @@ from tests.unit.engine_core_support import (
     frames,
     key_only_frames,
     run_until_idle,
+)
+from wire.protocol import (
+    Abort,
+    ErrorInfo,
+    FinishReason,
+    Logprob,
+    RequestOutput,
+    ResetCaches,
+    TensorRef,
+    TokenLogprobs,
 )
 
 # ---------------------------------------------------------------------------- receiver cache

@@ -14,14 +14,14 @@ import zmq
 
 from engine.config import EngineConfig, SchedulerOptions
 from engine.engine_main import EngineServer
-from engine.protocol import (
+from tests.api_peer import ApiPeer, tokens
+from tests.standin_worker import StandinWorker, serving
+from wire.protocol import (
     AddRequest,
     SamplingParams,
     Shutdown,
     encode,
 )
-from tests.api_peer import ApiPeer, tokens
-from tests.standin_worker import StandinWorker, serving
 
 
 class Api(ApiPeer):

@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from engine.protocol import AddRequest, FinishReason, MMFeature, SamplingParams, ShmItemRef, ShmTensor
-from engine.shm_ring import ShmRingWriter, ring_name
 from tests.unit.engine_core_support import engine_core
+from wire.protocol import AddRequest, FinishReason, MMFeature, SamplingParams, ShmItemRef, ShmTensor
+from wire.shm_ring import ShmRingWriter, ring_name
 
 PIXELS = {"pixel_values": ShmTensor("float32", (1, 3, 4, 4), 0)}
 

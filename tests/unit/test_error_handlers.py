@@ -10,11 +10,11 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from app.error_handlers import error_response, format_loc, install_error_handlers, sse_error_event
+from app.api.error_handlers import error_response, format_loc, install_error_handlers, sse_error_event
+from app.api.openapi_errors import document_error_envelope
+from app.api.schemas import ChatCompletionRequest
 from app.errors import ContextLengthError, EngineUnavailableError, MediaError, ModelNotFoundError
-from app.openapi_errors import document_error_envelope
-from app.schemas import ChatCompletionRequest
-from engine.protocol import ErrorInfo
+from wire.protocol import ErrorInfo
 
 JSON = {"content-type": "application/json"}
 

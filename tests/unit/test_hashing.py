@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from app.hashing import KnownDataUrls, canonical_option, framed_digest, mm_hash
+from app.inputs.known_data_urls import KnownDataUrls
+from wire.hashing import canonical_option, framed_digest, mm_hash
 
 DATA = b"\x89PNG fake image bytes"
 

@@ -17,7 +17,7 @@ import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.hashing import MAGIC, framed_digest, framed_stream, mm_hash
+from wire.hashing import MAGIC, framed_digest, framed_stream, mm_hash
 
 Key = tuple[Any, ...]
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageFile, ImageOps
 
 from app.errors import MediaError
-from app.media import DEFAULT_MAX_IMAGE_PIXELS, decode_image
+from app.media.images import DEFAULT_MAX_IMAGE_PIXELS, decode_image
 
 PARAM = "messages[0].content[0].image_url.url"
 WHITE = (255, 255, 255)

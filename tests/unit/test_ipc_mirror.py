@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.ipc_mirror import IpcMirror, MirrorDecision, MirrorEntry
+from app.inputs.ipc_mirror import IpcMirror, MirrorDecision, MirrorEntry
 
 HIT, STORE, UNCACHED = MirrorDecision.HIT, MirrorDecision.STORE, MirrorDecision.UNCACHED
 

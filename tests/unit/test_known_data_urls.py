@@ -1,4 +1,4 @@
-"""A data URL sent again is recognised by a hash of its text (app/hashing.py, ``KnownDataUrls``): same
+"""A data URL sent again is recognised by a hash of its text (wire/hashing.py, ``KnownDataUrls``): same
 mm_hash as its decoded bytes (and the same image by http), the request's byte budget still counted, and
 its bytes decoded only when its item must be processed."""
 
@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
+from app.api.schemas import ChatMessageParam
 from app.errors import MediaError
-from app.hashing import mm_hash
-from app.input_processor import InputProcessor, PreparedRequest
-from app.media_fetch import MediaFetcher
+from app.inputs.input_processor import InputProcessor, PreparedRequest
+from app.media.fetch import MediaFetcher
+from app.media.url_policy import MediaPolicy
 from app.metrics import ApiMetrics
-from app.schemas import ChatMessageParam
 from app.settings import Settings
-from app.url_policy import MediaPolicy
+from wire.hashing import mm_hash
 
 IMAGE = b"\x89PNG not really, but bytes" * 20
 

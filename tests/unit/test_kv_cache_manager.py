@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine.kv_cache_manager import KVCacheManager, block_extra_keys, hash_block
-from engine.protocol import MMFeature
+from wire.protocol import MMFeature
 
 IMG = 99  # placeholder token id
 

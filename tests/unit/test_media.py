@@ -16,10 +16,10 @@ import pytest
 from PIL import Image
 
 from app.errors import MediaError
-from app.hashing import mm_hash
-from app.media import decode_image, load_image_bytes
-from app.media_fetch import MediaFetcher
-from app.url_policy import MediaPolicy
+from app.media.fetch import MediaFetcher
+from app.media.images import decode_image, load_image_bytes
+from app.media.url_policy import MediaPolicy
+from wire.hashing import mm_hash
 
 PARAM = "messages[0].content[1].image_url"
 MAX_BYTES = 64 * 1024

@@ -21,14 +21,14 @@ from typing import Any
 import httpx
 import pytest
 
+from app.api.schemas import ChatMessageParam
 from app.errors import MediaError
-from app.input_processor import InputProcessor
-from app.media import load_image_bytes
-from app.media_fetch import MediaFetcher, RequestImageBudget
+from app.inputs.input_processor import InputProcessor
+from app.media.fetch import MediaFetcher, RequestImageBudget
+from app.media.images import load_image_bytes
+from app.media.url_policy import IPAddress, MediaPolicy
 from app.metrics import ApiMetrics
-from app.schemas import ChatMessageParam
 from app.settings import Settings
-from app.url_policy import IPAddress, MediaPolicy
 
 PARAM = "messages[0].content[0].image_url.url"
 BODY = b"\x89PNG not really, the fetcher does not decode"

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client import values as prometheus_values
 
 from app.metrics import BATCH_BUCKETS, MULTIPROC_DIR_ENV, ApiMetrics
-from engine.protocol import EngineStats
 from tests.e2e.server import parse_metrics
+from wire.protocol import EngineStats
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ STATS = EngineStats(
 OTHER_PROCESS = textwrap.dedent(
     """
     from app.metrics import ApiMetrics
-    from engine.protocol import EngineStats
+    from wire.protocol import EngineStats
 
     metrics = ApiMetrics()
     metrics.mm_items.inc(4)

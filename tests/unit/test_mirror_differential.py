@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from app.ipc_mirror import IpcMirror, MirrorDecision
+from app.inputs.ipc_mirror import IpcMirror, MirrorDecision
 from engine.receiver_cache import ReceiverCache
 
 CAPACITY = 10

@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from app.chat_service import request_outputs
-from app.engine_client import EngineGone
+from app.api.chat_service import request_outputs
 from app.errors import EngineUnavailableError, MMServeError
-from engine.protocol import ErrorInfo, Logprob, RequestOutput, TokenLogprobs
+from app.inputs.engine_client import EngineGone
+from wire.protocol import ErrorInfo, Logprob, RequestOutput, TokenLogprobs
 
 
 def out(*tokens: int, finish: str | None = None, logprobs: bool = False) -> RequestOutput:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from app.processor_cache import ProcessorCache
+from app.inputs.processor_cache import ProcessorCache
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from app.cli import build_parser
-from app.proxy import create_proxy_app
-from app.proxy_cli import ProxyConfig, config_from_args
-from app.proxy_forward import RoundRobin, encoder_body, forwarded_headers, image_parts
+from app.launch.cli import build_parser
+from app.proxy.cli import ProxyConfig, config_from_args
+from app.proxy.forward import RoundRobin, encoder_body, forwarded_headers, image_parts
+from app.proxy.server import create_proxy_app
 from tests.e2e.server import parse_metrics
 
 ENCODERS = ("http://enc-a", "http://enc-b")
@@ -56,7 +56,7 @@ def test_image_parts_are_distinct_by_url_in_first_appearance_order() -> None:
         {},
         {"messages": "not a list"},
         {"messages": ["not a message", {"content": 7}]},
-        # shapes mmserve refuses (app/schemas.py): the string form, a missing or non-string url
+        # shapes mmserve refuses (app/api/schemas.py): the string form, a missing or non-string url
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "http://x/a.png"}]}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": 3}}]}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url"}, "text"]}]},

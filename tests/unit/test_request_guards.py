@@ -10,8 +10,8 @@ import httpx
 import pytest
 from fastapi import FastAPI, Request
 
-from app.error_handlers import install_error_handlers
-from app.request_guards import RequestGuards
+from app.api.error_handlers import install_error_handlers
+from app.api.request_guards import RequestGuards
 from app.settings import Settings
 
 KEY = "sk-test-123"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.protocol import SamplingParams
+from wire.protocol import SamplingParams
 from workers.sampler import SamplingRow, make_generator, sample
 
 VOCAB = 50

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.protocol import FinishReason
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from tests.unit.scheduler_support import (
@@ -22,6 +21,7 @@ from tests.unit.scheduler_support import (
     users,
     worker_for,
 )
+from wire.protocol import FinishReason
 
 # ---------------------------------------------------------------------------- continuous batching
 

@@ -8,7 +8,6 @@ import random
 from collections import Counter
 
 from engine.core import to_scheduler_output
-from engine.protocol import FinishReason
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from tests.unit.scheduler_support import (
@@ -22,6 +21,7 @@ from tests.unit.scheduler_support import (
     users,
     worker_for,
 )
+from wire.protocol import FinishReason
 
 # ---------------------------------------------------------------------------- encoder scheduling
 

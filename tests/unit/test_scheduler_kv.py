@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
-from engine.protocol import FinishReason
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler
 from tests.unit.scheduler_support import config, encoded, make_request, run_step
+from wire.protocol import FinishReason
 
 BLOCK = 16
 

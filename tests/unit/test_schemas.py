@@ -12,7 +12,7 @@ from openai.types.chat import ChatCompletionChunk as SdkChunk
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from app.schemas import (
+from app.api.schemas import (
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,

@@ -16,8 +16,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from engine.protocol import ShmItemRef, ShmTensor
-from engine.shm_ring import (
+from wire.protocol import ShmItemRef, ShmTensor
+from wire.shm_ring import (
     ShmRingReader,
     ShmRingWriter,
     Slot,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.cli import main
+from app.launch.cli import main
 from app.settings import Settings
 
 

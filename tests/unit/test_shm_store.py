@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from app.shm_store import ShmObjectStore
-from engine.shm_ring import HEADER_BYTES, ShmRingReader
+from app.inputs.shm_store import ShmObjectStore
+from wire.shm_ring import HEADER_BYTES, ShmRingReader
 from workers.families.processing import ProcessedItem
 from workers.frames import tensors_from_shm
 

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from engine.executor import WorkerFailed, WorkerLost
-from engine.protocol import (
+from tests.standin_worker import StandinWorker, StepError
+from wire.protocol import (
     EncoderInput,
     MMFeature,
     NewRequestData,
@@ -17,7 +18,6 @@ from engine.protocol import (
     SchedulerOutput,
     TensorRef,
 )
-from tests.standin_worker import StandinWorker, StepError
 
 PIXELS = {"pixel_values": TensorRef("uint8", (4,), 1)}
 PIXEL_FRAMES = [memoryview(bytes(4))]

@@ -11,8 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from app.errors import MediaError
-from app.settings import Settings
-from app.url_policy import (
+from app.media.url_policy import (
     METADATA_ADDRESSES,
     REFUSED_NETWORKS,
     MediaPolicy,
@@ -21,6 +20,7 @@ from app.url_policy import (
     embedded_ipv4,
     parse_ip_host,
 )
+from app.settings import Settings
 
 PARAM = "messages[0].content[0].image_url.url"
 DEFAULT = MediaPolicy()

@@ -16,9 +16,9 @@ import pytest
 import zmq
 
 from engine.executor import WorkerFailed, WorkerLost
-from engine.protocol import RunnerOutput, SchedulerOutput
 from engine.worker_client import WorkerClient
 from tests.standin_worker import StandinWorker, serving
+from wire.protocol import RunnerOutput, SchedulerOutput
 
 REPO = Path(__file__).resolve().parents[2]
 

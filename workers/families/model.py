@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import AutoConfig
 
-from engine.protocol import MMFeature
+from wire.protocol import MMFeature
 from workers.config import ModelParts
 
 

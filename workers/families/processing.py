@@ -25,8 +25,8 @@ import transformers
 from huggingface_hub.dataclasses import validate_typed_dict
 from PIL import Image
 
-from app.errors import InvalidRequestError
-from app.hashing import canonical_option, framed_digest
+from wire.hashing import canonical_option, framed_digest
+from workers.families.errors import FamilyInputError
 
 MODEL_ID_DOMAIN = b"mmserve.model_id.v1"
 KWARGS_PARAM = "mm_processor_kwargs"
@@ -54,7 +54,7 @@ class ProcessedItem:
 
 
 class FamilyProcessor:
-    """Built once per API process; every method may run in a worker thread (none mutates state)."""
+    """Built once per API process; every method may run in a thread (none mutates state)."""
 
     # Largest side, in pixels, a request may ask the image processor to resize, crop or pad to.
     max_size_px: ClassVar[int] = 4096
@@ -92,15 +92,15 @@ class FamilyProcessor:
         """The validated, canonical image-processor options of a request; part of every mm_hash.
 
         Options equal to the processor's default are dropped (spelling out a default shares cache
-        entries). Unknown or reserved names, wrong types, sizes out of bounds: InvalidRequestError.
+        entries). Unknown or reserved names, wrong types, sizes out of bounds: FamilyInputError.
         """
         if mm_processor_kwargs is None:
             return {}
         if not isinstance(mm_processor_kwargs, Mapping):
-            raise InvalidRequestError("mm_processor_kwargs must be an object.", param=KWARGS_PARAM)
+            raise FamilyInputError("mm_processor_kwargs must be an object.", param=KWARGS_PARAM)
         unknown = sorted(str(key) for key in mm_processor_kwargs if key not in self.accepted_kwargs)
         if unknown:
-            raise InvalidRequestError(
+            raise FamilyInputError(
                 f"Unsupported mm_processor_kwargs {unknown}; accepted: {sorted(self.accepted_kwargs)}.",
                 param=KWARGS_PARAM,
             )
@@ -108,7 +108,7 @@ class FamilyProcessor:
             validate_typed_dict(self.image_processor.valid_kwargs, dict(mm_processor_kwargs))
             options = {key: canonical_option(value) for key, value in mm_processor_kwargs.items()}
         except Exception as exc:  # huggingface_hub raises its own validation error types
-            raise InvalidRequestError(f"Invalid mm_processor_kwargs: {exc}", param=KWARGS_PARAM) from exc
+            raise FamilyInputError(f"Invalid mm_processor_kwargs: {exc}", param=KWARGS_PARAM) from exc
         for key in self.size_kwargs.intersection(options):
             self._check_size_option(key, options[key])
         self.check_options(options)
@@ -121,19 +121,19 @@ class FamilyProcessor:
         try:
             return self.hf_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
-            raise InvalidRequestError(
+            raise FamilyInputError(
                 f"The chat template rejected the messages: {exc}", param="messages"
             ) from exc
 
     def process_image(self, image: Image.Image, options: Mapping[str, Any], *, param: str) -> ProcessedItem:
         """Run the HF image processor on one decoded image (the step the caches skip). ``options`` come
         from ``hash_options``. An image the processor cannot take (too small, too elongated, options
-        that contradict each other) is the request's fault: InvalidRequestError naming ``param`` or
+        that contradict each other) is the request's fault: FamilyInputError naming ``param`` or
         the options."""
         try:
             batch = self.image_processor([image], return_tensors="pt", **options)
         except (ValueError, TypeError, ZeroDivisionError) as exc:
-            raise InvalidRequestError(
+            raise FamilyInputError(
                 f"The image processor could not process this image: {exc}",
                 param=KWARGS_PARAM if options else param,
             ) from exc
@@ -153,7 +153,7 @@ class FamilyProcessor:
         """
         pieces = prompt.split(self.image_token)
         if len(pieces) - 1 != len(num_tokens_per_image):
-            raise InvalidRequestError(
+            raise FamilyInputError(
                 f"The prompt has {len(pieces) - 1} image placeholders ({self.image_token!r}) but the "
                 f"request carries {len(num_tokens_per_image)} images.",
                 param="messages",
@@ -173,7 +173,7 @@ class FamilyProcessor:
         values = list(option.values()) if isinstance(option, dict) else option
         for value in values if isinstance(values, list) else [values]:
             if value is not None and (type(value) is not int or not 1 <= value <= self.max_size_px):
-                raise InvalidRequestError(
+                raise FamilyInputError(
                     f"mm_processor_kwargs.{key} sizes must be integers from 1 to {self.max_size_px}.",
                     param=KWARGS_PARAM,
                 )
@@ -189,7 +189,7 @@ class FamilyProcessor:
     def _placeholder_offsets(self, token_ids: list[int], num_tokens_per_image: list[int]) -> list[int]:
         positions = [index for index, token_id in enumerate(token_ids) if token_id == self.image_token_id]
         if len(positions) != sum(num_tokens_per_image):
-            raise InvalidRequestError(
+            raise FamilyInputError(
                 f"The prompt has {len(positions)} image tokens, expected {sum(num_tokens_per_image)}.",
                 param="messages",
             )
@@ -221,10 +221,10 @@ class FamilyProcessor:
         raise NotImplementedError
 
     def check_options(self, options: dict[str, Any]) -> None:
-        """Family-specific checks of a request's options (InvalidRequestError naming the option)."""
+        """Family-specific checks of a request's options (FamilyInputError naming the option)."""
 
     def check_processed(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Refuse a processed item the model could not encode (InvalidRequestError)."""
+        """Refuse a processed item the model could not encode (FamilyInputError)."""
 
 
 def _eos_token_ids(model_dir: Path, tokenizer: Any) -> list[int]:

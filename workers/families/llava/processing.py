@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from transformers import AutoProcessor
 
-from app.errors import InvalidRequestError
+from workers.families.errors import FamilyInputError
 from workers.families.processing import KWARGS_PARAM, FamilyProcessor
 
 
@@ -41,7 +41,7 @@ class LlavaProcessing(FamilyProcessor):
         image_size = self.config.get("vision_config", {}).get("image_size")
         shape = tuple(tensors["pixel_values"].shape)
         if image_size is not None and shape[-2:] != (image_size, image_size):
-            raise InvalidRequestError(
+            raise FamilyInputError(
                 f"mm_processor_kwargs give {shape[-2]}x{shape[-1]} pixel inputs; this model's vision "
                 f"encoder takes {image_size}x{image_size}.",
                 param=KWARGS_PARAM,

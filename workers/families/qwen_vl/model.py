@@ -15,7 +15,7 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
 )
 
-from engine.protocol import MMFeature
+from wire.protocol import MMFeature
 from workers.families.model import FamilyModel, RequestPositions
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from app.errors import InvalidRequestError
+from workers.families.errors import FamilyInputError
 from workers.families.processing import KWARGS_PARAM, FamilyProcessor
 
 # The largest pixel count a request may ask for (Qwen3-VL's own default ceiling).
@@ -59,13 +59,13 @@ class QwenVLProcessing(FamilyProcessor):
         if size is None:
             return
         if not isinstance(size, dict) or set(size) != {"shortest_edge", "longest_edge"}:
-            raise InvalidRequestError(
+            raise FamilyInputError(
                 "mm_processor_kwargs.size must be {'shortest_edge': min_pixels, 'longest_edge': max_pixels}.",
                 param=KWARGS_PARAM,
             )
         low, high = size["shortest_edge"], size["longest_edge"]
         if type(low) is not int or type(high) is not int or not 1 <= low <= high <= MAX_PIXELS_CAP:
-            raise InvalidRequestError(
+            raise FamilyInputError(
                 f"mm_processor_kwargs min_pixels / max_pixels must be integers with "
                 f"1 <= min_pixels <= max_pixels <= {MAX_PIXELS_CAP}.",
                 param=KWARGS_PARAM,

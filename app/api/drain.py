@@ -1,0 +1,130 @@
+"""Graceful drain of the API process on SIGTERM.
+
+``Drain`` counts the guarded HTTP requests in flight; once started (the first SIGTERM), new ones are
+refused with 503 ``server_shutting_down`` while those in flight run on, and ``finished`` turns true when
+none is left or ``--shutdown-timeout`` has passed. ``DrainingServer`` is uvicorn's server with SIGTERM
+mapped to that drain (a second SIGTERM, or SIGINT, stops at once); it exits once the drain finished, and
+the lifespan then stops the engine as on any shutdown.
+
+With ``--api-server-count N`` the main ``serve`` process hooks its other API processes in: ``on_start``
+forwards the SIGTERM to them (they drain concurrently, each with its own deadline) and ``waits_for`` keeps
+its own drain, and so the engine, running until they exited (or the deadline passed).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+
+import uvicorn
+
+from app.api.request_guards import GUARDED_PREFIXES, ASGIApp, Receive, Scope, Send, refuse
+from app.errors import EngineUnavailableError
+
+log = logging.getLogger("mmserve.api")
+
+
+class Drain:
+    """``on_start``: called once, when the drain starts (in the signal handler: keep them short).
+    ``waits_for``: other work the drain waits for besides this process's requests; each says whether
+    it is still busy, polled on every server tick until none is or the deadline passed."""
+
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        on_start: Sequence[Callable[[], None]] = (),
+        waits_for: Sequence[Callable[[], bool]] = (),
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.in_flight = 0
+        self.deadline: float | None = None
+        self.on_start = list(on_start)
+        self.waits_for = list(waits_for)
+
+    @property
+    def started(self) -> bool:
+        return self.deadline is not None
+
+    def start(self) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.timeout_s
+            for callback in self.on_start:
+                callback()
+
+    @property
+    def finished(self) -> bool:
+        if self.deadline is None:
+            return False
+        idle = self.in_flight == 0 and not any(busy() for busy in self.waits_for)
+        return idle or time.monotonic() >= self.deadline
+
+
+class DrainGuard:
+    """ASGI middleware: counts guarded requests in flight, refuses new ones once the drain started."""
+
+    def __init__(self, app: ASGIApp, *, drain: Drain) -> None:
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(GUARDED_PREFIXES):
+            await self.app(scope, receive, send)
+            return
+        if self.drain.started:
+            error = EngineUnavailableError("The server is shutting down.", code="server_shutting_down")
+            await refuse(error, scope, send)
+            return
+        self.drain.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= 1
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self.drain = drain
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Unlike uvicorn's own, no signal is re-raised after the shutdown: ``serve`` then stops its
+        children and exits 0, without a KeyboardInterrupt traceback. A second SIGINT does not force the
+        exit either (uvicorn would skip the lifespan's shutdown, which removes this process's shared
+        memory): Ctrl-C reaches every process of the group and ``serve`` may pass it on again, and the
+        shutdown is bounded anyway (uvicorn's ``timeout_graceful_shutdown``)."""
+        if sig != signal.SIGTERM:
+            if self.should_exit:
+                return
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+        elif not self.drain.started:
+            log.info(
+                "SIGTERM: draining %d request(s) for up to %gs; new requests get 503",
+                self.drain.in_flight,
+                self.drain.timeout_s,
+            )
+            self.drain.start()
+        else:  # a second SIGTERM: stop now
+            self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's, then the app's lifespan shutdown if uvicorn skipped it (it does after what it takes
+        for a forced exit): that shutdown removes this process's shared memory and is bounded, and a
+        lifespan left waiting is cancelled when the loop closes, which logs a traceback."""
+        await super().shutdown(sockets=sockets)
+        done = getattr(self.lifespan, "shutdown_event", None)
+        if done is not None and not done.is_set():
+            log.info("running the application's shutdown that uvicorn skipped")
+            await self.lifespan.shutdown()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain.finished and not self.should_exit:
+            if self.drain.in_flight:
+                log.warning("shutdown timeout: %d request(s) in flight are cut off", self.drain.in_flight)
+            self.should_exit = True
+        return await super().on_tick(counter)

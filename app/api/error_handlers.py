@@ -1,0 +1,152 @@
+"""The one place that maps errors to the OpenAI envelope ``{"error": {message, type, param, code}}``.
+
+``install_error_handlers`` is called by the app factory. Request validation errors answer 400 (not
+FastAPI's 422 shape) and name the first bad field as ``param`` in OpenAI's path notation
+(``messages[0].content[1].image_url.url``); typed ``MMServeError``s answer their own status; Starlette's
+404/405 and any unexpected exception (500, logged) get the same envelope. An error after a stream has
+started cannot change the status any more; it goes out as one SSE event (``sse_error_event``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.errors import MMServeError, from_family_error
+from wire.protocol import ErrorInfo
+from workers.families.errors import FamilyInputError
+
+log = logging.getLogger("mmserve.api")
+
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+def _type_for_status(http_status: int) -> str:
+    return SERVER_ERROR if http_status >= 500 else INVALID_REQUEST
+
+
+def error_detail(exc: BaseException | ErrorInfo) -> tuple[int, ErrorDetail]:
+    """HTTP status and envelope fields of an error raised (or, for ``ErrorInfo``, reported by the
+    engine) while serving a request. Anything not typed is an internal error: a 500 whose message
+    names only the exception's class, so internals do not leak to clients."""
+    if isinstance(exc, FamilyInputError):
+        exc = from_family_error(exc)
+    if isinstance(exc, MMServeError):
+        return exc.http_status, ErrorDetail(
+            message=exc.message, type=exc.err_type, param=exc.param, code=exc.code
+        )
+    if isinstance(exc, ErrorInfo):
+        return exc.http_status, ErrorDetail(
+            message=exc.message, type=_type_for_status(exc.http_status), code=exc.code
+        )
+    if isinstance(exc, RequestValidationError):
+        return 400, validation_error_detail(exc.errors())
+    if isinstance(exc, StarletteHTTPException):
+        code = "request_too_large" if exc.status_code == 413 else None  # a body cut off while streaming
+        return exc.status_code, ErrorDetail(
+            message=str(exc.detail), type=_type_for_status(exc.status_code), code=code
+        )
+    return 500, ErrorDetail(message=f"Internal server error ({type(exc).__name__}).", type=SERVER_ERROR)
+
+
+def error_response(exc: BaseException | ErrorInfo, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The envelope as a JSON response with the error's status."""
+    status, detail = error_detail(exc)
+    return JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=status, headers=headers)
+
+
+def sse_error_event(exc: BaseException | ErrorInfo) -> str:
+    """One SSE ``data:`` event carrying the envelope, for an error after a stream's first bytes."""
+    _, detail = error_detail(exc)
+    return f"data: {ErrorResponse(error=detail).model_dump_json()}\n\n"
+
+
+def format_loc(loc: Sequence[str | int]) -> str | None:
+    """``("body", "messages", 0, "content")`` → ``"messages[0].content"``; None for the body itself."""
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    param = ""
+    for part in loc:
+        param += f"[{part}]" if isinstance(part, int) else f".{part}" if param else str(part)
+    return param or None
+
+
+def validation_error_detail(errors: Sequence[Any]) -> ErrorDetail:
+    """Envelope fields for pydantic/FastAPI validation errors: the first error is reported."""
+    if not errors:
+        return ErrorDetail(message="Invalid request.", type=INVALID_REQUEST, code="invalid_value")
+    first = errors[0]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "decode error")
+        where = first["loc"][-1] if isinstance(first["loc"][-1], int) else None
+        at = f" at position {where}" if where is not None else ""
+        message = f"The request body is not valid JSON: {reason}{at}."
+        return ErrorDetail(message=message, type=INVALID_REQUEST, code="invalid_json")
+    param = format_loc(first.get("loc", ()))
+    reason = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param is None:
+        message = (
+            "The request body is missing." if kind == "missing" else "The request body must be a JSON object."
+        )
+    elif kind == "missing":
+        message = f"Missing required parameter: '{param}'."
+    else:
+        message = f"Invalid value for '{param}': {reason}."
+    if len(errors) > 1:
+        message += f" ({len(errors) - 1} more error{'s' if len(errors) > 2 else ''} in the request.)"
+    code = "missing" if kind == "missing" else "invalid_value"
+    return ErrorDetail(message=message, type=INVALID_REQUEST, param=param, code=code)
+
+
+async def _on_mmserve_error(request: Request, exc: Exception) -> JSONResponse:
+    retry_after_s = getattr(exc, "retry_after_s", None)  # a 429 tells the client when to come back
+    return error_response(exc, headers={"Retry-After": str(retry_after_s)} if retry_after_s else None)
+
+
+async def _on_request_error(request: Request, exc: Exception) -> JSONResponse:
+    """Validation errors and a model family's refusals (``FamilyInputError``): 400."""
+    return error_response(exc)
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    headers = dict(exc.headers) if exc.headers else None  # e.g. Allow on a 405
+    if exc.status_code in (404, 405):
+        verb = "Not found" if exc.status_code == 404 else "Method not allowed"
+        exc = StarletteHTTPException(exc.status_code, f"{verb}: {request.method} {request.url.path}")
+    return error_response(exc, headers=headers)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    # Starlette still re-raises after this response is sent, so the server logs it a second time.
+    log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(exc)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Registers every handler; called once by the app factory, before the app serves."""
+    app.add_exception_handler(MMServeError, _on_mmserve_error)
+    app.add_exception_handler(RequestValidationError, _on_request_error)
+    app.add_exception_handler(FamilyInputError, _on_request_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_exception)
+    app.add_exception_handler(Exception, _on_unexpected)

@@ -1,0 +1,88 @@
+"""Checks every HTTP request passes before any route runs, as one pure ASGI middleware (so nothing is
+parsed or buffered first):
+
+    1. auth        with --api-key: /v1/* and /reset_mm_cache need ``Authorization: Bearer <key>``
+                   (compared in constant time); /health, /metrics and the OpenAPI docs stay open
+    2. body size   a Content-Length over --max-request-body-mb -> 413 without reading the body; a body
+                   without one (chunked) is counted as it streams and refused the moment it passes
+
+Refusals use the OpenAI error envelope (``app.api.error_handlers``).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import HTTPException
+
+from app.api.error_handlers import error_response
+from app.errors import AuthenticationError, MMServeError, RequestTooLargeError
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+GUARDED_PREFIXES = ("/v1/", "/reset_mm_cache")
+
+
+class RequestGuards:
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"].startswith(GUARDED_PREFIXES):
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "Missing API key." if not given else "Incorrect API key provided."
+                await refuse(
+                    AuthenticationError(message + " Send 'Authorization: Bearer <key>'."), scope, send
+                )
+                return
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await refuse(self._too_large(), scope, send)
+            return
+        await self.app(scope, self._counting(receive), send)
+
+    def _too_large(self) -> RequestTooLargeError:
+        return RequestTooLargeError(
+            f"The request body is larger than {self.max_body_bytes} bytes (--max-request-body-mb)."
+        )
+
+    def _counting(self, receive: Receive) -> Receive:
+        """``receive`` that raises a 413 once the streamed body passes the cap. FastAPI lets only an
+        ``HTTPException`` through its body parsing (anything else becomes a 400), and the app's handler
+        turns it into the 413 envelope: the route is still reading, nothing was sent yet."""
+        num_bytes = 0
+
+        async def counted() -> Message:
+            nonlocal num_bytes
+            message = await receive()
+            if message["type"] == "http.request":
+                num_bytes += len(message.get("body", b""))
+                if num_bytes > self.max_body_bytes:
+                    raise HTTPException(413, detail=self._too_large().message)
+            return message
+
+        return counted
+
+
+async def refuse(error: MMServeError, scope: Scope, send: Send) -> None:
+    response = error_response(error)
+    if isinstance(error, AuthenticationError):
+        response.headers["WWW-Authenticate"] = "Bearer"
+
+    async def no_body() -> Message:
+        return {"type": "http.disconnect"}
+
+    await response(scope, no_body, send)

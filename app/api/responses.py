@@ -1,0 +1,101 @@
+"""The OpenAI response shapes of a chat completion: the whole ``chat.completion`` object, stream chunks,
+usage and logprobs, built from one request's accumulated ``Generation``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.api.detokenizer import IncrementalDetokenizer
+from wire.protocol import TokenLogprobs
+
+
+@dataclass
+class Generation:
+    """Accumulated output of one request, updated as engine outputs arrive."""
+
+    req_id: str
+    model_name: str
+    arrival: float  # unix time the request arrived
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    want_logprobs: bool
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def created(self) -> int:
+        return int(self.arrival)
+
+
+def usage(gen: Generation) -> dict[str, Any]:
+    return {
+        "prompt_tokens": gen.num_prompt_tokens,
+        "completion_tokens": len(gen.token_ids),
+        "total_tokens": gen.num_prompt_tokens + len(gen.token_ids),
+        "prompt_tokens_details": {"cached_tokens": gen.num_cached_tokens},
+    }
+
+
+def completion(gen: Generation) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": gen.text},
+        "logprobs": {"content": gen.logprobs} if gen.want_logprobs else None,
+        "finish_reason": gen.finish_reason,
+    }
+    return _envelope(gen, "chat.completion", [choice], usage(gen))
+
+
+def chunk(
+    gen: Generation,
+    delta: dict[str, Any],
+    include_usage: bool,
+    logprobs: dict[str, Any] | None = None,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    """A ``chat.completion.chunk``; with ``include_usage`` every chunk says ``usage: null`` and a final
+    one (``final_usage_chunk``) carries the totals, as OpenAI streams do."""
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    result = _envelope(gen, "chat.completion.chunk", [choice], None)
+    if not include_usage:
+        del result["usage"]
+    return result
+
+
+def final_usage_chunk(gen: Generation) -> dict[str, Any]:
+    return _envelope(gen, "chat.completion.chunk", [], usage(gen))
+
+
+def _envelope(gen: Generation, obj: str, choices: list[dict[str, Any]], usage: Any) -> dict[str, Any]:
+    return {
+        "id": gen.req_id,
+        "object": obj,
+        "created": gen.created,
+        "model": gen.model_name,
+        "choices": choices,
+        "usage": usage,
+    }
+
+
+def logprob_entries(entries: list[TokenLogprobs], detok: IncrementalDetokenizer) -> list[dict[str, Any]]:
+    """OpenAI ``logprobs.content`` items: token text (``bytes:…`` for partial characters), raw bytes."""
+
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        token = detok.token_strings([token_id])[0]
+        return {"token": token, "logprob": logprob, "bytes": detok.token_bytes(token_id)}
+
+    result = []
+    for entry in entries:
+        item = one(entry.sampled.token_id, entry.sampled.logprob)
+        item["top_logprobs"] = [one(lp.token_id, lp.logprob) for lp in entry.top]
+        result.append(item)
+    return result
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

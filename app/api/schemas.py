@@ -1,0 +1,288 @@
+"""OpenAI chat-completions schemas, as vLLM accepts them: validated here, at the HTTP edge.
+
+Requests ignore unknown fields (vLLM only warns). Part lists are dispatched on ``type`` by hand, so a
+validation error's location names the real path (``messages[0].content[1].image_url.url``) instead of
+pydantic's union-member labels. Responses dump with plain ``model_dump_json()``: optional fields the
+OpenAI wire format sends as ``null`` stay, and a stream delta drops its unset ``role``/``content``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
+from pydantic_core import PydanticCustomError
+
+FinishReasonLiteral = Literal["stop", "length", "abort"]  # "abort" as in vLLM; the SDK's Literal lacks it
+# Integers that travel to the engine must fit its wire format and torch (a seed is a torch.long, as in vLLM).
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+# ---------------------------------------------------------------- request
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Request):
+    url: str  # scheme and data-URL form are checked where the image is fetched (app.media.images)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, not used
+
+
+class ImageURLContentPart(_Request):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = TextContentPart | ImageURLContentPart
+_PART_MODELS: dict[str, type[BaseModel]] = {"text": TextContentPart, "image_url": ImageURLContentPart}
+
+
+def _validate_part(part: Any) -> Any:
+    """Dispatch on ``type`` so that errors carry the part's own path, not a union label."""
+    if isinstance(part, BaseModel):
+        return part
+    part_type = part.get("type") if isinstance(part, dict) else None
+    if isinstance(part_type, str) and part_type in _PART_MODELS:
+        return _PART_MODELS[part_type].model_validate(part)
+    got = repr(part_type) if isinstance(part, dict) else type(part).__name__
+    msg = "content part type must be 'text' or 'image_url', got {got}"
+    error = PydanticCustomError("invalid_content_part", msg, {"got": got})
+    loc = ("type",) if isinstance(part, dict) else ()
+    raise ValidationError.from_exception_data("ContentPart", [{"type": error, "loc": loc, "input": part}])
+
+
+_PARTS = TypeAdapter(list[Annotated[ContentPart, BeforeValidator(_validate_part)]])
+
+
+class ChatMessageParam(_Request):
+    """One request message. ``developer`` is read as ``system``; tool messages are refused."""
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
+    name: str | None = None  # accepted, ignored
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _map_role(cls, role: Any) -> Any:
+        if role == "developer":
+            return "system"
+        if role in ("tool", "function"):
+            raise ValueError(f"role {role!r} is not supported: mmserve has no tool calling")
+        return role
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content(cls, content: Any, info: ValidationInfo) -> Any:
+        if content is None and info.data.get("role", "assistant") != "assistant":
+            raise ValueError(f"content is required in a {info.data['role']} message")
+        if content is None or isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError("content must be a string or a list of content parts")
+        return _PARTS.validate_python(content)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Request):
+    model: str
+    messages: list[ChatMessageParam] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
+    stop: list[str] | None = Field(None, max_length=4)  # a single string is read as a one-item list
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    frequency_penalty: float = 0.0  # only 0 is accepted: the engine has no penalties
+    presence_penalty: float = 0.0
+    user: str | None = None  # ignored
+    # vLLM extensions
+    top_k: int | None = Field(None, le=_INT64_MAX)  # -1 and 0 mean off and are read as None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=_INT64_MAX)
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    @field_validator(
+        "stream", "temperature", "top_p", "n", "logprobs", "frequency_penalty", "presence_penalty",
+        "ignore_eos", "min_tokens", mode="before",
+    )  # fmt: skip
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # Clients often send explicit nulls for "use the default".
+        return cls.model_fields[info.field_name or ""].default if value is None else value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, stop: Any) -> Any:
+        stop = [stop] if isinstance(stop, str) else stop
+        if isinstance(stop, list) and "" in stop:
+            raise ValueError("stop strings must not be empty")
+        return stop or None
+
+    @field_validator("n", "frequency_penalty", "presence_penalty")
+    @classmethod
+    def _only_default(cls, value: float, info: ValidationInfo) -> float:
+        default = cls.model_fields[info.field_name or ""].default
+        if value != default:
+            raise ValueError(f"{info.field_name}={value} is not supported (only {default})")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, top_k: int | None) -> int | None:
+        if top_k is not None and top_k < -1:
+            raise ValueError("top_k must be -1 or 0 (off) or at least 1")
+        return None if top_k in (-1, 0) else top_k
+
+    # The checks below read fields declared earlier (``info.data``), so each error names its field.
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> Any:
+        if options is not None and not info.data.get("stream", True):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return options
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs and not info.data.get("logprobs", True):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return top_logprobs
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _within_max_tokens(cls, min_tokens: int, info: ValidationInfo) -> int:
+        limits = [info.data.get("max_completion_tokens"), info.data.get("max_tokens")]
+        max_tokens = next((limit for limit in limits if limit is not None), None)
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({min_tokens}) must not exceed the max tokens ({max_tokens})")
+        return min_tokens
+
+    def effective_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` over ``max_tokens``; None means up to the context limit."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_top_logprobs(self) -> int | None:
+        """``SamplingParams.num_top_logprobs``: None without logprobs, else alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk (non-streamed responses always carry usage)."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+# ---------------------------------------------------------------- responses
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int = 0
+    message: ChatMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReasonLiteral
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: FinishReasonLiteral | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event. All chunks of a stream share ``id`` and ``created``; the usage chunk (only with
+    ``stream_options.include_usage``) comes last, with empty ``choices``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "mmserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,82 @@
+"""The API process's app factory. The lifespan owns the engine client, the HTTP client used to fetch
+images, the HF processor and the caches; nothing runs at import time."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+
+from app.api.chat_service import ChatService
+from app.api.drain import Drain, DrainGuard
+from app.api.error_handlers import install_error_handlers
+from app.api.openapi_errors import document_error_envelope
+from app.api.request_guards import RequestGuards
+from app.api.routes import chat, models, ops
+from app.api.state import ApiState
+from app.inputs.engine_client import EngineClient
+from app.inputs.input_processor import InputProcessor
+from app.inputs.preprocess.pool import PreprocessPool
+from app.inputs.processor_cache import ProcessorCache
+from app.inputs.shm_store import ShmObjectStore
+from app.media.fetch import MediaFetcher
+from app.media.url_policy import MediaPolicy
+from app.metrics import ApiMetrics
+from app.settings import Settings
+from workers.families import load_processing
+
+log = logging.getLogger("mmserve.api")
+
+
+def create_app(
+    settings: Settings, *, shutdown_engine_on_exit: bool = False, drain: Drain | None = None
+) -> FastAPI:
+    """``shutdown_engine_on_exit``: the API owns the engine (``mmserve serve``) and tells it to stop.
+    ``drain``: the SIGTERM drain of the server running this app (a fresh one when none is given)."""
+    drain = drain if drain is not None else Drain(settings.shutdown_timeout)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        metrics = ApiMetrics()
+        max_model_len = settings.resolved_max_model_len()
+        family = load_processing(settings.model)
+        # With shm the ring takes the processor cache's memory and replaces both caches' roles.
+        shm = (
+            ShmObjectStore(settings.processor_cache_bytes, settings.shm_max_object_bytes)
+            if settings.mm_processor_cache_type == "shm"
+            else None
+        )
+        engine = EngineClient(settings.engine_addr, 0 if shm else settings.ipc_cache_bytes, metrics, shm)
+        processor_cache = ProcessorCache(0 if shm else settings.processor_cache_bytes)
+        pool = PreprocessPool(settings.model, settings.resolved_preprocess_processes(), family=family)
+        # Redirects are followed by the fetcher, each hop checked; proxies from the environment would
+        # connect elsewhere than the checked address, so they are not used for image fetches.
+        http = httpx.AsyncClient(follow_redirects=False, trust_env=False)
+        media = MediaFetcher(MediaPolicy.from_settings(settings), http)
+        inputs = InputProcessor(settings, family, processor_cache, engine, metrics, media, pool)
+        chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics)
+        app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, drain)
+        try:
+            await pool.start()
+            await engine.start()
+            yield
+        finally:
+            await engine.close(shutdown_engine=shutdown_engine_on_exit)
+            await http.aclose()
+            await pool.close()
+            if shm is not None:
+                shm.close()
+
+    app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    document_error_envelope(app)
+    app.add_middleware(DrainGuard, drain=drain)  # added first: runs after the guards below
+    app.add_middleware(
+        RequestGuards, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes
+    )
+    for router in (chat.router, models.router, ops.router):
+        app.include_router(router)
+    return app

@@ -1,0 +1,32 @@
+"""What the API process holds while it runs, built by the lifespan and reached through dependencies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from app.api.chat_service import ChatService
+from app.api.drain import Drain
+from app.inputs.engine_client import EngineClient
+from app.metrics import ApiMetrics
+from app.settings import Settings
+
+
+@dataclass
+class ApiState:
+    settings: Settings
+    max_model_len: int
+    metrics: ApiMetrics
+    engine: EngineClient
+    chat: ChatService
+    drain: Drain
+
+
+def get_state(request: Request) -> ApiState:
+    state: ApiState = request.app.state.mmserve  # set by the app's lifespan (app/api/server.py)
+    return state
+
+
+State = Annotated[ApiState, Depends(get_state)]

@@ -1,0 +1,149 @@
+"""Stages 3 and 6 of the request path, render and tokenize (docs/architecture.md, "Request path"), at
+the cost of a dictionary lookup for a prompt seen before, and without tokenizing placeholders.
+
+**Tokenize.** ``FamilyProcessor.tokenize`` writes each image token out N times (LLaVA: 576) and tokenizes
+the result, so the placeholders were most of the tokenizer's work. The image token is an added token:
+the tokenizer splits added tokens out of the text before anything else runs and tokenizes the text
+between them on its own, and between two adjacent image tokens there is no text. So tokenizing the
+rendered prompt, which has one image token per image, and repeating each image token's id N times gives
+the same ids; ``tests/integration/test_prompt_builder.py`` checks them against the HF processor's
+``input_ids`` for LLaVA and the Qwen families. Where that reasoning does not cover a prompt (an image of
+0 tokens, a BOS check the short prompt could answer differently, a mismatched image count) ``tokenize``
+hands the prompt to the family's own method, which answers or raises exactly as before.
+
+**Caches.** Two LRUs bounded in characters, used from the event loop only: rendered messages -> prompt
+text (kept only when the chat template cannot depend on anything but the messages: one that reads the
+clock through ``strftime_now`` is rendered every time), and prompt text -> its ids with one id per
+image. A client re-sending the same conversation with the same image renders and tokenizes nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from workers.families.processing import FamilyProcessor
+
+DEFAULT_MAX_CACHED_CHARS = 2 << 20  # per cache
+
+V = TypeVar("V")
+
+# A message as the chat template sees it, hashable: (role, text) or (role, ((kind, text), ...)).
+MessagesKey = tuple[tuple[str, str | tuple[tuple[str, str], ...]], ...]
+
+
+class _CharBoundedLru(Generic[V]):
+    """str key -> value, least recently used dropped first while the keys hold more than
+    ``max_chars`` characters; a key longer than that is not kept."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self.num_chars = 0
+        self._entries: OrderedDict[Any, tuple[int, V]] = OrderedDict()
+
+    def get(self, key: Any) -> V | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries.move_to_end(key)
+        return entry[1]
+
+    def put(self, key: Any, num_chars: int, value: V) -> None:
+        if num_chars > self.max_chars or key in self._entries:
+            return
+        self._entries[key] = (num_chars, value)
+        self.num_chars += num_chars
+        while self.num_chars > self.max_chars:
+            _, (evicted_chars, _) = self._entries.popitem(last=False)
+            self.num_chars -= evicted_chars
+
+    def keys(self) -> list[Any]:
+        return list(self._entries)
+
+
+class PromptBuilder:
+    """The family's chat template and tokenizer with their results cached; built once per API process
+    beside the family and called from the event loop only."""
+
+    def __init__(self, family: FamilyProcessor, max_cached_chars: int = DEFAULT_MAX_CACHED_CHARS) -> None:
+        self.family = family
+        self._image_token: str = family.image_token
+        self._image_token_id: int = family.image_token_id
+        bos = family.tokenizer.bos_token
+        self._bos: str | None = bos if isinstance(bos, str) else None
+        # Only an added token is split out of the text before tokenization (see the module docstring).
+        self._fast_tokenize = self._image_token in family.tokenizer.get_added_vocab()
+        self._cache_renders = "strftime" not in str(family.hf_processor.chat_template)
+        self._prompts: _CharBoundedLru[str] = _CharBoundedLru(max_cached_chars)
+        # prompt -> (its ids with one id per image, the index of each image's id in them)
+        self._short_ids: _CharBoundedLru[tuple[tuple[int, ...], tuple[int, ...]]] = _CharBoundedLru(
+            max_cached_chars
+        )
+
+    def render(self, messages: list[dict[str, Any]]) -> str:
+        """``family.render_prompt(messages)``: the chat template with one image token per image."""
+        if not self._cache_renders:
+            return self.family.render_prompt(messages)
+        key, num_chars = messages_key(messages)
+        prompt = self._prompts.get(key)
+        if prompt is None:
+            prompt = self.family.render_prompt(messages)
+            self._prompts.put(key, num_chars, prompt)
+        return prompt
+
+    def tokenize(self, prompt: str, num_tokens_per_image: list[int]) -> tuple[list[int], list[int]]:
+        """What ``family.tokenize(prompt, num_tokens_per_image)`` returns (ids, each image's placeholder
+        offset) or raises. ``prompt`` is rendered by the family's chat template."""
+        short = self._short(prompt) if self._fast_tokenize else None
+        if short is None or len(short[1]) != len(num_tokens_per_image) or 0 in num_tokens_per_image:
+            return self.family.tokenize(prompt, num_tokens_per_image)
+        short_ids, image_indices = short
+        token_ids: list[int] = []
+        offsets: list[int] = []
+        start = 0
+        for index, num_tokens in zip(image_indices, num_tokens_per_image, strict=True):
+            token_ids += short_ids[start:index]
+            offsets.append(len(token_ids))
+            token_ids += [self._image_token_id] * num_tokens
+            start = index + 1
+        token_ids += short_ids[start:]
+        return token_ids, offsets
+
+    def _short(self, prompt: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The prompt's ids, one per image token, and the index of each image token's id; None where
+        the family's own method must answer."""
+        short = self._short_ids.get(prompt)
+        if short is not None:
+            return short
+        # The family decides on a BOS by the expanded text's start, which the prompt's start decides
+        # too when the text before the first image is at least as long as the BOS.
+        bos = self._bos
+        if bos is not None and len(prompt.partition(self._image_token)[0]) < len(bos):
+            return None
+        add_special_tokens = not (bos is not None and prompt.startswith(bos))
+        ids: list[int] = self.family.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        indices = tuple(i for i, token_id in enumerate(ids) if token_id == self._image_token_id)
+        if len(indices) != prompt.count(self._image_token):
+            return None  # image ids the text does not spell as image tokens, or the reverse
+        short = (tuple(ids), indices)
+        self._short_ids.put(prompt, len(prompt), short)
+        return short
+
+
+def messages_key(messages: list[dict[str, Any]]) -> tuple[MessagesKey, int]:
+    """A hashable copy of chat-template messages (``app.inputs.input_processor.normalise_messages``'s shape:
+    string content, or text and image parts) and its number of characters."""
+    key: list[tuple[str, str | tuple[tuple[str, str], ...]]] = []
+    num_chars = 0
+    for message in messages:
+        role, content = message["role"], message["content"]
+        num_chars += len(role)
+        if isinstance(content, str):
+            key.append((role, content))
+            num_chars += len(content)
+            continue
+        parts = tuple((part["type"], part.get("text", "")) for part in content)
+        num_chars += sum(len(text) + 1 for _, text in parts)
+        key.append((role, parts))
+    return tuple(key), num_chars

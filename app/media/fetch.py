@@ -1,0 +1,207 @@
+"""Fetching one image URL under the media policy (``app.media.url_policy``), hop by hop::
+
+    url ─▶ check_url ─▶ resolve host ─▶ check_addresses ─▶ GET http(s)://<validated address>/path
+     ▲     (scheme,     (injectable     (ALL answers         Host: <name>, TLS SNI + cert: <name>
+     │      domains)     resolver)       must be public)          │
+     └──────────── 301/302/303/307/308 Location, at most max_redirects ◀┘
+
+The connection goes to the address that was checked, never to a second DNS answer (no rebinding). The
+whole fetch, redirects and a slow drip included, has one deadline (``timeout_s``); the body is counted
+while it streams, against the image's cap and the request's shared ``RequestImageBudget``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import socket
+import stat
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from urllib.parse import urljoin
+
+import httpx
+
+from app.errors import MediaError
+from app.media.url_policy import IPAddress, MediaPolicy, Target
+
+# async resolve(host, port) -> every address the name has; tests inject a fake one.
+Resolver = Callable[[str, int], Awaitable[list[IPAddress]]]
+
+REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+
+
+async def system_resolver(host: str, port: int) -> list[IPAddress]:
+    """The event loop's ``getaddrinfo``: every address, in the resolver's order, without duplicates."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    found = (ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos)
+    return list(dict.fromkeys(found))
+
+
+class RequestImageBudget:
+    """Encoded image bytes of one request, all images together; shared by its concurrent fetches, which
+    add every chunk as it arrives so the request is refused as soon as the sum passes the cap."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+
+    def add(self, num_bytes: int) -> None:
+        self.num_bytes += num_bytes
+        if self.num_bytes > self.max_bytes:
+            raise MediaError(
+                f"The request's images exceed {self.max_bytes} encoded bytes in all "
+                "(--max-request-image-bytes).",
+                param="messages",
+                code="request_images_too_large",
+            )
+
+
+class MediaFetcher:
+    """Fetches http(s) and allowed ``file://`` image URLs; one per API process, built by the lifespan
+    with a client that does not follow redirects itself."""
+
+    def __init__(
+        self, policy: MediaPolicy, client: httpx.AsyncClient, resolver: Resolver = system_resolver
+    ) -> None:
+        self.policy = policy
+        self.client = client
+        self.resolver = resolver
+
+    async def fetch_http(self, url: str, *, param: str, budget: RequestImageBudget | None = None) -> bytes:
+        """The body behind an http(s) URL, after every hop passed the policy; a ``MediaError`` else."""
+        timeout_s = self.policy.timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._follow(url, param, budget)
+        except MediaError:
+            raise
+        except TimeoutError as exc:
+            raise fetch_failed(f"Fetching image {url!r} timed out after {timeout_s:g} s.", param) from exc
+        except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError, OSError, ValueError) as exc:
+            raise fetch_failed(f"Fetching image {url!r} failed: {type(exc).__name__}: {exc}", param) from exc
+
+    async def read_file(self, url: str, *, param: str, budget: RequestImageBudget | None = None) -> bytes:
+        """The bytes of a ``file://`` URL inside the allowed folder (path checks and the read run in a
+        thread: both touch the file system)."""
+        try:
+            async with asyncio.timeout(self.policy.timeout_s):
+                data = await asyncio.to_thread(self._read_local, url, param)
+        except TimeoutError as exc:
+            raise fetch_failed("Reading the image file timed out.", param) from exc
+        if budget is not None:
+            budget.add(len(data))
+        return data
+
+    async def _follow(self, url: str, param: str, budget: RequestImageBudget | None) -> bytes:
+        policy = self.policy
+        num_redirects = 0
+        while True:
+            target = policy.check_url(url, param=param)
+            addresses = [target.ip] if target.ip is not None else await self._resolve(target, param)
+            policy.check_addresses(target, addresses, param=param)
+            request = self._request(target, addresses[0])
+            response = await self.client.send(request, stream=True, follow_redirects=False)
+            try:
+                location = response.headers.get("location")
+                if response.status_code not in REDIRECT_STATUSES or location is None:
+                    return await self._read_body(response, url, param, budget)
+            finally:
+                await response.aclose()
+            if num_redirects >= policy.max_redirects:
+                raise MediaError(
+                    f"Image URL {url!r} redirected more than {policy.max_redirects} times "
+                    "(--max-media-redirects).",
+                    param=param,
+                    code="too_many_redirects",
+                )
+            num_redirects += 1
+            url = urljoin(url, location)  # relative to the URL as named, never to the address
+
+    async def _resolve(self, target: Target, param: str) -> list[IPAddress]:
+        try:
+            addresses = await self.resolver(target.host, target.port)
+        except OSError as exc:  # socket.gaierror: no such name
+            raise fetch_failed(f"Image URL host {target.host!r} could not be resolved.", param) from exc
+        if not addresses:
+            raise fetch_failed(f"Image URL host {target.host!r} has no addresses.", param)
+        return addresses
+
+    def _request(self, target: Target, address: IPAddress) -> httpx.Request:
+        """A GET to ``address`` that names the host as the URL did: ``Host`` header and, for https to a
+        name, TLS SNI and certificate check (httpcore's ``sni_hostname``)."""
+        headers = {"Host": target.host_header, "Accept-Encoding": "identity"}  # bytes as stored
+        extensions = {}
+        if target.scheme == "https" and target.ip is None:
+            extensions["sni_hostname"] = target.host
+            # Pooled connections are keyed by address, not name: never reuse one verified for a name.
+            headers["Connection"] = "close"
+        return self.client.build_request(
+            "GET",
+            target.url_to(address),
+            headers=headers,
+            extensions=extensions,
+            timeout=self.policy.timeout_s,
+        )
+
+    async def _read_body(
+        self, response: httpx.Response, url: str, param: str, budget: RequestImageBudget | None
+    ) -> bytes:
+        if not response.is_success:
+            raise fetch_failed(
+                f"Fetching image {url!r} failed with HTTP status {response.status_code}.", param
+            )
+        max_bytes = self.policy.max_image_bytes
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_bytes:
+            raise too_large(f"Image at {url!r}", max_bytes, param)
+        chunks: list[bytes] = []
+        num_bytes = 0
+        async for chunk in response.aiter_raw():
+            num_bytes += len(chunk)
+            if num_bytes > max_bytes:
+                raise too_large(f"Image at {url!r}", max_bytes, param)
+            if budget is not None:
+                budget.add(len(chunk))
+            chunks.append(chunk)
+        if not num_bytes:
+            raise MediaError(f"Image at {url!r} is empty.", param=param, code="invalid_image")
+        return b"".join(chunks)
+
+    def _read_local(self, url: str, param: str) -> bytes:
+        path = self.policy.local_file(url, param=param)
+        max_bytes = self.policy.max_image_bytes
+        try:
+            data = read_regular_file(path, max_bytes + 1)
+        except OSError as exc:
+            raise fetch_failed(f"Image file could not be read: {exc.strerror}.", param) from exc
+        if data is None:
+            raise MediaError(
+                "Image file refused: not a regular file.", param=param, code="image_url_forbidden"
+            )
+        if len(data) > max_bytes:
+            raise too_large("Image file", max_bytes, param)
+        if not data:
+            raise MediaError("Image file is empty.", param=param, code="invalid_image")
+        return data
+
+
+def read_regular_file(path: Path, max_bytes: int) -> bytes | None:
+    """At most ``max_bytes`` of ``path``, or None unless it is a regular file when opened (a symlink
+    or FIFO swapped in after the path was checked is refused, without blocking)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return file.read(max_bytes)
+
+
+def fetch_failed(message: str, param: str) -> MediaError:
+    return MediaError(message, param=param, code="image_fetch_failed")
+
+
+def too_large(subject: str, max_bytes: int, param: str) -> MediaError:
+    return MediaError(
+        f"{subject} exceeds the limit of {max_bytes} bytes.", param=param, code="image_too_large"
+    )

@@ -1,0 +1,228 @@
+"""``mmserve proxy``: the HTTP front of an encoder / LM split ("EPD"). Encoder instances
+(``serve --encoder-only --ec-role producer``) encode a request's images and save the outputs to the
+shared store; LM instances (``serve --ec-role consumer``) load them instead of encoding. The proxy sends
+each distinct image to an encoder first, then the original request to an LM instance, and relays the
+answer (app/proxy/forward.py has the diagram).
+
+Routes: ``POST /v1/chat/completions``, ``GET /v1/models`` (an LM's answer), ``GET /health`` (every
+upstream's ``/health``), ``GET /metrics`` (the proxy's own figures). Errors use the OpenAI envelope.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.requests import ClientDisconnect
+
+from app.api.error_handlers import install_error_handlers
+from app.api.request_guards import RequestGuards
+from app.proxy.cli import ProxyConfig
+from app.proxy.forward import (
+    RoundRobin,
+    describe,
+    encode_images,
+    forwarded_headers,
+    image_parts,
+    open_upstream,
+    relay,
+)
+
+log = logging.getLogger("mmserve.proxy")
+
+ENCODER_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# A body this large is parsed on a thread, so the streams relayed meanwhile do not stall.
+PARSE_IN_THREAD_BYTES = 1 << 20
+# A status for the log only: the client that would read it has gone (nginx's "client closed request").
+CLIENT_CLOSED_REQUEST = 499
+
+
+class ProxyMetrics:
+    """The proxy's own figures, in a registry of its own (one per app, so tests can build several)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mmserve_proxy_requests", "Chat-completion requests received.", registry=r)
+        self.encoder_requests = Counter(
+            "mmserve_proxy_encoder_requests",
+            "Requests sent to encoder instances (one per image).",
+            registry=r,
+        )
+        self.encoder_failures = Counter(
+            "mmserve_proxy_encoder_failures",
+            "Encoder requests that failed (connection error, timeout, non-2xx); the LM then encodes.",
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "mmserve_proxy_upstream_errors",
+            "LM-instance requests that failed: unreachable, timed out, or cut off mid-answer.",
+            registry=r,
+        )
+        self.encoder_seconds = Histogram(
+            "mmserve_proxy_encoder_seconds",
+            "Encoder round trip of one request's images (requests with images only).",
+            buckets=ENCODER_SECONDS_BUCKETS,
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """The proxy's app; its lifespan owns the one ``httpx.AsyncClient`` every upstream call shares.
+    ``transport``: where that client sends (tests pass fake upstreams; None: the network)."""
+    metrics = ProxyMetrics()
+    encoders, lms = RoundRobin(config.encoder_urls), RoundRobin(config.lm_urls)
+    clients: list[httpx.AsyncClient] = []  # the lifespan's one client: nothing opens before the app starts
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Connect fails fast so a down LM is a quick 503; reads may wait as long as a generation does.
+        timeout = httpx.Timeout(config.timeout_s, connect=min(config.timeout_s, 10.0))
+        # No pool cap: each relayed stream holds a connection for its whole answer. No proxies from
+        # the environment: upstreams are addressed directly.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=100)
+        client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False, transport=transport)
+        async with client:
+            clients.append(client)
+            try:
+                yield
+            finally:
+                clients.clear()
+
+    app = FastAPI(title="mmserve proxy", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_middleware(RequestGuards, api_key=None, max_body_bytes=config.max_request_body_bytes)
+
+    def upstream_failed(exc: BaseException) -> None:
+        metrics.upstream_errors.inc()
+        log.warning("LM instance failed mid-stream: %s", describe(exc))
+
+    async def prepare_and_forward(raw: bytes, headers: dict[str, str]) -> Response:
+        client = clients[0]
+        body = await _parse(raw)
+        parts = image_parts(body) if body is not None else []
+        if body is not None and parts:
+            metrics.encoder_requests.inc(len(parts))
+            start = time.perf_counter()
+            outcomes = await encode_images(client, encoders, body, parts, headers, config.timeout_s)
+            metrics.encoder_seconds.observe(time.perf_counter() - start)
+            for outcome in outcomes:
+                if outcome.error is not None:
+                    metrics.encoder_failures.inc()
+                    log.warning(
+                        "encoder %s failed; the LM will encode: %s", outcome.encoder_url, outcome.error
+                    )
+        lm_url = lms.next()
+        try:
+            upstream = await open_upstream(
+                client, "POST", f"{lm_url}/v1/chat/completions", content=raw, headers=headers
+            )
+            return await relay(upstream, upstream_failed)
+        except Exception:
+            metrics.upstream_errors.inc()
+            raise
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        metrics.requests.inc()
+        try:
+            raw = await request.body()  # RequestGuards refuses it with 413 past the cap
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return await _unless_client_leaves(
+            request, prepare_and_forward(raw, forwarded_headers(request.headers))
+        )
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        lm_url = lms.next()
+        headers = forwarded_headers(request.headers)
+        try:
+            upstream = await open_upstream(
+                clients[0], "GET", f"{lm_url}/v1/models", content=None, headers=headers
+            )
+            return await relay(upstream, upstream_failed)
+        except Exception:
+            metrics.upstream_errors.inc()
+            raise
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 when every LM and encoder instance answers its own ``/health`` with 200; else 503 with
+        the ones that did not, so an orchestrator knows which to look at."""
+        roles = [("lm", url) for url in lms.urls] + [("encoder", url) for url in encoders.urls]
+        reasons = await asyncio.gather(
+            *(_probe(clients[0], url, config.health_timeout_s) for _, url in roles)
+        )
+        down = [
+            {"role": role, "url": url, "reason": reason}
+            for (role, url), reason in zip(roles, reasons, strict=True)
+            if reason is not None
+        ]
+        if down:
+            return JSONResponse({"status": "upstream down", "down": down}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _parse(raw: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, or None: what is not one goes to the LM as it is, and the LM answers
+    it with the proper OpenAI error."""
+    try:
+        body = (
+            await asyncio.to_thread(json.loads, raw) if len(raw) > PARSE_IN_THREAD_BYTES else json.loads(raw)
+        )
+    except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not text
+        return None
+    return body if isinstance(body, dict) else None
+
+
+async def _probe(client: httpx.AsyncClient, url: str, timeout_s: float) -> str | None:
+    """Why ``url``'s ``/health`` is not a 200, or None when it is."""
+    try:
+        resp = await client.get(f"{url}/health", timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        return describe(exc)
+    return None if resp.status_code == 200 else f"HTTP {resp.status_code}"
+
+
+async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """Runs ``work`` (encoders, then the LM until its answer starts, or until all of it for a non-SSE
+    answer), cancelled if the client disconnects meanwhile: the encoder and LM connections close, and the
+    LM aborts the request. Once an SSE answer is being relayed, Starlette's StreamingResponse watches."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # let its cleanup run before returning
+    if task.cancelled():
+        log.info("client left before the answer; the request was abandoned upstream")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return task.result()
+
+
+async def _until_disconnect(request: Request) -> None:
+    # The body was read already, so the server's next message is the disconnect (ASGI blocks until then).
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

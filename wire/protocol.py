@@ -1,0 +1,355 @@
+"""Wire contract between the API, engine and worker processes.
+
+Every message is a tagged ``msgspec.Struct`` encoded with msgpack into the first ZeroMQ frame of a
+multipart message; tensors travel as the following frames, untouched (no pickle, no copies into
+msgpack). A ``TensorRef`` names the frame that holds a tensor's bytes::
+
+    frame 0            frame 1          frame 2
+    msgpack(message)   pixel bytes A    pixel bytes B ...
+       └─ MMFeature.tensors["pixel_values"] = TensorRef(dtype, shape, frame=1)
+
+    API ──AddRequest/Abort/ResetCaches/Drain/Shutdown──▶ engine ──SchedulerOutput──▶ worker
+    API ◀──EngineReady/EngineOutputs/EngineDead───────── engine ◀──WorkerReady/RunnerOutput── worker
+
+This module is the only piece of ``engine`` that ``app`` and ``workers`` import. It imports neither
+torch nor numpy.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class TensorRef(msgspec.Struct, frozen=True, array_like=True):
+    """A tensor carried in frame ``frame`` of the same multipart message (frame 0 is the msgpack
+    message itself, so tensor frames are numbered from 1)."""
+
+    dtype: str  # numpy dtype name, e.g. "float32"
+    shape: tuple[int, ...]
+    frame: int
+
+
+class ShmTensor(msgspec.Struct, frozen=True, array_like=True):
+    """A tensor inside an item of a shared-memory ring: ``offset`` bytes from the start of the item's
+    payload (see ``wire/shm_ring.py``)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+
+class ShmItemRef(msgspec.Struct, frozen=True):
+    """Where a processed item lies in the API process's shared-memory ring (``--mm-processor-cache-type
+    shm``): ring ``ring`` (a /dev/shm name), a chunk at byte ``offset`` whose header must carry the
+    monotonic ``item_id`` and payload size ``size``, or the reference is stale. The API keeps the chunk
+    from being overwritten until the engine's final output for every request that carried it."""
+
+    ring: str
+    offset: int
+    item_id: int
+    size: int
+    tensors: dict[str, ShmTensor]
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    num_top_logprobs: int | None = None  # None: no logprobs at all; 0: only the sampled token's
+
+
+class MMFeature(msgspec.Struct, frozen=True):
+    """One multimodal item placed in a prompt.
+
+    ``tensors`` is None when the item travels as a key only (the API's mirror says the engine's
+    receiver cache holds it). ``store`` tells the engine to insert the item into its receiver cache.
+    """
+
+    mm_hash: str
+    offset: int  # index of the first placeholder token in the prompt
+    num_tokens: int  # number of placeholder tokens (= encoder output positions)
+    modality: str = "image"
+    tensors: dict[str, TensorRef] | None = None
+    store: bool = False
+    # Instead of ``tensors``: the item lies in the sender's shared-memory ring (not stored in the
+    # receiver cache; the worker reads it in place).
+    shm: ShmItemRef | None = None
+    # The family's grid of the item's placeholders (Qwen: (t, h, w) in patches, which decides their
+    # M-RoPE positions); empty where positions do not depend on it. Travels with key-only items too.
+    grid_thw: tuple[int, ...] = ()
+
+
+# ---------------------------------------------------------------- API -> engine
+
+
+class AddRequest(msgspec.Struct, frozen=True, tag="add"):
+    """A new request. ``evicted_mm_hashes`` are the receiver-cache keys the API's mirror evicted since
+    its previous message; the engine drops them before it applies ``mm_features`` in order."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    mm_features: list[MMFeature] = []
+    evicted_mm_hashes: list[str] = []
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """Sent by an API process when it connects and then every few seconds: the engine's ROUTER only
+    learns a sender's identity from a message, and answers each Hello with EngineReady (whose epoch
+    tells the API whether the engine restarted and its mirror must be emptied)."""
+
+
+class Abort(msgspec.Struct, frozen=True, tag="abort"):
+    req_ids: list[str]
+
+
+class ResetCaches(msgspec.Struct, frozen=True, tag="reset"):
+    """Empties the sender's receiver-cache partition and, with ``encoder``, every freeable
+    encoder-cache entry (an API process that closes sends it with ``encoder=False``)."""
+
+    encoder: bool = True
+
+
+class Drain(msgspec.Struct, frozen=True, tag="drain"):
+    """Stop admitting: from now on every ``AddRequest`` is answered at once with a 503
+    ``server_shutting_down`` error (its mirror decisions still applied), while the requests already held
+    run to the end. A ``Shutdown`` after ``Drain`` stops the engine once it holds no request."""
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag="shutdown"):
+    """Stop the engine now; after ``Drain``, once the requests it holds have finished."""
+
+
+EngineInbound = Hello | AddRequest | Abort | ResetCaches | Drain | Shutdown
+
+
+# ---------------------------------------------------------------- engine -> API
+
+
+class Logprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    sampled: Logprob
+    top: list[Logprob]
+
+
+class ErrorInfo(msgspec.Struct, frozen=True):
+    message: str
+    code: str  # OpenAI error code, e.g. "context_length_exceeded"
+    http_status: int = 400
+    missing_mm_hashes: list[str] = []  # safety net: the receiver cache lacked these
+
+
+class RequestOutput(msgspec.Struct, frozen=True):
+    req_id: str
+    new_token_ids: list[int] = []
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: ErrorInfo | None = None
+
+
+class EngineStats(msgspec.Struct, frozen=True):
+    """Cumulative counters and current gauges of the engine and its workers, plus the observations
+    made since the previous stats message (for histograms)."""
+
+    counters: dict[str, float]
+    gauges: dict[str, float]
+    observations: dict[str, list[float]]
+
+
+class EngineOutputs(msgspec.Struct, frozen=True, tag="outputs"):
+    outputs: list[RequestOutput]
+    stats: EngineStats | None = None
+
+
+class EngineReady(msgspec.Struct, frozen=True, tag="ready"):
+    epoch: str  # new for every engine start; a new epoch empties the API's mirror
+
+
+class EngineDead(msgspec.Struct, frozen=True, tag="dead"):
+    """The engine stopped, or lost its worker (every request it held was failed with 503
+    ``worker_unavailable`` first). It answers no ``Hello`` until it is ready again; then an
+    ``EngineReady`` with a new epoch is sent to every known API process."""
+
+    reason: str
+
+
+EngineOutbound = EngineOutputs | EngineReady | EngineDead
+
+
+# ---------------------------------------------------------------- engine <-> worker
+
+
+class NewRequestData(msgspec.Struct, frozen=True):
+    """Sent once, in the step a request is first scheduled. ``num_computed_tokens`` tokens already have
+    KV in ``block_ids`` (prefix-cache hits); the worker computes from there."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    mm_features: list[MMFeature]  # placements only (tensors travel as EncoderInput)
+    sampling: SamplingParams
+    block_ids: list[int] = []
+    num_computed_tokens: int = 0
+
+
+class ResumedRequestData(msgspec.Struct, frozen=True):
+    """A preempted request scheduled again: a fresh block table; the worker recomputes its tokens
+    (prompt + the outputs it already sampled) from ``num_computed_tokens``."""
+
+    req_id: str
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class EncoderInput(msgspec.Struct, frozen=True):
+    """An item to encode this step: its tensors are frames of the step's message, or (``shm``) lie in
+    an API process's shared-memory ring, read in place."""
+
+    mm_hash: str
+    modality: str
+    tensors: dict[str, TensorRef] = {}
+    shm: ShmItemRef | None = None
+
+
+class ECConnectorMeta(msgspec.Struct, frozen=True):
+    """The encoder-cache connector's part of one step (``build_connector_meta``): the worker loads
+    ``load_mm_hashes`` from the external store into its encoder store before embeddings are gathered.
+    An item to load that also comes as an ``EncoderInput`` (this instance has the vision tower) is
+    encoded instead when its load fails; one that does not fails the step with 503
+    ``encoder_output_unavailable``. ``save_mm_hashes``: outputs already in the worker's encoder store
+    that a producer saves again (the store lost them)."""
+
+    load_mm_hashes: list[str] = []
+    save_mm_hashes: list[str] = []
+
+
+class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
+    """One step. ``num_scheduled_tokens`` maps every request that runs this step to how many of its
+    tokens it computes; the worker samples for those whose step computes their last known token (the
+    end of the prompt, then each newest output; a resumed request first recomputes all of them).
+
+    Before running the step the worker drops ``free_mm_hashes`` (encoder outputs),
+    ``finished_req_ids`` (all state) and ``preempted_req_ids`` (block tables only: token lists and
+    sampling state stay for the resume), then applies ``resumed_requests``, ``new_requests`` and
+    ``new_block_ids`` (blocks appended to running requests' tables)."""
+
+    step_id: int
+    new_requests: list[NewRequestData]
+    num_scheduled_tokens: dict[str, int]
+    encoder_inputs: list[EncoderInput]
+    free_mm_hashes: list[str]
+    finished_req_ids: list[str]
+    resumed_requests: list[ResumedRequestData] = []
+    new_block_ids: dict[str, list[int]] = {}
+    preempted_req_ids: list[str] = []
+    ec_meta: ECConnectorMeta | None = None  # None: no connector, or nothing to load or save
+
+
+class WorkerShutdown(msgspec.Struct, frozen=True, tag="wshutdown"):
+    pass
+
+
+WorkerInbound = SchedulerOutput | WorkerShutdown
+
+
+class WorkerReady(msgspec.Struct, frozen=True, tag="wready"):
+    """Sent once the model is loaded and the KV pool allocated: the engine sizes its block
+    bookkeeping from ``num_kv_blocks`` x ``block_size``."""
+
+    device: str
+    dtype: str
+    num_kv_blocks: int = 0
+    block_size: int = 16
+    has_vision_tower: bool = True  # False: --language-model-only (encoder outputs come from the store)
+    has_language_model: bool = True  # False: --encoder-only (encodes and saves, generates nothing)
+
+
+class ECStepStats(msgspec.Struct, frozen=True):
+    """What the worker's encoder-cache connector did in one step (becomes the ``mmserve_ec_*``
+    metrics). A failed load was encoded locally instead (``num_fallback_encodes``); a failed save is
+    counted and forgotten."""
+
+    num_loads: int = 0
+    num_load_failures: int = 0
+    num_fallback_encodes: int = 0
+    num_saves: int = 0
+    num_save_failures: int = 0
+    load_bytes: int = 0
+    save_bytes: int = 0
+    load_seconds: list[float] = []  # one per item loaded
+
+
+class RunnerOutput(msgspec.Struct, frozen=True, tag="runner"):
+    step_id: int
+    req_ids: list[str]  # requests that sampled a token this step
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    num_encoded_items: int
+    encoder_seconds: float
+    forward_seconds: float
+    step_seconds: float = 0.0  # the worker's whole time on the step, from receiving it to replying
+    ec_stats: ECStepStats | None = None
+
+
+UNDECODABLE_STEP_ID = -1  # WorkerError.step_id when frame 0 was not a valid WorkerInbound message
+
+
+class WorkerError(msgspec.Struct, frozen=True, tag="werror"):
+    """The step ``step_id`` failed (``UNDECODABLE_STEP_ID``: the worker could not decode the message,
+    which the engine takes as the step it is waiting for). A reply for an older step than the one
+    awaited is late (that step timed out): the engine discards it, as it does a late ``RunnerOutput``."""
+
+    step_id: int
+    message: str
+    # the step needed these encoder outputs, the store could not give them and this worker cannot
+    # encode (--language-model-only): its requests end with 503 encoder_output_unavailable
+    unavailable_mm_hashes: list[str] = []
+
+
+WorkerOutbound = WorkerReady | RunnerOutput | WorkerError
+
+
+_encoder = msgspec.msgpack.Encoder()
+_engine_in = msgspec.msgpack.Decoder(EngineInbound)
+_engine_out = msgspec.msgpack.Decoder(EngineOutbound)
+_worker_in = msgspec.msgpack.Decoder(WorkerInbound)
+_worker_out = msgspec.msgpack.Decoder(WorkerOutbound)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_engine_inbound(buf: bytes | memoryview) -> EngineInbound:
+    return _engine_in.decode(buf)
+
+
+def decode_engine_outbound(buf: bytes | memoryview) -> EngineOutbound:
+    return _engine_out.decode(buf)
+
+
+def decode_worker_inbound(buf: bytes | memoryview) -> WorkerInbound:
+    return _worker_in.decode(buf)
+
+
+def decode_worker_outbound(buf: bytes | memoryview) -> WorkerOutbound:
+    return _worker_out.decode(buf)
