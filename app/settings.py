@@ -12,9 +12,10 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from wire.curve import CurveKeys, load_keys
 from wire.shm_ring import HEADER_BYTES  # a ring chunk's header
 from workers.config import CPU_DEFAULT_KV_CACHE_TOKENS
 
@@ -176,6 +177,18 @@ class Settings(BaseSettings):
         min_length=1,
         description="Require 'Authorization: Bearer <key>' on /v1/* and /reset_mm_cache (default: no auth).",
     )
+    curve_key_file: str | None = Field(
+        None,
+        description="The deployment's ZeroMQ CURVE secret certificate (`mmserve curve-keygen --out FILE` "
+        "writes one), the same for every role: encrypts and authenticates every tcp:// socket between "
+        "roles; required when --engine-addr or --worker-addr is reachable from other hosts.",
+    )
+    curve_secret_key: SecretStr | None = Field(
+        None,
+        description="The same key as its Z85 secret key (40 characters), from the environment only "
+        "(a docker-compose secret); --curve-key-file wins when both are given.",
+        json_schema_extra={"env_only": True},
+    )
     max_request_body_mb: float = Field(
         64.0, gt=0, description="Largest request body in MiB; a larger one gets 413 before it is read."
     )
@@ -323,6 +336,11 @@ class Settings(BaseSettings):
     @property
     def ipc_cache_bytes(self) -> int:
         return int(self.mm_ipc_cache_gb * GIB)
+
+    def curve_keys(self) -> CurveKeys | None:
+        """The CURVE key pair (None: none given); ``ValueError`` for a key given but unusable."""
+        secret = self.curve_secret_key.get_secret_value() if self.curve_secret_key else None
+        return load_keys(self.curve_key_file, secret)
 
     def resolved_max_model_len(self) -> int:
         """The configured limit, else the LM's ``max_position_embeddings`` from the checkpoint."""

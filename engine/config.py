@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from wire.curve import CurveKeys
 from wire.ec_store import ECConfig
 
 
@@ -33,3 +34,4 @@ class EngineConfig:
     log_level: str
     ec: ECConfig | None  # the encoder-cache connector (None: none)
     step_timeout_s: float  # a step unanswered this long fails its requests (500)
+    curve: CurveKeys | None  # CURVE on tcp:// binds (wire/curve.py); None: no keys

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from engine.api_messages import check_vocab
 from engine.ec_connector import ECConnectorScheduler
 from engine.encode_scheduler import EncodeOnlyScheduler
 from engine.executor import Executor, WorkerFailed, WorkerLost
@@ -27,6 +28,7 @@ from engine.receiver_cache import ReceiverCachePartitions
 from engine.request import MMItem, Request
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.stats import EngineMetrics
+from wire.bad_messages import BadMessage, BadMessageLog
 from wire.metric_names import EngineCounter
 from wire.protocol import (
     Abort,
@@ -40,6 +42,7 @@ from wire.protocol import (
     RequestOutput,
     ResetCaches,
     ResumedRequestData,
+    RunnerOutput,
     SchedulerOutput,
     TensorRef,
 )
@@ -84,9 +87,12 @@ class EngineCore:
         connector: ECConnectorScheduler | None = None,
         *,
         encode_only: bool = False,
+        vocab_size: int = 0,
+        bad_messages: BadMessageLog | None = None,
     ) -> None:
         """``connector``: the encoder-cache connector (None: none configured); ``encode_only``: the
-        worker has no language model (``--encoder-only``)."""
+        worker has no language model (``--encoder-only``); ``vocab_size``: the worker's (0: unknown),
+        a bound on prompt token ids; ``bad_messages``: the engine process's log of them."""
         self.epoch = uuid.uuid4().hex
         self.scheduler: Scheduler | EncodeOnlyScheduler
         if encode_only:
@@ -100,13 +106,19 @@ class EngineCore:
         self.metrics = EngineMetrics()
         self.shm_reader = ShmRingReader()
         self.draining = False  # set by drain(): new requests are refused, held ones run on
+        self.vocab_size = vocab_size
+        self.bad_messages = bad_messages if bad_messages is not None else BadMessageLog(log)
 
     # ------------------------------------------------------------------ inbox
 
     def add_request(self, client: bytes, msg: AddRequest, frames: Sequence[memoryview]) -> Outputs:
         """Applies the API's mirror decisions first (evictions, then inserts and touches in feature
         order), before anything that could reject the request, so the receiver cache stays identical
-        to the sender's mirror whatever happens to the request."""
+        to the sender's mirror whatever happens to the request. ``BadMessage`` (nothing applied) for a
+        message no API process sends: a request id already held, a token id past the vocabulary."""
+        if msg.req_id in self.scheduler.requests:  # not tied to the request: that one is another's
+            raise BadMessage("request id in use", msg.req_id)
+        check_vocab(msg, self.vocab_size)
         cache = self.receiver_caches.for_sender(client)
         features = [
             (
@@ -230,7 +242,14 @@ class EngineCore:
         if plan.is_empty and not (plan.free_mm_hashes or plan.finished_req_ids or plan.preempted_req_ids):
             return launched
         sched, frames = to_scheduler_output(plan, self.scheduler.kv_cache)
-        self.executor.send(sched, frames)
+        try:
+            self.executor.send(sched, frames)
+        except WorkerLost:
+            raise
+        except WorkerFailed as exc:  # not sent: the step fails as one the worker failed
+            for client, failed in self._fail_step(plan, exc).items():
+                launched.outputs[client] += failed
+            return launched
         launched.sent = True
         return launched
 
@@ -242,8 +261,14 @@ class EngineCore:
             return dict(outputs)
         try:
             runner_output = self.executor.wait(plan.step_id)
+            check_runner_output(plan, runner_output)
         except WorkerLost:
             raise
+        except BadMessage as bad:
+            self.bad_messages.record("worker", bad)
+            for client, failed in self._fail_step(plan, WorkerFailed(str(bad))).items():
+                outputs[client] += failed
+            return dict(outputs)
         except WorkerFailed as exc:
             for client, failed in self._fail_step(plan, exc).items():
                 outputs[client] += failed
@@ -299,6 +324,18 @@ ENCODER_OUTPUT_UNAVAILABLE = ErrorInfo(
 
 def _unavailable_output(req_id: str) -> RequestOutput:
     return RequestOutput(req_id, finish_reason=FinishReason.ABORT, error=ENCODER_OUTPUT_UNAVAILABLE)
+
+
+def check_runner_output(plan: StepPlan, output: RunnerOutput) -> None:
+    """A reply the engine can take for ``plan``: one sampled token, with its logprobs entry, per request
+    of the step at most. ``BadMessage`` otherwise (the step fails, as one the worker failed)."""
+    if not len(output.req_ids) == len(output.sampled_token_ids) == len(output.logprobs):
+        raise BadMessage("reply lengths differ", f"step {plan.step_id}")
+    scheduled = plan.num_scheduled_tokens
+    if len(set(output.req_ids)) != len(output.req_ids) or any(r not in scheduled for r in output.req_ids):
+        raise BadMessage("reply names a request not in the step", f"step {plan.step_id}")
+    if any(token_id < 0 for token_id in output.sampled_token_ids):
+        raise BadMessage("negative token id", f"step {plan.step_id}")
 
 
 def to_scheduler_output(plan: StepPlan, kv_cache: KVCacheManager) -> tuple[SchedulerOutput, list[memoryview]]:

@@ -21,12 +21,15 @@ from collections.abc import Sequence
 
 import zmq
 
+from engine.api_messages import decode_api_message
 from engine.config import EngineConfig
 from engine.core import EngineCore, Launched, Outputs
 from engine.ec_connector import ECConnectorScheduler
 from engine.executor import WorkerLost
 from engine.scheduler import SchedulerConfig
 from engine.worker_client import WorkerClient
+from wire.bad_messages import BadMessage, BadMessageLog
+from wire.curve import CurveServer, uses_curve
 from wire.ec_store.reconnecting import ReconnectingStore
 from wire.metric_names import EngineCounter
 from wire.protocol import (
@@ -34,6 +37,7 @@ from wire.protocol import (
     AddRequest,
     Drain,
     EngineDead,
+    EngineInbound,
     EngineOutputs,
     EngineReady,
     ErrorInfo,
@@ -43,7 +47,6 @@ from wire.protocol import (
     ResetCaches,
     Shutdown,
     WorkerReady,
-    decode_engine_inbound,
     encode,
 )
 
@@ -60,10 +63,18 @@ class EngineServer:
 
     def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
         self.config = config
+        # CURVE on tcp:// binds when the deployment has keys (wire/curve.py)
+        self.curve = CurveServer(ctx, config.curve) if config.curve is not None else None
         self.api_sock = ctx.socket(zmq.ROUTER)
         self.api_sock.setsockopt(zmq.LINGER, 0)
+        if self.curve is not None and uses_curve(config.engine_addr, config.curve):
+            self.curve.secure(self.api_sock)
         self.api_sock.bind(config.engine_addr)
-        self.worker = WorkerClient(ctx, config.worker_addr, step_timeout_s=config.step_timeout_s)
+        self.bad_messages = BadMessageLog(log)  # from API processes and from the worker
+        worker_curve = self.curve if uses_curve(config.worker_addr, config.curve) else None
+        self.worker = WorkerClient(
+            ctx, config.worker_addr, config.step_timeout_s, self.bad_messages, curve=worker_curve
+        )
         self._poller = zmq.Poller()
         for sock in (self.api_sock, self.worker.sock, self.worker.monitor):
             self._poller.register(sock, zmq.POLLIN)
@@ -168,7 +179,12 @@ class EngineServer:
                 self._ec_store = ReconnectingStore(self.config.ec)
             connector = ECConnectorScheduler(self._ec_store, self.config.ec.role)
         self._core = EngineCore(
-            scheduler_config, self.worker, connector, encode_only=not ready.has_language_model
+            scheduler_config,
+            self.worker,
+            connector,
+            encode_only=not ready.has_language_model,
+            vocab_size=ready.vocab_size,
+            bad_messages=self.bad_messages,
         )
         if self.draining:
             self._core.drain()
@@ -199,15 +215,34 @@ class EngineServer:
         self.worker.forget_worker()
 
     def _drain_inbox(self) -> None:
+        """Reads every waiting API message. One that is bad (wire/bad_messages.py) is counted and
+        dropped; the request it names, if any, gets a 500 (docs/architecture.md, "Bad messages")."""
         while self.running:
             try:
                 parts = self.api_sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             client = parts[0].bytes
-            self.clients[client] = time.monotonic()
             frames = [p.buffer for p in parts[1:]]
-            self._publish(self._dispatch(client, frames), with_stats=False)
+            msg: EngineInbound | None = None
+            try:
+                msg = decode_api_message(frames)
+                self.clients[client] = time.monotonic()  # a sender becomes a client by a good message
+                outputs = self._dispatch(client, msg, frames)
+            except BadMessage as bad:
+                outputs = self._on_bad_message(client, bad)
+            except Exception as exc:  # a bug met by this message: it must not stop the engine
+                req_id = msg.req_id if isinstance(msg, AddRequest) else None
+                outputs = self._on_bad_message(client, BadMessage.from_bug(exc, f"{msg!r:.200}", req_id))
+            self._publish(outputs, with_stats=False)
+
+    def _on_bad_message(self, client: bytes, bad: BadMessage) -> Outputs:
+        self.bad_messages.record("api", bad)
+        self._stats_dirty = True
+        if bad.req_id is None:
+            return {}
+        error = ErrorInfo(f"The engine could not take this request ({bad}).", "internal_error", 500)
+        return {client: [RequestOutput(bad.req_id, finish_reason=FinishReason.ABORT, error=error)]}
 
     def _forget_silent_clients(self) -> None:
         deadline = time.monotonic() - CLIENT_TIMEOUT_S
@@ -216,8 +251,7 @@ class EngineServer:
             del self.clients[client]
             self.core.receiver_caches.drop(client)
 
-    def _dispatch(self, client: bytes, frames: Sequence[memoryview]) -> Outputs:
-        msg = decode_engine_inbound(frames[0])
+    def _dispatch(self, client: bytes, msg: EngineInbound, frames: Sequence[memoryview]) -> Outputs:
         self._stats_dirty |= not isinstance(msg, Hello)
         match msg:
             case Shutdown():
@@ -263,6 +297,10 @@ class EngineServer:
         if with_stats and self._core is not None:
             self._core.metrics.set_total(EngineCounter.WORKER_LOSSES, self.num_worker_losses)
             self._core.metrics.set_total(EngineCounter.WORKER_STALE_REPLIES, self.worker.num_stale_replies)
+            bad = self.bad_messages.counts
+            self._core.metrics.set_total(EngineCounter.BAD_MESSAGES_FROM_API, bad["api"])
+            self._core.metrics.set_total(EngineCounter.BAD_MESSAGES_FROM_WORKER, bad["worker"])
+            self._core.metrics.set_total(EngineCounter.WORKER_BAD_MESSAGES, self.worker.worker_bad_messages)
             stats = self._core.stats()
         targets = self.clients if stats is not None else set(outputs)
         for client in targets:
@@ -281,6 +319,8 @@ class EngineServer:
         self.api_sock.close(linger=100)
         if self._ec_store is not None:
             self._ec_store.close()
+        if self.curve is not None:
+            self.curve.close()
 
 
 def _refusal(client: bytes, req_id: str, message: str) -> Outputs:

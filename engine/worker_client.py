@@ -9,6 +9,10 @@ the reply carrying the same step id.
 - **Late replies.** A step that timed out may still be answered; that reply arrives while a later step
   is awaited. Replies carry their step id: one for an older step is discarded (logged, counted in
   ``num_stale_replies``), so a single timeout never shifts every later reply by one.
+- **Bad messages.** A reply that does not decode, a second ``WorkerReady`` of the current worker, a
+  reply for a step not sent yet, extra frames: counted in ``bad_messages`` and dropped. One that does
+  not decode from the current worker while a step is awaited fails that step (``WorkerFailed``): it was
+  that step's reply. Nothing a peer sends raises anything else here.
 - **Loss.** The kernel closes a dead process's connection and ZeroMQ reports ``EVENT_DISCONNECTED``
   with the connection's fd (ipc:// and tcp:// alike, within milliseconds of a SIGKILL). The worker's
   fd is read from its WorkerReady frame (``SRCFD``); its disconnect raises ``WorkerLost`` from
@@ -24,11 +28,12 @@ import logging
 import time
 from collections.abc import Sequence
 
-import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine.executor import WorkerFailed, WorkerLost
+from wire.bad_messages import BadMessage, BadMessageLog, decode_frame0
+from wire.curve import CurveServer
 from wire.protocol import (
     UNDECODABLE_STEP_ID,
     RunnerOutput,
@@ -47,10 +52,22 @@ __all__ = ["WorkerClient", "WorkerFailed", "WorkerLost"]
 
 
 class WorkerClient:
-    def __init__(self, ctx: zmq.Context, worker_addr: str, step_timeout_s: float) -> None:
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        worker_addr: str,
+        step_timeout_s: float,
+        bad_messages: BadMessageLog | None = None,
+        *,
+        curve: CurveServer | None = None,
+    ) -> None:
+        """``bad_messages``: the engine process's log of them (a fresh one when None); ``curve``: the
+        bind is a CURVE server (wire/curve.py)."""
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if curve is not None:
+            curve.secure(self.sock)
         self.sock.bind(worker_addr)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self._poller = zmq.Poller()
@@ -63,6 +80,8 @@ class WorkerClient:
         self._lost: str | None = None  # why the current worker is gone, until forget_worker()
         self._next_ready: tuple[bytes, int | None, WorkerReady] | None = None
         self.num_stale_replies = 0
+        self.bad_messages = bad_messages if bad_messages is not None else BadMessageLog(log)
+        self.worker_bad_messages = 0  # what the current worker last reported dropping
         self._deadline = 0.0  # of the step in flight
 
     def poll_ready(self, timeout_s: float) -> WorkerReady | None:
@@ -84,6 +103,7 @@ class WorkerClient:
     def forget_worker(self) -> None:
         """Called once the engine handled the loss of the current worker."""
         self.worker_id = self._worker_fd = self._lost = None
+        self.worker_bad_messages = 0
 
     def check(self) -> None:
         """Non-blocking, between steps: raises ``WorkerLost`` if the current worker is gone; discards
@@ -161,29 +181,43 @@ class WorkerClient:
                 return None
             identity, fd = parts[0].bytes, _source_fd(parts[-1])
             try:
-                msg: WorkerOutbound = decode_worker_outbound(parts[-1].buffer)
-            except msgspec.MsgspecError as exc:
-                raise WorkerFailed(f"undecodable worker reply: {exc}") from exc
-            if isinstance(msg, WorkerReady):
-                self._on_ready(identity, fd, msg)
+                msg = _decode_reply(parts[1:])
+                if isinstance(msg, WorkerReady):
+                    self._on_ready(identity, fd, msg)
+                    continue
+                if identity == self.worker_id:
+                    self.worker_bad_messages = msg.num_bad_messages
+                reply = self._match(identity, msg, expected_step_id)
+            except BadMessage as bad:
+                self.bad_messages.record("worker", bad)
+                if bad.kind in _UNDECODABLE and identity == self.worker_id and expected_step_id is not None:
+                    raise WorkerFailed(f"worker's reply to step {expected_step_id}: {bad}") from bad
                 continue
-            if identity != self.worker_id:
-                self._discard(msg, "from a worker that is no longer current")
-                continue
-            if expected_step_id is None:
-                self._discard(msg, "with no step in flight")
-                continue
-            step_id = expected_step_id if msg.step_id == UNDECODABLE_STEP_ID else msg.step_id
-            if step_id < expected_step_id:
-                self._discard(msg, f"while step {expected_step_id} is awaited")
-                continue
-            if step_id > expected_step_id:
-                raise WorkerFailed(f"worker answered step {step_id} while step {expected_step_id} is awaited")
-            if isinstance(msg, WorkerError):
-                raise WorkerFailed(
-                    f"worker failed step {expected_step_id}: {msg.message}", msg.unavailable_mm_hashes
-                )
-            return msg
+            if reply is not None:
+                return reply
+
+    def _match(
+        self, identity: bytes, msg: RunnerOutput | WorkerError, expected_step_id: int | None
+    ) -> RunnerOutput | None:
+        """The awaited reply, or None for one discarded; ``WorkerFailed`` for the awaited step's
+        ``WorkerError``; ``BadMessage`` for a reply to a step not sent yet."""
+        if identity != self.worker_id:
+            self._discard(msg, "from a worker that is no longer current")
+            return None
+        if expected_step_id is None:
+            self._discard(msg, "with no step in flight")
+            return None
+        step_id = expected_step_id if msg.step_id == UNDECODABLE_STEP_ID else msg.step_id
+        if step_id < expected_step_id:
+            self._discard(msg, f"while step {expected_step_id} is awaited")
+            return None
+        if step_id > expected_step_id:
+            raise BadMessage("reply for a step not sent", f"step {step_id}, awaiting {expected_step_id}")
+        if isinstance(msg, WorkerError):
+            raise WorkerFailed(
+                f"worker failed step {expected_step_id}: {msg.message}", msg.unavailable_mm_hashes
+            )
+        return msg
 
     def _on_ready(self, identity: bytes, fd: int | None, msg: WorkerReady) -> None:
         # The connection's ACCEPTED (and a DISCONNECTED, if it is gone already) was reported before
@@ -193,7 +227,7 @@ class WorkerClient:
             log.warning("ignoring WorkerReady of a connection that already closed")
             return
         if identity == self.worker_id:
-            raise WorkerFailed("the current worker said WorkerReady again")
+            raise BadMessage("second WorkerReady", "the current worker said WorkerReady again")
         self._next_ready = (identity, fd, msg)
         if self.worker_id is not None:
             self._lost = "another worker connected"
@@ -206,6 +240,17 @@ class WorkerClient:
     def _raise_if_lost(self) -> None:
         if self._lost is not None:
             raise WorkerLost(self._lost)
+
+
+_UNDECODABLE = frozenset({"empty message", "undecodable", "not a known message", "extra frame"})
+
+
+def _decode_reply(frames: Sequence[zmq.Frame]) -> WorkerOutbound:
+    """A worker's reply is one frame; ``BadMessage`` for anything else."""
+    if len(frames) > 1:
+        raise BadMessage("extra frame", f"a reply of {len(frames)} frames")
+    msg: WorkerOutbound = decode_frame0(decode_worker_outbound, [f.buffer for f in frames])
+    return msg
 
 
 def _source_fd(frame: zmq.Frame) -> int | None:

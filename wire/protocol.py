@@ -18,8 +18,19 @@ torch nor numpy.
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
+from msgspec import Meta
+
+# Bounds checked while a message decodes: a value out of them makes the message a bad one
+# (wire/bad_messages.py), never an error deep in the receiver.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+NonNegInt = Annotated[int, Meta(ge=0)]
+PosInt = Annotated[int, Meta(ge=1)]
+TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+MAX_TOP_LOGPROBS = 20
 
 
 class FinishReason(enum.StrEnum):
@@ -60,16 +71,17 @@ class ShmItemRef(msgspec.Struct, frozen=True):
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    min_tokens: int = 0
+    max_tokens: PosInt
+    temperature: Annotated[float, Meta(ge=0.0, le=1e6)] = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=1, le=INT64_MAX)] | None = None  # None: off
+    seed: Int64 | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=INT64_MAX)] = 0
     ignore_eos: bool = False
-    eos_token_ids: tuple[int, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    num_top_logprobs: int | None = None  # None: no logprobs at all; 0: only the sampled token's
+    eos_token_ids: tuple[TokenId, ...] = ()
+    stop_token_ids: tuple[TokenId, ...] = ()
+    # None: no logprobs at all; 0: only the sampled token's
+    num_top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
 class MMFeature(msgspec.Struct, frozen=True):
@@ -79,9 +91,9 @@ class MMFeature(msgspec.Struct, frozen=True):
     receiver cache holds it). ``store`` tells the engine to insert the item into its receiver cache.
     """
 
-    mm_hash: str
-    offset: int  # index of the first placeholder token in the prompt
-    num_tokens: int  # number of placeholder tokens (= encoder output positions)
+    mm_hash: Annotated[str, Meta(min_length=1, max_length=256)]
+    offset: NonNegInt  # index of the first placeholder token in the prompt
+    num_tokens: PosInt  # number of placeholder tokens (= encoder output positions)
     modality: str = "image"
     tensors: dict[str, TensorRef] | None = None
     store: bool = False
@@ -100,8 +112,8 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     """A new request. ``evicted_mm_hashes`` are the receiver-cache keys the API's mirror evicted since
     its previous message; the engine drops them before it applies ``mm_features`` in order."""
 
-    req_id: str
-    prompt_token_ids: list[int]
+    req_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    prompt_token_ids: Annotated[list[TokenId], Meta(min_length=1)]
     sampling: SamplingParams
     mm_features: list[MMFeature] = []
     evicted_mm_hashes: list[str] = []
@@ -281,6 +293,7 @@ class WorkerReady(msgspec.Struct, frozen=True, tag="wready"):
     block_size: int = 16
     has_vision_tower: bool = True  # False: --language-model-only (encoder outputs come from the store)
     has_language_model: bool = True  # False: --encoder-only (encodes and saves, generates nothing)
+    vocab_size: int = 0  # the language model's; token ids at or above it are refused at admission
 
 
 class ECStepStats(msgspec.Struct, frozen=True):
@@ -308,6 +321,7 @@ class RunnerOutput(msgspec.Struct, frozen=True, tag="runner"):
     forward_seconds: float
     step_seconds: float = 0.0  # the worker's whole time on the step, from receiving it to replying
     ec_stats: ECStepStats | None = None
+    num_bad_messages: int = 0  # messages from the engine this worker dropped so far (all steps)
 
 
 UNDECODABLE_STEP_ID = -1  # WorkerError.step_id when frame 0 was not a valid WorkerInbound message
@@ -323,6 +337,7 @@ class WorkerError(msgspec.Struct, frozen=True, tag="werror"):
     # the step needed these encoder outputs, the store could not give them and this worker cannot
     # encode (--language-model-only): its requests end with 503 encoder_output_unavailable
     unavailable_mm_hashes: list[str] = []
+    num_bad_messages: int = 0  # as RunnerOutput's
 
 
 WorkerOutbound = WorkerReady | RunnerOutput | WorkerError

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from wire.curve import CurveKeys
 from wire.ec_store import ECConfig
 
 CPU_DEFAULT_KV_CACHE_TOKENS = 65536  # the KV pool on CPU without --kv-cache-tokens
@@ -42,3 +43,4 @@ class WorkerConfig:
     shutdown_timeout: float  # SIGTERM: keep serving steps this long, or until WorkerShutdown
     parts: ModelParts  # --encoder-only / --language-model-only
     ec: ECConfig | None  # the encoder-cache connector (None: none)
+    curve: CurveKeys | None  # CURVE to a tcp:// engine (wire/curve.py); None: no keys

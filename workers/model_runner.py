@@ -151,6 +151,11 @@ class ModelRunner:
     def num_kv_blocks(self) -> int:
         return self.kv_pool.num_blocks if self.lm_forward is not None else 0
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the token embedding: a prompt token id at or above it could not be embedded."""
+        return int(self.embed_tokens.num_embeddings) if self.lm_forward is not None else 0
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> RunnerOutput:
         """Run one step. ``frames`` is the whole multipart message (indexed by ``TensorRef.frame``;

@@ -6,11 +6,13 @@
         ◀── [RunnerOutput]  or  [WorkerError(step_id, message)]   one reply per step
         ──▶ [WorkerShutdown]                             the worker closes and returns
 
-A failing step is answered with ``WorkerError`` and the worker keeps serving. SIGINT ends the loop
-between steps; SIGTERM lets it serve on until ``WorkerShutdown`` (the engine drained) or the shutdown
-timeout. If the engine goes away (its connection drops) the worker exits with ``ENGINE_LOST``: its KV
-and encoder outputs belong to that engine, and a new engine needs a new worker (``mmserve serve`` and
-docker-compose's restart policy start one). The socket closes with linger 0.
+A failing step is answered with ``WorkerError`` and the worker keeps serving; so is a message it cannot
+take (one that does not decode, tensor frames that do not match, a step that contradicts its state),
+which is also counted (wire/bad_messages.py) and reported in every reply's ``num_bad_messages``. SIGINT
+ends the loop between steps; SIGTERM lets it serve on until ``WorkerShutdown`` (the engine drained) or
+the shutdown timeout. If the engine goes away (its connection drops) the worker exits with
+``ENGINE_LOST``: its KV and encoder outputs belong to that engine, and a new engine needs a new worker
+(``mmserve serve`` and docker-compose's restart policy start one). The socket closes with linger 0.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 
 import msgspec
 import torch
@@ -28,10 +31,14 @@ import zmq
 from transformers.utils import logging as transformers_logging
 from zmq.utils.monitor import recv_monitor_message
 
+from wire.bad_messages import BadMessage, BadMessageLog, check_tensor_frames, decode_frame0
+from wire.curve import secure_client, uses_curve
 from wire.protocol import (
     UNDECODABLE_STEP_ID,
     RunnerOutput,
+    SchedulerOutput,
     WorkerError,
+    WorkerInbound,
     WorkerReady,
     WorkerShutdown,
     decode_worker_inbound,
@@ -40,6 +47,7 @@ from wire.protocol import (
 from workers.config import WorkerConfig
 from workers.frames import dtype_name
 from workers.model_runner import EncoderOutputUnavailable, ModelRunner
+from workers.runner_requests import StepError
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +103,9 @@ def run_worker(config: WorkerConfig) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if uses_curve(config.worker_addr, config.curve):
+        assert config.curve is not None
+        secure_client(sock, config.curve)
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     try:
         sock.connect(config.worker_addr)
@@ -105,6 +116,7 @@ def run_worker(config: WorkerConfig) -> int:
             block_size=runner.block_size,
             has_vision_tower=config.parts.has_vision_tower,
             has_language_model=config.parts.has_language_model,
+            vocab_size=runner.vocab_size,
         )
         sock.send_multipart([encode(ready)])
         logger.info("worker ready on %s, connected to %s", runner.device, config.worker_addr)
@@ -145,6 +157,7 @@ def keep_freed_memory() -> None:
 
 
 def _serve(sock: zmq.Socket, monitor: zmq.Socket, runner: ModelRunner, stop: _Stop) -> int:
+    bad_messages = BadMessageLog(logger)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
@@ -157,25 +170,49 @@ def _serve(sock: zmq.Socket, monitor: zmq.Socket, runner: ModelRunner, stop: _St
             continue
         frames = sock.recv_multipart(copy=False)
         try:
-            msg = decode_worker_inbound(frames[0].buffer)
-        except msgspec.MsgspecError as exc:
-            logger.error("undecodable message from the engine: %s", exc)
-            sock.send_multipart([encode(WorkerError(step_id=UNDECODABLE_STEP_ID, message=str(exc)))])
-            continue
-        if isinstance(msg, WorkerShutdown):
-            logger.info("shutdown requested by the engine")
-            return 0
-        reply: RunnerOutput | WorkerError
-        try:
-            reply = runner.execute(msg, frames)
-        except EncoderOutputUnavailable as exc:
-            logger.warning("step %d: %s", msg.step_id, exc)
-            reply = WorkerError(step_id=msg.step_id, message=str(exc), unavailable_mm_hashes=exc.mm_hashes)
-        except Exception as exc:
-            logger.exception("step %d failed", msg.step_id)
-            reply = WorkerError(step_id=msg.step_id, message=f"{type(exc).__name__}: {exc}")
-        sock.send_multipart([encode(reply)])
+            msg = decode_engine_message(frames)
+        except BadMessage as bad:
+            bad_messages.record("engine", bad)
+            reply: RunnerOutput | WorkerError = WorkerError(UNDECODABLE_STEP_ID, str(bad))
+        else:
+            if isinstance(msg, WorkerShutdown):
+                logger.info("shutdown requested by the engine")
+                return 0
+            reply = _run_step(runner, msg, frames, bad_messages)
+        num_bad = sum(bad_messages.counts.values())
+        sock.send_multipart([encode(msgspec.structs.replace(reply, num_bad_messages=num_bad))])
     return 0
+
+
+def decode_engine_message(frames: Sequence[zmq.Frame]) -> WorkerInbound:
+    """The engine's message in ``frames``; ``BadMessage`` when it does not decode."""
+    msg: WorkerInbound = decode_frame0(decode_worker_inbound, [frames[0].buffer])
+    if isinstance(msg, WorkerShutdown) and len(frames) != 1:
+        raise BadMessage("extra frame", f"WorkerShutdown with {len(frames) - 1} more")
+    return msg
+
+
+def _run_step(
+    runner: ModelRunner, msg: SchedulerOutput, frames: Sequence[zmq.Frame], bad_messages: BadMessageLog
+) -> RunnerOutput | WorkerError:
+    """The step's reply: its ``RunnerOutput``, or ``WorkerError`` when it failed or could not be taken
+    (tensor frames that do not match its encoder inputs, a step contradicting this worker's state)."""
+    try:
+        refs = [ref for item in msg.encoder_inputs for ref in item.tensors.values()]
+        check_tensor_frames(refs, [f.buffer for f in frames])
+        return runner.execute(msg, frames)
+    except BadMessage as bad:
+        bad_messages.record("engine", bad)
+        return WorkerError(step_id=msg.step_id, message=str(bad))
+    except EncoderOutputUnavailable as exc:
+        logger.warning("step %d: %s", msg.step_id, exc)
+        return WorkerError(step_id=msg.step_id, message=str(exc), unavailable_mm_hashes=exc.mm_hashes)
+    except StepError as exc:  # the step contradicts what this worker holds: nothing was changed
+        bad_messages.record("engine", BadMessage("step the worker cannot take", str(exc)))
+        return WorkerError(step_id=msg.step_id, message=f"{type(exc).__name__}: {exc}")
+    except Exception as exc:
+        logger.exception("step %d failed", msg.step_id)
+        return WorkerError(step_id=msg.step_id, message=f"{type(exc).__name__}: {exc}")
 
 
 def _handle_signals(stop: _Stop) -> None:

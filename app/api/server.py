@@ -49,7 +49,8 @@ def create_app(
             if settings.mm_processor_cache_type == "shm"
             else None
         )
-        engine = EngineClient(settings.engine_addr, 0 if shm else settings.ipc_cache_bytes, metrics, shm)
+        ipc_cache_bytes = 0 if shm else settings.ipc_cache_bytes
+        engine = EngineClient(settings.engine_addr, ipc_cache_bytes, metrics, shm, settings.curve_keys())
         processor_cache = ProcessorCache(0 if shm else settings.processor_cache_bytes)
         pool = PreprocessPool(settings.model, settings.resolved_preprocess_processes(), family=family)
         # Redirects are followed by the fetcher, each hop checked; proxies from the environment would

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -28,10 +29,13 @@ from zmq.utils.monitor import parse_monitor_message
 
 from app.inputs.ipc_mirror import IpcMirror, MirrorDecision, MirrorEntry, MirrorItem
 from app.metrics import ApiMetrics
+from wire.bad_messages import BadMessage, BadMessageLog, decode_frame0
+from wire.curve import CurveKeys, secure_client, uses_curve
 from wire.protocol import (
     Abort,
     AddRequest,
     EngineDead,
+    EngineOutbound,
     EngineOutputs,
     EngineReady,
     Hello,
@@ -53,6 +57,9 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
 HEARTBEAT_TIMEOUT_S = 10.0
+# Outputs of a request released this many releases ago still count as late, not unknown: far more than
+# are ever in flight at once.
+RELEASED_IDS_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -84,10 +91,16 @@ def tensor_frames(item: ProcessedItem, first_frame: int) -> tuple[dict[str, Tens
 
 class EngineClient:
     def __init__(
-        self, engine_addr: str, ipc_cache_bytes: int, metrics: ApiMetrics, shm: ShmObjectStore | None = None
+        self,
+        engine_addr: str,
+        ipc_cache_bytes: int,
+        metrics: ApiMetrics,
+        shm: ShmObjectStore | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         """``shm``: this API process's shared-memory object store (``--mm-processor-cache-type shm``);
-        the client keeps each sent request's references in it until the request's final output."""
+        the client keeps each sent request's references in it until the request's final output.
+        ``curve``: the deployment's CURVE keys (used on a tcp:// engine address; wire/curve.py)."""
         self.engine_addr = engine_addr
         self.client_id = f"api-{uuid.uuid4().hex[:12]}".encode()
         self._mirror = IpcMirror(ipc_cache_bytes)
@@ -102,6 +115,10 @@ class EngineClient:
         self._sock.setsockopt(zmq.SNDHWM, 0)  # unbounded: a send never blocks nor drops
         self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None and uses_curve(engine_addr, curve):
+            secure_client(self._sock, curve)
+        self._released: OrderedDict[str, None] = OrderedDict()  # ids of requests lately released
+        self.bad_messages = BadMessageLog(log)
         self._tasks: list[asyncio.Task[None]] = []
         self._last_ready_time = 0.0
 
@@ -243,7 +260,12 @@ class EngineClient:
 
     def release(self, req_id: str, *, abort: bool) -> None:
         """Called when the API is done with a request; aborts it in the engine if still running."""
-        if self._queues.pop(req_id, None) is not None and abort:
+        if self._queues.pop(req_id, None) is None:
+            return
+        self._released[req_id] = None  # its outputs may still come (the abort's, late ones)
+        if len(self._released) > RELEASED_IDS_KEPT:
+            self._released.popitem(last=False)
+        if abort:
             self._send(Abort([req_id]))
 
     def reset_caches(self) -> None:
@@ -280,27 +302,43 @@ class EngineClient:
             self.shm.engine_lost()
 
     async def _read_loop(self) -> None:
+        """Routes the engine's messages. One this process cannot take (wire/bad_messages.py) is counted
+        and dropped, and the loop reads on (docs/architecture.md, "Bad messages")."""
         while True:
             parts = await self._sock.recv_multipart()
             try:
-                msg = decode_engine_outbound(parts[0])
-            except Exception:
-                log.exception("undecodable message from the engine")
-                continue
-            match msg:
-                case EngineOutputs():
-                    if msg.stats is not None:
-                        self.metrics.apply_engine_stats(msg.stats)
-                    for output in msg.outputs:
-                        if self.shm is not None and output.finish_reason is not None:
-                            self.shm.finish(output.req_id)
-                        queue = self._queues.get(output.req_id)
-                        if queue is not None:
-                            queue.put_nowait(output)
-                case EngineReady():
-                    self._on_ready(msg)
-                case EngineDead():
-                    self._on_engine_lost(f"the engine stopped: {msg.reason}")
+                if len(parts) != 1:
+                    raise BadMessage("extra frame", f"a message of {len(parts)} frames")
+                self._take(decode_frame0(decode_engine_outbound, parts))
+            except BadMessage as bad:
+                self._on_bad_message(bad)
+            except Exception as exc:  # a bug this message met: the reader must live on
+                self._on_bad_message(BadMessage.from_bug(exc, f"{parts[0][:200]!r}"))
+
+    def _on_bad_message(self, bad: BadMessage) -> None:
+        self.bad_messages.record("engine", bad)
+        self.metrics.bad_messages.inc()
+
+    def _take(self, msg: EngineOutbound) -> None:
+        match msg:
+            case EngineOutputs():
+                if msg.stats is not None:
+                    self.metrics.apply_engine_stats(msg.stats)
+                unknown = []
+                for output in msg.outputs:
+                    if self.shm is not None and output.finish_reason is not None:
+                        self.shm.finish(output.req_id)
+                    queue = self._queues.get(output.req_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+                    elif output.req_id not in self._released:
+                        unknown.append(output.req_id)
+                if unknown:  # the others were routed
+                    raise BadMessage("unknown request id", ", ".join(unknown[:3]))
+            case EngineReady():
+                self._on_ready(msg)
+            case EngineDead():
+                self._on_engine_lost(f"the engine stopped: {msg.reason}")
 
     def _on_ready(self, msg: EngineReady) -> None:
         self._last_ready_time = asyncio.get_running_loop().time()

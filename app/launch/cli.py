@@ -21,8 +21,16 @@ ROLES = {
 }
 
 
+def is_env_only(name: str) -> bool:
+    """A setting read from its environment variable only (a secret: a flag would show in ``ps``)."""
+    extra = Settings.model_fields[name].json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("env_only"))
+
+
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
     for name, field in Settings.model_fields.items():
+        if is_env_only(name):
+            continue
         flag = "--" + name.replace("_", "-")
         default = "model's own limit" if name == "max_model_len" else field.default
         if name == "limit_mm_per_prompt":
@@ -50,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("--out", required=True, help="Output folder (created or overwritten).")
     tiny.add_argument("--seed", type=int, default=0, help="Weight seed; same seed, same files (default: 0).")
+    keygen = sub.add_parser(
+        "curve-keygen",
+        help="Write a new ZeroMQ CURVE key pair for --curve-key-file (every role of a deployment shares it).",
+    )
+    keygen.add_argument(
+        "--out", required=True, help="The secret certificate's path (written with mode 0600)."
+    )
     return parser
 
 
@@ -70,6 +85,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         path = build_tiny_model(args.family, args.out, seed=args.seed)
         print(f"mmserve: built tiny {args.family} model in {path}")
+        return 0
+    if args.command == "curve-keygen":
+        from wire.curve import write_key_file
+
+        keys = write_key_file(args.out)
+        print(f"mmserve: wrote a CURVE key pair to {args.out} (public key {keys.public.decode()})")
         return 0
     try:
         settings = settings_from_args(args)

@@ -31,6 +31,7 @@ from app.inputs.encoder_budgets import budget_warnings, derive_encoder_budgets, 
 from app.launch.process_configs import engine_config, worker_config
 from app.launch.supervisor import Supervisor
 from app.settings import Settings
+from wire.curve import check_addresses
 from wire.shm_ring import SHM_DIR, remove_orphans
 from workers.families import UnsupportedModelError
 
@@ -76,6 +77,10 @@ def run_role(role: str, settings: Settings) -> int:
         if role in ("serve", "engine"):
             for warning in budget_warnings(settings, budgets):
                 log.warning("%s", warning)
+    error = _socket_security_error(role, settings)
+    if error is not None:
+        print(f"mmserve: error: {error}", file=sys.stderr)
+        return 2
     if role == "serve":
         return serve(settings)
     if role == "engine":
@@ -92,6 +97,21 @@ def run_role(role: str, settings: Settings) -> int:
         _remove_orphan_rings()  # e.g. what this container's previous API process left (docker-compose)
         run_api(settings, owns_engine=False)
     return 0
+
+
+def _socket_security_error(role: str, settings: Settings) -> str | None:
+    """A CURVE key that is given but unusable, or an address of this role's sockets that other hosts
+    can reach without one (wire/curve.py)."""
+    try:
+        keys = settings.curve_keys()
+    except ValueError as exc:
+        return str(exc)
+    addrs = {"--engine-addr": settings.engine_addr, "--worker-addr": settings.worker_addr}
+    if role == "api":
+        del addrs["--worker-addr"]
+    elif role == "worker":
+        del addrs["--engine-addr"]
+    return check_addresses(addrs, keys)
 
 
 def run_api(

@@ -44,6 +44,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         log_level=settings.log_level,
         ec=ec_config(settings),
         step_timeout_s=settings.step_timeout_s,
+        curve=settings.curve_keys(),
     )
 
 
@@ -67,6 +68,7 @@ def worker_config(settings: Settings) -> WorkerConfig:
         shutdown_timeout=settings.shutdown_timeout,
         parts=parts,
         ec=ec_config(settings),
+        curve=settings.curve_keys(),
     )
 
 

@@ -21,6 +21,7 @@ from tests.e2e.server import (
     start_serve,
     wait_healthy,
 )
+from wire.curve import write_key_file
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +58,8 @@ def test_compose_topology_as_processes(tiny_model_dir: Path, tmp_path: Path) -> 
     comes back, as the restart policy would bring it back."""
     services = compose_services()
     engine_port, worker_port, http_port = free_port(), free_port(), free_port()
+    key_file = tmp_path / "curve.key"
+    write_key_file(key_file)
     rewrite = {
         "tcp://0.0.0.0:5555": f"tcp://127.0.0.1:{engine_port}",
         "tcp://engine:5555": f"tcp://127.0.0.1:{engine_port}",
@@ -65,6 +68,7 @@ def test_compose_topology_as_processes(tiny_model_dir: Path, tmp_path: Path) -> 
         "/models/tiny-llava": str(tiny_model_dir),
         "0.0.0.0": "127.0.0.1",
         "8000": str(http_port),
+        "/run/secrets/mmserve_curve": str(key_file),  # the compose secret: the roles talk CURVE
     }
     processes: dict[str, ServerProcess] = {}
     try:

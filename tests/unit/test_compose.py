@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from app.settings import Settings
+from wire.curve import leaves_host
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -205,6 +206,22 @@ def test_engine_binds_and_peers_connect_to_it_by_service_name(compose):
     assert {str(engine_side.port), str(worker_side.port)} <= {
         str(p) for p in services["engine"].get("expose", [])
     }
+
+
+def test_sockets_between_containers_are_curve_secured(compose):
+    """Every role whose ZeroMQ address leaves its container mounts the deployment's CURVE key as a
+    secret and names it (wire/curve.py: without it the role refuses to start); `make compose-keys`
+    writes the file the secret reads."""
+    services = _services(compose)
+    secret_file = compose["secrets"]["mmserve_curve"]["file"]
+    for role in ROLES:
+        env = _env(services[role])
+        addrs = [v for k, v in env.items() if k in ("MMSERVE_ENGINE_ADDR", "MMSERVE_WORKER_ADDR")]
+        assert addrs and all(leaves_host(addr) for addr in addrs), role
+        assert services[role]["secrets"] == ["mmserve_curve"], role
+        assert env["MMSERVE_CURVE_KEY_FILE"] == "/run/secrets/mmserve_curve", role
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"curve-keygen --out {secret_file.removeprefix('./')}" in makefile
 
 
 def test_api_is_published_and_health_checked(compose):

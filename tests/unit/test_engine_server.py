@@ -44,7 +44,7 @@ def engine(tmp_path: Path) -> Iterator[tuple[Api, str]]:
         max_waiting_requests=None,
     )
     engine_addr, worker_addr = f"ipc://{tmp_path}/engine.sock", f"ipc://{tmp_path}/worker.sock"
-    config = EngineConfig(engine_addr, worker_addr, options, 5.0, "info", None, step_timeout_s=5.0)
+    config = EngineConfig(engine_addr, worker_addr, options, 5.0, "info", None, step_timeout_s=5, curve=None)
     ctx = zmq.Context()
     server = EngineServer(config, ctx)
     thread = threading.Thread(target=server.serve, daemon=True)

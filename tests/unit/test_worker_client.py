@@ -18,7 +18,7 @@ import zmq
 from engine.executor import WorkerFailed, WorkerLost
 from engine.worker_client import WorkerClient
 from tests.standin_worker import StandinWorker, serving
-from wire.protocol import RunnerOutput, SchedulerOutput
+from wire.protocol import RunnerOutput, SchedulerOutput, WorkerReady, encode
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -106,12 +106,14 @@ def test_a_step_the_worker_refuses_is_a_failed_step(client: tuple[WorkerClient, 
         assert len(worker.errors) == 1
 
 
-def test_a_reply_to_a_future_step_is_a_protocol_error(client: tuple[WorkerClient, str]) -> None:
+def test_a_reply_to_a_future_step_is_a_bad_message(client: tuple[WorkerClient, str]) -> None:
+    """Dropped and counted: the step awaited then times out as one never answered."""
     c, addr = client
     with serving(StandinWorker(misnumber_replies=1), addr):
         assert c.poll_ready(timeout_s=5) is not None
-        with pytest.raises(WorkerFailed, match="answered step 2 while step 1"):
+        with pytest.raises(WorkerFailed, match="did not answer step 1"):
             c.execute(step(1), [])
+        assert c.bad_messages.counts == {"worker": 1} and c.num_stale_replies == 0
 
 
 def test_a_closed_connection_during_a_step_is_a_lost_worker(client: tuple[WorkerClient, str]) -> None:
@@ -142,9 +144,10 @@ def test_a_new_workers_ready_replaces_the_current_one(client: tuple[WorkerClient
                     time.sleep(0.01)
             c.forget_worker()
             assert c.poll_ready(timeout_s=0) == new.ready  # the new worker's, kept for this call
-            with pytest.raises(WorkerFailed, match="answered step 101"):
+            with pytest.raises(WorkerFailed, match="did not answer step 1"):
                 c.execute(step(1), [])  # went to the new worker (which answers 100 + step id)
             assert new.received_step_ids == [1] and old.received_step_ids == []
+            assert c.bad_messages.counts == {"worker": 1}  # its reply to "step 101", dropped
 
 
 @pytest.mark.parametrize("busy", [True, False], ids=["during-a-step", "idle"])
@@ -183,3 +186,36 @@ def test_a_sigkilled_worker_process_is_lost_at_once(client: tuple[WorkerClient, 
         proc.wait(10)
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+def test_bad_replies_are_counted_and_dropped_unless_they_answer_the_step(
+    client: tuple[WorkerClient, str],
+) -> None:
+    """A second WorkerReady, garbage and extra frames while idle: counted, dropped, the worker kept.
+    Garbage from the worker while a step is awaited is that step's reply: the step fails."""
+    c, addr = client
+    ctx = zmq.Context.instance()
+    worker = ctx.socket(zmq.DEALER)
+    worker.setsockopt(zmq.LINGER, 0)
+    worker.connect(addr)
+    try:
+        ready = WorkerReady("cpu", "float32", 8, 16)
+        worker.send(encode(ready))
+        assert c.poll_ready(timeout_s=5) == ready
+        worker.send(encode(ready))
+        worker.send(b"\xc1")
+        worker.send_multipart([encode(output(0)), b"extra"])
+        deadline = time.monotonic() + 5
+        while sum(c.bad_messages.counts.values()) < 3 and time.monotonic() < deadline:
+            c.check()
+            time.sleep(0.01)
+        assert c.bad_messages.counts == {"worker": 3} and c.worker_id is not None
+        c.send(step(1), [])
+        assert worker.poll(5000)
+        worker.recv_multipart()
+        worker.send(b"garbage")
+        with pytest.raises(WorkerFailed, match="reply to step 1"):
+            c.wait(1)
+        assert c.bad_messages.counts == {"worker": 4}
+    finally:
+        worker.close(linger=0)

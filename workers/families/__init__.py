@@ -7,8 +7,9 @@
     qwen3_vl    qwen3_vl       QwenVLProcessing           Qwen3VLModel             qwen_vl/tiny.py
 
 Nothing outside this package names a model. Halves are imported on first use, so a process loads only
-the half it runs. The engine process uses neither: the launcher, building its config, asks the API
-half's class for the largest item, which reads the folder's JSON files only.
+the half it runs. The engine process uses neither: the launcher, building its config, asks the family's
+``limits`` module for the largest item, which reads the folder's JSON files only (no torch, so the
+engine and ``serve`` before it spawns its children start in a fraction of a second).
 See docs/architecture.md, "Model families".
 """
 
@@ -35,6 +36,7 @@ class Family:
     model_types: tuple[str, ...]
     processing_path: str  # "module:Class" of its FamilyProcessor
     model_path: str  # "module:Class" of its FamilyModel
+    limits_module: str  # its torch-free limits read from the checkpoint's JSON
 
     @property
     def processing(self) -> type[FamilyProcessor]:
@@ -46,12 +48,16 @@ class Family:
 
 
 _QWEN_PROCESSING = "workers.families.qwen_vl.processing:QwenVLProcessing"
+_QWEN_LIMITS = "workers.families.qwen_vl.limits"
 FAMILIES: tuple[Family, ...] = (
     Family("llava", ("llava",), "workers.families.llava.processing:LlavaProcessing",
-           "workers.families.llava.model:LlavaModel"),
-    Family("qwen2_vl", ("qwen2_vl",), _QWEN_PROCESSING, "workers.families.qwen_vl.model:QwenVLModel"),
-    Family("qwen2_5_vl", ("qwen2_5_vl",), _QWEN_PROCESSING, "workers.families.qwen_vl.model:Qwen2_5_VLModel"),
-    Family("qwen3_vl", ("qwen3_vl",), _QWEN_PROCESSING, "workers.families.qwen_vl.model:Qwen3VLModel"),
+           "workers.families.llava.model:LlavaModel", "workers.families.llava.limits"),
+    Family("qwen2_vl", ("qwen2_vl",), _QWEN_PROCESSING, "workers.families.qwen_vl.model:QwenVLModel",
+           _QWEN_LIMITS),
+    Family("qwen2_5_vl", ("qwen2_5_vl",), _QWEN_PROCESSING, "workers.families.qwen_vl.model:Qwen2_5_VLModel",
+           _QWEN_LIMITS),
+    Family("qwen3_vl", ("qwen3_vl",), _QWEN_PROCESSING, "workers.families.qwen_vl.model:Qwen3VLModel",
+           _QWEN_LIMITS),
 )  # fmt: skip
 
 
@@ -75,8 +81,10 @@ def load_processing(model_dir: str | Path) -> FamilyProcessor:
 
 
 def largest_item_tokens(model_dir: str | Path) -> int:
-    """Placeholder tokens of the largest item the checkpoint's processor settings can produce."""
-    return family_for(model_dir).processing.largest_item_tokens(Path(model_dir))
+    """Placeholder tokens of the largest item the checkpoint's processor settings can produce (what
+    vLLM's ``compute_encoder_budget`` derives its defaults from); JSON only, no torch."""
+    limits = importlib.import_module(family_for(model_dir).limits_module)
+    return int(limits.largest_item_tokens(Path(model_dir)))
 
 
 def _load(path: str) -> Any:

@@ -209,13 +209,6 @@ class FamilyProcessor:
         ``apply_chat_template``."""
         raise NotImplementedError
 
-    @classmethod
-    def largest_item_tokens(cls, model_dir: Path) -> int:
-        """Placeholder tokens of the largest image the checkpoint's processor settings can produce (what
-        vLLM's ``compute_encoder_budget`` derives its defaults from). Reads the folder's JSON files only:
-        the engine calls it without loading a processor."""
-        raise NotImplementedError
-
     def item_layout(self, tensors: dict[str, torch.Tensor]) -> tuple[int, tuple[int, ...]]:
         """(number of placeholder tokens, grid) of one processed item."""
         raise NotImplementedError

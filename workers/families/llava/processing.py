@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +16,6 @@ class LlavaProcessing(FamilyProcessor):
     @classmethod
     def load_hf_processor(cls, model_dir: Path) -> Any:
         return AutoProcessor.from_pretrained(model_dir, local_files_only=True)
-
-    @classmethod
-    def largest_item_tokens(cls, model_dir: Path) -> int:
-        """Every image becomes the vision tower's square: one token per patch (the CLS one dropped)."""
-        vision = json.loads((model_dir / "config.json").read_text()).get("vision_config", {})
-        return int((vision.get("image_size", 336) // vision.get("patch_size", 14)) ** 2)
 
     def item_layout(self, tensors: dict[str, torch.Tensor]) -> tuple[int, tuple[int, ...]]:
         """As ``LlavaProcessor.replace_image_token``: one token per patch of the processed image,

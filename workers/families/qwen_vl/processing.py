@@ -6,7 +6,6 @@ positions of those placeholders, so it travels with every item (docs/architectur
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +29,6 @@ class QwenVLProcessing(FamilyProcessor):
         from workers.families.qwen_vl.hf_processor import ImageOnlyQwenVLProcessor
 
         return ImageOnlyQwenVLProcessor.from_pretrained(model_dir)
-
-    @classmethod
-    def largest_item_tokens(cls, model_dir: Path) -> int:
-        """``max_pixels`` over the area of one merged patch: smart_resize never goes above max_pixels."""
-        config = json.loads((model_dir / "preprocessor_config.json").read_text())
-        size = config.get("size") or {}
-        max_pixels = config.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280
-        factor = int(config.get("patch_size", 14)) * int(config.get("merge_size", 2))
-        return int(max_pixels) // (factor * factor)
 
     def hash_options(self, mm_processor_kwargs: Any) -> dict[str, Any]:
         """``min_pixels`` / ``max_pixels`` are spelled as the ``size`` they stand for before hashing, so
