@@ -12,9 +12,10 @@ import torch
 from PIL import Image
 from transformers import AutoProcessor
 
-from app.errors import InvalidRequestError
+from app.errors import from_family_error
 from wire.hashing import mm_hash
 from workers.families import load_processing
+from workers.families.errors import FamilyInputError
 from workers.families.processing import FamilyProcessor as MMProcessor
 from workers.families.processing import ProcessedItem
 
@@ -139,9 +140,9 @@ def test_kwargs_equal_to_defaults_share_the_hash(mm: MMProcessor) -> None:
     ],
 )
 def test_invalid_kwargs_are_rejected_up_front(mm: MMProcessor, kwargs: dict[str, Any]) -> None:
-    with pytest.raises(InvalidRequestError) as info:
+    with pytest.raises(FamilyInputError) as info:
         mm.hash_options(kwargs)
-    assert info.value.param == "mm_processor_kwargs" and info.value.http_status == 400
+    assert info.value.param == "mm_processor_kwargs" and from_family_error(info.value).http_status == 400
 
 
 @pytest.mark.parametrize(
@@ -154,20 +155,20 @@ def test_invalid_kwargs_are_rejected_up_front(mm: MMProcessor, kwargs: dict[str,
     ],
 )
 def test_kwargs_the_processor_or_model_cannot_take(mm: MMProcessor, kwargs: dict[str, Any]) -> None:
-    with pytest.raises(InvalidRequestError) as info:
+    with pytest.raises(FamilyInputError) as info:
         process(mm, IMAGES[1], kwargs)
     assert info.value.param == "mm_processor_kwargs"
 
 
 def test_image_count_mismatch(mm: MMProcessor) -> None:
     prompt = mm.render_prompt(TWO_IMAGES)
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(FamilyInputError):
         mm.tokenize(prompt, [576])
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(FamilyInputError):
         mm.tokenize(prompt, [576, 576, 576])
     # A user typing the placeholder themselves adds one more than the request carries.
     typed = mm.render_prompt(
         [{"role": "user", "content": [{"type": "text", "text": "<image>"}, {"type": "image"}]}]
     )
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(FamilyInputError):
         mm.tokenize(typed, [576])

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.errors import InvalidRequestError
 from app.inputs.prompts import PromptBuilder, messages_key
 from workers.families import load_processing
+from workers.families.errors import FamilyInputError
 from workers.families.processing import FamilyProcessor
 from workers.families.tiny import TINY_FAMILIES, build_tiny_model
 
@@ -93,16 +93,16 @@ def test_what_the_family_refuses_is_refused_alike(family: FamilyProcessor) -> No
     fast = PromptBuilder(family)
     prompt = family.render_prompt(CONVERSATIONS[0])
     for wrong in ([], [16, 16]):
-        with pytest.raises(InvalidRequestError) as family_error:
+        with pytest.raises(FamilyInputError) as family_error:
             family.tokenize(prompt, wrong)
-        with pytest.raises(InvalidRequestError) as fast_error:
+        with pytest.raises(FamilyInputError) as fast_error:
             fast.tokenize(prompt, wrong)
         assert fast_error.value.message == family_error.value.message
     # a user who types the image token gets the family's answer (an error: one image too many)
     typed = family.render_prompt([{"role": "user", "content": [IMG, text(f"see {family.image_token} here")]}])
-    with pytest.raises(InvalidRequestError) as family_error:
+    with pytest.raises(FamilyInputError) as family_error:
         family.tokenize(typed, [16])
-    with pytest.raises(InvalidRequestError) as fast_error:
+    with pytest.raises(FamilyInputError) as fast_error:
         fast.tokenize(typed, [16])
     assert fast_error.value.message == family_error.value.message
 

@@ -81,7 +81,13 @@ def test_worker_over_zmq(router, tiny_model_dir, hf_model, prompts):
     assert router.poll(60_000), "no WorkerReady"
     identity, payload = router.recv_multipart()
     try:
-        ready = WorkerReady(device="cpu", dtype="float32", num_kv_blocks=1000 // 32, block_size=32)
+        ready = WorkerReady(
+            device="cpu",
+            dtype="float32",
+            num_kv_blocks=1000 // 32,
+            block_size=32,
+            vocab_size=hf_model.get_input_embeddings().num_embeddings,
+        )
         assert decode_worker_outbound(payload) == ready
 
         prompt = prompts["one"]
