@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: compose-keys setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention
+.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -39,6 +39,11 @@ test-fast: setup
 # The CURVE key pair docker-compose mounts as the secret mmserve_curve (made once; never committed)
 compose-keys: setup
 	test -f secrets/mmserve-curve.key || $(VENV)/bin/mmserve curve-keygen --out secrets/mmserve-curve.key
+
+# docs/configuration.md, generated from the settings and the CLI (tests/unit/test_config_doc.py checks it)
+docs: setup
+	$(PY) -m app.launch.config_doc > docs/configuration.md.tmp
+	mv docs/configuration.md.tmp docs/configuration.md
 
 lint: setup
 	$(VENV)/bin/ruff check app engine workers bench tests
