@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,23 @@ from workers.families.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny LLaVA checkpoint (seed 0), built once per test session; a few seconds on a CPU."""
-    # the folder name is the served model name: "tiny-llava", as in `make serve`
-    return build_tiny_model("llava", tmp_path_factory.mktemp("models") / "tiny-llava", seed=0)
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_model(family)``: that family's tiny checkpoint (seed 0), built once per test session (a few
+    seconds each on a CPU) and read, never written, by every test. The folder name is the served model
+    name: ``tiny-<family>``, as in `make serve`."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build_tiny_model(
+                family, tmp_path_factory.mktemp("models") / f"tiny-{family}", seed=0
+            )
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model: Callable[[str], Path]) -> Path:
+    """The tiny LLaVA checkpoint."""
+    return tiny_model("llava")

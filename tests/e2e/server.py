@@ -164,11 +164,19 @@ def wait_api_processes(server: Server, count: int, timeout_s: float = 180.0) -> 
     raise TimeoutError(f"only API processes {sorted(seen)} became healthy:\n{server.process.log()[-4000:]}")
 
 
+# What a test server runs unless its flags say otherwise: one preprocessing process per API process (the
+# pool's path, at half the default's start-up cost on two cores; tests of the pool's size set their own).
+TEST_DEFAULTS = {"--mm-preprocess-processes": "1"}
+
+
+def serve_args(model_dir: Path, port: int, flags: tuple[str, ...]) -> list[str]:
+    defaults = [item for flag, value in TEST_DEFAULTS.items() if flag not in flags for item in (flag, value)]
+    return ["serve", "--model", str(model_dir), "--port", str(port), *defaults, *flags]
+
+
 def start_serve(model_dir: Path, log_dir: Path, *flags: str) -> Server:
     port = free_port()
-    process = ServerProcess(
-        ["serve", "--model", str(model_dir), "--port", str(port), *flags], log_dir / f"serve-{port}.log"
-    ).start()
+    process = ServerProcess(serve_args(model_dir, port, flags), log_dir / f"serve-{port}.log").start()
     server = Server(process, port)
     try:
         wait_healthy(server.base_url, process)
@@ -204,7 +212,7 @@ def start_all(model_dir: Path, log_dir: Path, *flag_sets: tuple[str, ...]) -> li
     try:
         for flags in flag_sets:
             port = free_port()
-            args = ["serve", "--model", str(model_dir), "--port", str(port), *flags]
+            args = serve_args(model_dir, port, flags)
             servers.append(Server(ServerProcess(args, log_dir / f"serve-{port}.log").start(), port))
         for server in servers:
             wait_healthy(server.base_url, server.process)

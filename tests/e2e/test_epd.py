@@ -6,7 +6,7 @@ An LM-only instance (no vision tower) answers an image nobody encoded with a cle
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,6 @@ import pytest
 
 from tests.e2e.conftest import greedy_body, make_image, user_message
 from tests.e2e.server import Server, delta, start_all, start_proxy, stop_all
-from workers.families.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +35,12 @@ class Split:
 
 @pytest.fixture(scope="module", params=["llava", "qwen3_vl"])
 def split(
-    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    tiny_model: Callable[[str], Path],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Split]:
     family = request.param
-    if family == "llava":
-        model_dir = tiny_model_dir
-    else:
-        model_dir = build_tiny_model(family, tmp_path_factory.mktemp("models") / f"tiny-{family}")
+    model_dir = tiny_model(family)
     store = tmp_path_factory.mktemp(f"ec-{family}")
     logs = tmp_path_factory.mktemp(f"epd-{family}")
     ec = ("--ec-connector", "shared-storage", "--ec-storage-path", str(store))

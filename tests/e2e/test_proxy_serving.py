@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import greedy_body, make_image, user_message
-from tests.e2e.server import Server, ServerProcess, delta, free_port, start_proxy, wait_healthy
+from tests.e2e.server import Server, ServerProcess, delta, free_port, serve_args, start_proxy, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def instances(tiny_model_dir: Path, log_dir: Path) -> Iterator[tuple[Server, Ser
     try:
         for _ in range(2):
             port = free_port()
-            args = ["serve", "--model", str(tiny_model_dir), "--port", str(port), *SERVE_FLAGS]
+            args = serve_args(tiny_model_dir, port, SERVE_FLAGS)
             pair.append(Server(ServerProcess(args, log_dir / f"serve-{port}.log").start(), port))
         for srv in pair:
             wait_healthy(srv.base_url, srv.process)

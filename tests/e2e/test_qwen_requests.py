@@ -5,7 +5,7 @@ process and items above an explicit budget get a 400 naming the part, and the se
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,6 @@ import pytest
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.parity import assert_matches_oracle, concurrent_greedy_requests, greedy_request
 from tests.e2e.server import Server, delta, serving
-from workers.families.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +23,8 @@ FACTOR = 32  # Qwen3-VL: patch 16 x spatial merge 2 pixels per placeholder side
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model("qwen3_vl", tmp_path_factory.mktemp("models") / MODEL)
+def model_dir(tiny_model: Callable[[str], Path]) -> Path:
+    return tiny_model("qwen3_vl")
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ encoder; another image behind the same placeholders gets no image-block hits."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,6 @@ import pytest
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.parity import assert_matches_oracle, greedy_request
 from tests.e2e.server import Server, delta, start_serve
-from workers.families.tiny import build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +30,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(request.param, tmp_path_factory.mktemp("models") / f"tiny-{request.param}")
+def model_dir(request: pytest.FixtureRequest, tiny_model: Callable[[str], Path]) -> Path:
+    return tiny_model(request.param)
 
 
 @pytest.fixture(scope="module")

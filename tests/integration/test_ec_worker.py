@@ -7,6 +7,7 @@ Steps are built by hand, as the engine would send them for one request prefilled
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,6 @@ from wire.protocol import (
 from workers.config import ModelParts
 from workers.ec_codec import decode_output, encode_output
 from workers.families import load_processing
-from workers.families.tiny import build_tiny_model
 from workers.frames import tensor_to_frame
 from workers.model_runner import EncoderOutputUnavailable, ModelRunner
 from workers.runner_requests import StepError
@@ -49,12 +49,8 @@ class Prompt:
 
 
 @pytest.fixture(scope="module", params=["llava", "qwen3_vl"])
-def model_dir(
-    request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Path:
-    if request.param == "llava":
-        return tiny_model_dir
-    return build_tiny_model(request.param, tmp_path_factory.mktemp("ec") / f"tiny-{request.param}")
+def model_dir(request: pytest.FixtureRequest, tiny_model: Callable[[str], Path]) -> Path:
+    return tiny_model(request.param)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,7 +37,6 @@ from app.errors import (
 from app.inputs.preprocess.pool import PreprocessPool, output_name, read_output, write_output
 from workers.families import load_processing
 from workers.families.processing import FamilyProcessor, ProcessedItem
-from workers.families.tiny import build_tiny_model
 
 T = TypeVar("T")
 PARAM = "messages[0].content[1].image_url.url"
@@ -92,8 +91,8 @@ async def all_of(coros: Iterable[Coroutine[Any, Any, T]]) -> list[T]:
 
 
 @pytest.fixture(scope="module")
-def qwen_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model("qwen2_vl", tmp_path_factory.mktemp("qwen") / "tiny-qwen2_vl")
+def qwen_model_dir(tiny_model: Callable[[str], Path]) -> Path:
+    return tiny_model("qwen2_vl")
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ every message shape, repeated prompts (the caches) included; a cached render equ
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,14 +17,14 @@ from app.inputs.prompts import PromptBuilder, messages_key
 from workers.families import load_processing
 from workers.families.errors import FamilyInputError
 from workers.families.processing import FamilyProcessor
-from workers.families.tiny import TINY_FAMILIES, build_tiny_model
+from workers.families.tiny import TINY_FAMILIES
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module", params=TINY_FAMILIES)
-def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> FamilyProcessor:
-    model_dir = build_tiny_model(request.param, tmp_path_factory.mktemp("tiny") / f"tiny-{request.param}")
+def family(request: pytest.FixtureRequest, tiny_model: Callable[[str], Path]) -> FamilyProcessor:
+    model_dir = tiny_model(request.param)
     return load_processing(model_dir)
 
 

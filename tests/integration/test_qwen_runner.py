@@ -5,6 +5,7 @@ and exact resumption. ``FakeEngine`` plays the engine (tests/integration/fake_en
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,6 @@ from tests.integration.runner_support import (
 )
 from workers.attention import ATTENTION_BACKENDS, shared_prefix
 from workers.families import family_for, load_processing
-from workers.families.tiny import build_tiny_model
 from workers.model_runner import ModelRunner
 
 pytestmark = pytest.mark.slow
@@ -46,8 +46,8 @@ CONTENTS = {
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
-def family_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(request.param, tmp_path_factory.mktemp("qwen") / f"tiny-{request.param}")
+def family_dir(request: pytest.FixtureRequest, tiny_model: Callable[[str], Path]) -> Path:
+    return tiny_model(request.param)
 
 
 @pytest.fixture(scope="module")

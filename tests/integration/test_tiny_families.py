@@ -5,6 +5,7 @@ equals the stock one, and greedy output that depends on the image (else cache bu
 from __future__ import annotations
 
 import string
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,8 @@ def family(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="module")
-def family_dir(family: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(family, tmp_path_factory.mktemp("tiny") / f"tiny-{family}")
+def family_dir(family: str, tiny_model: Callable[[str], Path]) -> Path:
+    return tiny_model(family)
 
 
 @pytest.fixture(scope="module")
