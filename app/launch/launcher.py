@@ -21,7 +21,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import httpx
 import setproctitle
@@ -81,6 +81,10 @@ def run_role(role: str, settings: Settings) -> int:
     if error is not None:
         print(f"mmserve: error: {error}", file=sys.stderr)
         return 2
+    exit_now(_run(role, settings))
+
+
+def _run(role: str, settings: Settings) -> int:
     if role == "serve":
         return serve(settings)
     if role == "engine":
@@ -97,6 +101,16 @@ def run_role(role: str, settings: Settings) -> int:
         _remove_orphan_rings()  # e.g. what this container's previous API process left (docker-compose)
         run_api(settings, owns_engine=False)
     return 0
+
+
+def exit_now(status: int) -> NoReturn:
+    """Ends a role's process once it stopped serving and closed what it owns (sockets, children, shared
+    memory, temp folders): the interpreter's own finalization has nothing left to do, and with torch and
+    transformers imported it takes over a second, which every Ctrl-C and restart would wait for."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _socket_security_error(role: str, settings: Settings) -> str | None:
@@ -198,10 +212,11 @@ def _child_main(role: str, settings: Settings, api_index: int | None = None) -> 
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if api_index is None:
-        sys.exit(run_role(role, settings))
+        sys.exit(run_role(role, settings))  # a refusal: run_role exits by itself once it served
     _configure_logging(settings)
     setproctitle.setproctitle("mmserve: api")
     run_api(settings, owns_engine=False, api_index=api_index, shared_port=True)
+    exit_now(0)
 
 
 def _private_addresses(settings: Settings, folder: str) -> Settings:

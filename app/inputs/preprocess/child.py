@@ -114,7 +114,12 @@ def child_main(model: str, api_pid: int, conn: Connection) -> None:
             data = conn.recv_bytes()
             conn.send_bytes(encoder.encode(_answer(family, call, data)))
     except (EOFError, OSError):  # the API closed the pipe, or is gone
-        return
+        pass
+    # Nothing is left to close: skip the interpreter's finalization (a second with torch imported),
+    # which the API's shutdown would wait for.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _answer(family: FamilyProcessor, call: Preprocess, data: bytes) -> Answer:
