@@ -46,8 +46,9 @@ docs: setup
 	mv docs/configuration.md.tmp docs/configuration.md
 
 lint: setup
-	$(VENV)/bin/ruff check app engine workers bench tests
-	$(VENV)/bin/mypy app engine workers
+	$(VENV)/bin/ruff check app engine workers wire bench tests
+	$(VENV)/bin/ruff format --check app engine workers wire bench tests
+	$(VENV)/bin/mypy app engine workers wire
 
 bench: setup model
 	$(PY) bench/bench_api_cache.py --model $(MODEL)

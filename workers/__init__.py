@@ -1,3 +1,3 @@
 """The model worker: loads the checkpoint, runs the vision encoder and the language model over the paged
 KV pool, samples; and the model families (``families/``), whose API half the API process loads. Imports
-``wire`` and ``engine``'s configs, never ``app`` (docs/architecture.md, "Packages")."""
+``wire`` only, never ``engine`` or ``app`` (docs/architecture.md, "Packages")."""

@@ -1,4 +1,5 @@
-"""Starting and stopping Mooncake's own processes, for tests, benchmarks and ``mmserve serve``.
+"""Starting and stopping Mooncake's own processes, for tests and benchmarks (a deployment runs them as
+services of their own, as the compose profile ``epd`` does).
 
 Two processes make a Mooncake store, both shipped as executables inside the ``mooncake`` wheel
 (``mooncake-transfer-engine-non-cuda``):
