@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from wire.curve import CurveKeys, load_keys
 from wire.shm_ring import HEADER_BYTES  # a ring chunk's header
@@ -91,7 +91,8 @@ class Settings(BaseSettings):
         description="Embeddings the encoder may produce in one step (default: the larger of "
         "max-num-batched-tokens and the model's largest item).",
     )
-    limit_mm_per_prompt: dict[str, int] = Field(
+    # NoDecode: MMSERVE_LIMIT_MM_PER_PROMPT reaches the validator as text, so "image=4" works there too
+    limit_mm_per_prompt: Annotated[dict[str, int], NoDecode] = Field(
         {"image": DEFAULT_MM_PER_PROMPT},
         description="Most items per prompt by modality, as image=N or a JSON object "
         f"(default: image={DEFAULT_MM_PER_PROMPT}, as vLLM).",

@@ -107,9 +107,9 @@ descriptions and defaults; `python -m app.launch.cli` is the same program as `mm
 
 - Invalid settings exit with status 2 and a message naming the field.
 - Booleans are `--flag` / `--no-flag` on the command line, `true` / `false` in the environment.
-- `--limit-mm-per-prompt` takes `image=N` or a JSON object; its environment variable takes JSON only
-  (`MMSERVE_LIMIT_MM_PER_PROMPT='{"image": 4}'`). `--allowed-media-domains` takes `a.com,b.org` or a
-  JSON list, in both places.
+- `--limit-mm-per-prompt` takes `image=N` or a JSON object, and so does its environment variable
+  (`MMSERVE_LIMIT_MM_PER_PROMPT=image=4` or `'{"image": 4}'`). `--allowed-media-domains` takes
+  `a.com,b.org` or a JSON list, in both places.
 - A default of `None` means "unset": the description says what applies then.
 - `mmserve serve` replaces the default `--engine-addr` and `--worker-addr` with private `ipc://` paths
   in a fresh temporary folder, so two servers never collide; an address given explicitly is used as is.

@@ -104,6 +104,12 @@ def test_limit_mm_per_prompt_spellings(value: object, expected: dict[str, int]) 
     assert Settings(limit_mm_per_prompt=value).limit_mm_per_prompt == expected
 
 
+@pytest.mark.parametrize("value", ["image=4", '{"image": 4}'])
+def test_limit_mm_per_prompt_from_the_environment(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MMSERVE_LIMIT_MM_PER_PROMPT", value)
+    assert Settings().limit_mm_per_prompt == {"image": 4}
+
+
 def test_limit_mm_per_prompt_default_and_bad_values() -> None:
     assert Settings().limit_mm_per_prompt == {"image": 999}
     for bad in ("image", "image=-1", "video=2", "image=x"):
