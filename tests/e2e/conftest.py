@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +121,31 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield srv
     finally:
         srv.process.interrupt()
+
+
+@pytest.fixture(scope="session")
+def family_server(
+    request: pytest.FixtureRequest,
+    tiny_model: Callable[[str], Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[str], Server]]:
+    """``family_server(family)``: a server with the default flags on that family's tiny checkpoint,
+    started on first use and shared by the rest of the session (LLaVA's is ``server``). Tests that only
+    send requests share it; they measure its counters as differences."""
+    started: dict[str, Server] = {}
+
+    def get(family: str) -> Server:
+        if family == "llava":
+            return request.getfixturevalue("server")
+        if family not in started:
+            started[family] = start_serve(tiny_model(family), tmp_path_factory.mktemp(f"serve-{family}"))
+        return started[family]
+
+    try:
+        yield get
+    finally:
+        for srv in started.values():
+            srv.process.interrupt()
 
 
 @pytest.fixture(scope="session")

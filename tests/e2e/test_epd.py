@@ -24,7 +24,7 @@ MAX_TOKENS = 8
 
 @dataclass
 class Split:
-    single: Server  # an ordinary server: the reference answer
+    single: Server  # an ordinary server (the session's for the family): the reference answer
     encoder: Server
     lm: Server
     lm_only: Server  # --language-model-only: no vision tower at all
@@ -37,6 +37,7 @@ class Split:
 def split(
     request: pytest.FixtureRequest,
     tiny_model: Callable[[str], Path],
+    family_server: Callable[[str], Server],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Split]:
     family = request.param
@@ -47,14 +48,14 @@ def split(
     servers = start_all(
         model_dir,
         logs,
-        (),
         (*ec, "--ec-role", "producer", "--encoder-only"),
         (*ec, "--ec-role", "consumer"),
         (*ec, "--ec-role", "consumer", "--language-model-only"),
     )
     proxies: list[Server] = []
     try:
-        single, encoder, lm, lm_only = servers
+        encoder, lm, lm_only = servers
+        single = family_server(family)
         proxies.append(start_proxy(logs, encoder.base_url, lm.base_url))
         proxies.append(start_proxy(logs, encoder.base_url, lm_only.base_url))
         yield Split(single, encoder, lm, lm_only, proxies[0], proxies[1], model_dir.name)

@@ -20,7 +20,7 @@ from tests.e2e.server import Server, delta, start_serve
 pytestmark = pytest.mark.slow
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
-BLOCK = 16
+BLOCK = 16  # the default --block-size
 SMALL, LARGE = (224, 224), (1024, 768)
 CASES = {
     "one": ("What is in this picture?", [make_image(800, SMALL)]),
@@ -40,19 +40,23 @@ def qwen_oracle(model_dir: Path) -> Oracle:
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
-    """Every cache on: the defaults, and a 256-token step budget so prefill chunks cut through images."""
-    log_dir = tmp_path_factory.mktemp("serve")
-    started: dict[str, Server] = {}
+def servers(
+    model_dir: Path, family_server: Callable[[str], Server], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Server]]:
+    """Every cache on: the defaults (the session's server for the family, whose blocks hold 16 tokens),
+    and a 256-token step budget so prefill chunks cut through images."""
+    chunked = start_serve(
+        model_dir,
+        tmp_path_factory.mktemp("serve"),
+        "--block-size",
+        str(BLOCK),
+        "--max-num-batched-tokens",
+        "256",
+    )
     try:
-        started["default"] = start_serve(model_dir, log_dir, "--block-size", str(BLOCK))
-        started["chunked"] = start_serve(
-            model_dir, log_dir, "--block-size", str(BLOCK), "--max-num-batched-tokens", "256"
-        )
-        yield started
+        yield {"default": family_server(model_dir.name.removeprefix("tiny-")), "chunked": chunked}
     finally:
-        for server in started.values():
-            server.process.interrupt()
+        chunked.process.interrupt()
 
 
 def name_of(model_dir: Path) -> str:
