@@ -43,7 +43,9 @@ def _check_placeholders(msg: AddRequest) -> None:
         if feature.offset < end:
             where = f"item at {feature.offset} before {end}"
             raise BadMessage("placeholders out of order", where, msg.req_id)
-        end = feature.offset + feature.num_tokens
+        if feature.num_span_tokens and feature.num_span_tokens < feature.num_tokens:
+            raise BadMessage("span shorter than its placeholders", feature.mm_hash, msg.req_id)
+        end = feature.end
     if end > len(msg.prompt_token_ids):
         raise BadMessage(
             "placeholders past the prompt", f"{end} > {len(msg.prompt_token_ids)} tokens", msg.req_id

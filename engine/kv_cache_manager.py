@@ -70,7 +70,7 @@ def block_extra_keys(
     return tuple(
         (f.mm_hash, f.offset - block_start)
         for f in mm_features
-        if f.offset < block_end and f.offset + f.num_tokens > block_start
+        if f.offset < block_end and f.end > block_start
     )
 
 

@@ -59,7 +59,7 @@ class Request:
     def __post_init__(self) -> None:
         self.mm_last_end = {}
         for f in self.mm_features:
-            self.mm_last_end[f.mm_hash] = max(self.mm_last_end.get(f.mm_hash, 0), f.offset + f.num_tokens)
+            self.mm_last_end[f.mm_hash] = max(self.mm_last_end.get(f.mm_hash, 0), f.end)
 
     @property
     def num_prompt_tokens(self) -> int:

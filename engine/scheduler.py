@@ -263,7 +263,7 @@ class Scheduler:
             self._unavailable.append(request)  # before anything is allocated or loaded for it
             return 0, encoder_budget
         for feature in request.mm_features:
-            begin, end = feature.offset, feature.offset + feature.num_tokens
+            begin, end = feature.offset, feature.end
             if end <= start or begin >= start + num_tokens:
                 continue  # not covered by this chunk
             if self.config.disable_chunked_mm_input and start <= begin and end > start + num_tokens:
@@ -299,7 +299,7 @@ class Scheduler:
     def _all_obtainable(self, request: Request, start: int, num_tokens: int) -> bool:
         """Without a vision tower: whether every item the chunk covers is cached or in the store."""
         for feature in request.mm_features:
-            begin, end = feature.offset, feature.offset + feature.num_tokens
+            begin, end = feature.offset, feature.end
             if (
                 end <= start
                 or begin >= start + num_tokens

@@ -309,7 +309,7 @@ class StandinWorker:
                 raise StepError(f"request {new.req_id!r} is already running on this worker")
             new_ids.add(new.req_id)
             for feat in new.mm_features:
-                if feat.offset < 0 or feat.offset + feat.num_tokens > len(new.prompt_token_ids):
+                if feat.offset < 0 or feat.end > len(new.prompt_token_ids):
                     raise StepError(
                         f"mm item {feat.mm_hash!r} at {feat.offset}+{feat.num_tokens} is outside the prompt"
                     )
@@ -432,7 +432,7 @@ class StandinWorker:
             if end > num_slots:
                 raise StepError(f"request {req_id!r} needs {end} KV slots, its blocks hold {num_slots}")
             needed = {
-                f.mm_hash for f in req.mm_features if f.offset < end and f.offset + f.num_tokens > start
+                f.mm_hash for f in req.mm_features if f.offset < end and f.end > start
             }
             if missing := sorted(needed - self.outputs.keys()):
                 raise StepError(f"request {req_id!r} needs the encoder output of {missing}, not held here")

@@ -18,7 +18,7 @@ torch nor numpy.
 from __future__ import annotations
 
 import enum
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -89,12 +89,20 @@ class MMFeature(msgspec.Struct, frozen=True):
 
     ``tensors`` is None when the item travels as a key only (the API's mirror says the engine's
     receiver cache holds it). ``store`` tells the engine to insert the item into its receiver cache.
+
+    The item covers the prompt tokens ``[offset, end)``. Usually those are all placeholders, one per row
+    of its encoder output (``num_tokens``). A family may write text between an item's placeholders
+    (Qwen3-VL: a timestamp before each frame group of a video); then ``num_span_tokens`` counts the
+    whole range, and the placeholders are the tokens in it with the family's placeholder id, in order::
+
+        offset                                                        end
+        <0.5 seconds><|vision_start|>▮▮▮▮<|vision_end|><1.5 seconds><|vision_start|>▮▮▮▮...
     """
 
     mm_hash: Annotated[str, Meta(min_length=1, max_length=256)]
-    offset: NonNegInt  # index of the first placeholder token in the prompt
+    offset: NonNegInt  # index of the first prompt token the item covers (its first placeholder)
     num_tokens: PosInt  # number of placeholder tokens (= encoder output positions)
-    modality: str = "image"
+    modality: Literal["image", "video"] = "image"
     tensors: dict[str, TensorRef] | None = None
     store: bool = False
     # Instead of ``tensors``: the item lies in the sender's shared-memory ring (not stored in the
@@ -103,6 +111,14 @@ class MMFeature(msgspec.Struct, frozen=True):
     # The family's grid of the item's placeholders (Qwen: (t, h, w) in patches, which decides their
     # M-RoPE positions); empty where positions do not depend on it. Travels with key-only items too.
     grid_thw: tuple[int, ...] = ()
+    num_span_tokens: NonNegInt = 0  # prompt tokens the item covers; 0: num_tokens (placeholders only)
+    # Qwen2.5-VL videos: seconds between temporal groups (M-RoPE spaces them by it); None elsewhere
+    second_per_grid_t: Annotated[float, Meta(gt=0.0, le=3600.0)] | None = None
+
+    @property
+    def end(self) -> int:
+        """One past the last prompt token the item covers."""
+        return self.offset + (self.num_span_tokens or self.num_tokens)
 
 
 # ---------------------------------------------------------------- API -> engine

@@ -234,7 +234,9 @@ class ModelRunner:
                 req.block_ids, req.num_computed_tokens = None, 0
 
         pool = Pool(self.kv_pool.num_blocks if self.lm_forward is not None else None, self.block_size)
-        positions = check_additions(sched, self.requests, pool, self.model.prompt_positions)
+        layouts = check_additions(
+            sched, self.requests, pool, self.model.prompt_positions, self.model.placeholder_token_ids
+        )
         for resumed in sched.resumed_requests:
             req = self.requests[resumed.req_id]
             req.block_ids, req.num_computed_tokens = list(resumed.block_ids), resumed.num_computed_tokens
@@ -247,7 +249,8 @@ class ModelRunner:
                 sampling=new.sampling,
                 generator=make_generator(new.sampling.seed, self.device, self.generator),
                 block_ids=list(new.block_ids),
-                positions=positions[new.req_id],
+                positions=layouts[new.req_id].positions,
+                placements=layouts[new.req_id].placements,
                 num_computed_tokens=new.num_computed_tokens,
             )
         for req_id, block_ids in sched.new_block_ids.items():

@@ -8,7 +8,7 @@ that state (an unknown request, blocks outside the pool, more tokens than are kn
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +17,26 @@ from wire.protocol import MMFeature, NewRequestData, ResumedRequestData, Samplin
 from workers.attention import SeqSpan
 from workers.families.model import RequestPositions
 
-PromptPositions = Callable[[int, list[MMFeature]], RequestPositions]  # the family's, from placements
+# the family's positions of a prompt's tokens, from its items' placements
+PromptPositions = Callable[[Sequence[int], list[MMFeature]], RequestPositions]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One item in a request's prompt. ``rows`` (when the item's span holds text between its
+    placeholders): each encoder output row's position in the prompt, relative to ``feature.offset``;
+    None when the span is all placeholders, row i at offset + i."""
+
+    feature: MMFeature
+    rows: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a new request's prompt fixes: its positions and where each item's rows go."""
+
+    positions: RequestPositions
+    placements: list[Placement]
 
 
 class StepError(ValueError):
@@ -34,6 +53,7 @@ class RequestState:
     generator: torch.Generator
     block_ids: list[int] | None  # None while preempted: the engine took its blocks back
     positions: RequestPositions  # rotary positions of its tokens, fixed by the prompt
+    placements: list[Placement]  # its items, in prompt order
     num_computed_tokens: int = 0  # leading tokens whose K/V is in its blocks
 
     @property
@@ -50,11 +70,15 @@ class Pool:
 
 
 def check_additions(
-    sched: SchedulerOutput, requests: dict[str, RequestState], pool: Pool, prompt_positions: PromptPositions
-) -> dict[str, RequestPositions]:
-    """Raises StepError before any state changes; returns the new requests' positions (built from
-    their placements, which checks them too)."""
-    positions: dict[str, RequestPositions] = {}
+    sched: SchedulerOutput,
+    requests: dict[str, RequestState],
+    pool: Pool,
+    prompt_positions: PromptPositions,
+    placeholder_token_ids: frozenset[int],
+) -> dict[str, Layout]:
+    """Raises StepError before any state changes; returns the new requests' layouts (positions built
+    from their placements, which checks them too)."""
+    layouts: dict[str, Layout] = {}
     if pool.num_blocks is None and (sched.new_requests or sched.resumed_requests or sched.new_block_ids):
         raise StepError("requests sent to an encoder-only worker (it has no language model)")
     for resumed in sched.resumed_requests:
@@ -70,14 +94,16 @@ def check_additions(
             raise StepError(f"request {new.req_id!r} is already running on this worker")
         new_ids.add(new.req_id)
         for feat in new.mm_features:
-            if feat.offset < 0 or feat.offset + feat.num_tokens > len(new.prompt_token_ids):
+            if feat.offset < 0 or feat.end > len(new.prompt_token_ids):
                 raise StepError(
                     f"mm item {feat.mm_hash!r} at {feat.offset}+{feat.num_tokens} is outside the prompt"
                 )
         try:
-            positions[new.req_id] = prompt_positions(len(new.prompt_token_ids), list(new.mm_features))
+            positions = prompt_positions(new.prompt_token_ids, list(new.mm_features))
         except ValueError as exc:
             raise StepError(f"request {new.req_id!r}: {exc}") from exc
+        placements = [_placement(new.prompt_token_ids, f, placeholder_token_ids) for f in new.mm_features]
+        layouts[new.req_id] = Layout(positions, sorted(placements, key=lambda p: p.feature.offset))
         _check_blocks(new.req_id, new.block_ids, pool)
         _check_num_computed(new, len(new.prompt_token_ids), pool)
     resumed_ids = {r.req_id for r in sched.resumed_requests}
@@ -87,7 +113,19 @@ def check_additions(
             state = "unknown" if req is None else "preempted"
             raise StepError(f"request {req_id!r} gets new blocks but is {state} on this worker")
         _check_blocks(req_id, block_ids, pool)
-    return positions
+    return layouts
+
+
+def _placement(prompt_token_ids: list[int], feature: MMFeature, placeholders: frozenset[int]) -> Placement:
+    if not feature.num_span_tokens:
+        return Placement(feature)
+    span = torch.tensor(prompt_token_ids[feature.offset : feature.end])
+    rows = torch.isin(span, torch.tensor(sorted(placeholders))).nonzero().flatten()
+    if len(rows) != feature.num_tokens:
+        raise StepError(
+            f"mm item {feature.mm_hash!r}: {len(rows)} placeholders in its span, not {feature.num_tokens}"
+        )
+    return Placement(feature, rows)
 
 
 def _check_blocks(req_id: str, block_ids: list[int], pool: Pool) -> None:

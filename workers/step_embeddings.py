@@ -1,4 +1,4 @@
-"""A step's input embeddings: token embeddings with each image placeholder position replaced by its
+"""A step's input embeddings: token embeddings with each placeholder position replaced by its
 row of the item's encoder output (what transformers does with ``masked_scatter``), sliced at chunk
 boundaries; and, for families whose outputs have deeper levels (Qwen3-VL's deepstack), those levels'
 rows for the same positions."""
@@ -31,8 +31,9 @@ def step_embeddings(
     base = 0
     for span in spans:
         start, end = span.num_past_tokens, span.num_past_tokens + span.num_new_tokens
-        for feat in sorted(requests[span.req_id].mm_features, key=lambda f: f.offset):
-            lo, hi = max(start, feat.offset), min(end, feat.offset + feat.num_tokens)
+        for placement in requests[span.req_id].placements:
+            feat = placement.feature
+            lo, hi = max(start, feat.offset), min(end, feat.end)
             if lo >= hi:
                 continue
             output = encoder_store.get(feat.mm_hash)
@@ -41,12 +42,20 @@ def step_embeddings(
                     f"mm item {feat.mm_hash!r} has {output.shape[0]} embeddings, "
                     f"its placement {feat.num_tokens}"
                 )
-            rows = output[lo - feat.offset : hi - feat.offset]
+            where: slice | torch.Tensor
+            if placement.rows is None:  # all placeholders: row i at offset + i
+                rows = output[lo - feat.offset : hi - feat.offset]
+                where = slice(base + lo - start, base + hi - start)
+            else:  # text between the placeholders: the rows whose positions the chunk covers
+                covered = (placement.rows >= lo - feat.offset) & (placement.rows < hi - feat.offset)
+                chosen = covered.nonzero().flatten()
+                rows = output[chosen.to(output.device)]
+                where = placement.rows[chosen] + (feat.offset - start + base)
             if rows.ndim == 3:  # [rows, levels, hidden]
                 deep_rows.append(rows[:, 1:])
-                deep_mask[base + lo - start : base + hi - start] = True
+                deep_mask[where] = True
                 rows = rows[:, 0]
-            embeds[base + lo - start : base + hi - start] = rows.to(embeds.dtype)
+            embeds[where] = rows.to(embeds.dtype)
         base += span.num_new_tokens
     if not deep_rows:
         return embeds, None

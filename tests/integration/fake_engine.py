@@ -154,7 +154,7 @@ class FakeEngine:
             elif fresh:
                 new_block_ids[req_id] = fresh
             for feat, tensors in zip(prompt.features, prompt.items, strict=True):
-                needed = feat.offset < start + num_tokens and start < feat.offset + feat.num_tokens
+                needed = feat.offset < start + num_tokens and start < feat.end
                 if needed and feat.mm_hash not in self.encoded:
                     refs = {}
                     for name, tensor in tensors.items():

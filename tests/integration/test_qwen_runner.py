@@ -98,7 +98,7 @@ def runner(family_dir: Path, request: pytest.FixtureRequest) -> ModelRunner:
 @pytest.mark.parametrize("name", ["one", "two", "text"])
 def test_positions_equal_get_rope_index(runner, hf_model, inputs, prompts, name):
     batch, prompt = inputs[name], prompts[name]
-    positions = runner.model.prompt_positions(len(prompt.input_ids), prompt.features)
+    positions = runner.model.prompt_positions(prompt.input_ids, prompt.features)
     expected, deltas = hf_model.model.get_rope_index(
         batch["input_ids"], batch["mm_token_type_ids"], batch.get("image_grid_thw")
     )

@@ -6,7 +6,8 @@
                                      ([num_tokens, hidden], or [num_tokens, levels, hidden] when the
                                      family has deepstack levels: level 0 is spliced into the input,
                                      levels 1.. are added after the first decoder layers)
-    prompt_positions(n, features)    rotary positions of a request's tokens (1-D or M-RoPE)
+    prompt_positions(ids, features)  rotary positions of a request's tokens (1-D or M-RoPE)
+    placeholder_token_ids            the prompt token ids that stand for encoder output rows
     language_model, lm_head, embed_tokens   the transformers modules the paged forward runs
 
 See docs/architecture.md, "Model families".
@@ -14,6 +15,7 @@ See docs/architecture.md, "Model families".
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -87,8 +89,22 @@ class FamilyModel:
         item's processed tensors (CPU, as the API's processor made them)."""
         raise NotImplementedError
 
-    def prompt_positions(self, num_prompt_tokens: int, mm_features: list[MMFeature]) -> RequestPositions:
+    def prompt_positions(
+        self, prompt_token_ids: Sequence[int], mm_features: list[MMFeature]
+    ) -> RequestPositions:
+        """Positions of the prompt's tokens from its items' placements (``ValueError`` for placements
+        that contradict the prompt); 1-D unless the family says otherwise."""
         return RequestPositions()
+
+    @property
+    def placeholder_token_ids(self) -> frozenset[int]:
+        """The token ids that stand for an item's encoder output rows in a prompt (docs/architecture.md,
+        "Model families": an item's span may hold text between them)."""
+        ids = (
+            getattr(self.config, name, None)
+            for name in ("image_token_id", "image_token_index", "video_token_id")
+        )
+        return frozenset(int(i) for i in ids if i is not None)
 
     @property
     def encoder_output_tail(self) -> tuple[int, ...]:
