@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	# compose-spec JSON schema for validating docker-compose.yml without a Docker engine
 	$(PY) -m pip install -q --no-deps docker-compose==1.29.2
+	# test-only: torchvision in $(VENV)/hf-reference for transformers' video processors, which the tests run
+	# in a subprocess as the reference for the product's own (torch-only) video processing
+	$(PY) tests/reference/setup_env.py $(VENV)/hf-reference
 	touch $@
 
 setup: $(VENV)/.installed

@@ -2,16 +2,20 @@
 
 Each folder looks like a real Qwen checkpoint: the family's config classes, tokenizer.json and
 tokenizer_config.json, preprocessor_config.json (``Qwen2VLImageProcessorPil`` with the family's real
-pixel bounds), chat_template.jinja, fp32 model.safetensors and a generation config. The model is tiny
+pixel bounds), video_preprocessor_config.json (the family's video processor with small pixel bounds),
+chat_template.jinja, fp32 model.safetensors and a generation config. The model is tiny
 (hidden 128, 2 LM layers, GQA 4/2 heads) but the vision geometry is the real one: patch 14 (Qwen3-VL: 16),
 spatial merge 2, temporal patch 2; Qwen2.5-VL's window attention (window_size 112) with both window and
 full-attention blocks; Qwen3-VL's deepstack levels and interleaved M-RoPE. M-RoPE sections are the real
 ones scaled to the tiny head dim. Everything is generated locally and deterministically from ``seed``.
-Load the processor with ``workers.families.qwen_vl.hf_processor.ImageOnlyQwenVLProcessor``.
+Load the processor with ``workers.families.qwen_vl.hf_processor.ImageOnlyQwenVLProcessor``; video frames
+go through ``workers.families.qwen_vl.video_processing`` (HF's ``AutoProcessor`` loads the whole processor,
+video processor included, where torchvision is installed: tests/reference).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,8 +75,9 @@ EMBEDDINGS = ("embed_tokens", "pos_embed")
 
 # Qwen2-VL's template, which Qwen2.5-VL shares: a default system prompt unless the first message is one.
 # Content is a string or an OpenAI-like part list; "image" / "image_url" parts become one
-# <|vision_start|><|image_pad|><|vision_end|> (the processor expands <|image_pad|> to the image's
-# tokens), "text" parts their text. Video parts are dropped: these checkpoints take images only.
+# <|vision_start|><|image_pad|><|vision_end|>, "video" / "video_url" parts one
+# <|vision_start|><|video_pad|><|vision_end|> (the processor expands each pad token to the item's tokens;
+# Qwen3-VL's processor also writes each frame's timestamp there), "text" parts their text.
 _RENDER_CONTENT = r"""
 {%- macro render_content(content) -%}
     {%- if content is string -%}
@@ -83,6 +88,10 @@ _RENDER_CONTENT = r"""
                 {%- set image_count.value = image_count.value + 1 -%}
                 {%- if add_vision_id -%}{{- 'Picture ' ~ image_count.value ~ ': ' -}}{%- endif -%}
                 {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+            {%- elif part['type'] in ['video', 'video_url'] or 'video' in part or 'video_url' in part -%}
+                {%- set video_count.value = video_count.value + 1 -%}
+                {%- if add_vision_id -%}{{- 'Video ' ~ video_count.value ~ ': ' -}}{%- endif -%}
+                {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
             {%- elif part['type'] == 'text' -%}
                 {{- part['text'] -}}
             {%- endif -%}
@@ -90,6 +99,7 @@ _RENDER_CONTENT = r"""
     {%- endif -%}
 {%- endmacro -%}
 {%- set image_count = namespace(value=0) -%}
+{%- set video_count = namespace(value=0) -%}
 """
 _QWEN2_TURNS = r"""
 {%- for message in messages -%}
@@ -102,11 +112,13 @@ _QWEN2_TURNS = r"""
     {{- '<|im_start|>assistant\n' -}}
 {%- endif -%}
 """
-# Qwen3-VL's (tools left out): no default system prompt, and a system message may not carry images.
+# Qwen3-VL's (tools left out): no default system prompt, and a system message may not carry images or videos.
 _QWEN3_TURNS = r"""
 {%- for message in messages -%}
     {%- set content = render_content(message['content']) -%}
-    {%- if message['role'] == 'system' and '<|vision_start|>' in content -%}
+    {%- if message['role'] == 'system' and '<|video_pad|>' in content -%}
+        {{- raise_exception('System message cannot contain videos.') -}}
+    {%- elif message['role'] == 'system' and '<|vision_start|>' in content -%}
         {{- raise_exception('System message cannot contain images.') -}}
     {%- endif -%}
     {{- '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>\n' -}}
@@ -120,10 +132,20 @@ QWEN3_CHAT_TEMPLATE = _RENDER_CONTENT + _QWEN3_TURNS
 
 
 @dataclass(frozen=True)
+class _Video:
+    """What video_preprocessor_config.json holds beyond the image processor's settings."""
+
+    processor_class: str
+    size: dict[str, int]  # pixel bounds (see the families below)
+    extra: dict[str, Any]  # what else the family's video processor serialises
+
+
+@dataclass(frozen=True)
 class _Family:
     config_class: type[Qwen2VLConfig | Qwen2_5_VLConfig | Qwen3VLConfig]
     model_class: type[PreTrainedModel]
     processor_class: str  # the stock processor a real checkpoint names (it needs torchvision for video)
+    video: _Video
     chat_template: str
     patch_size: int
     min_pixels: int  # the real checkpoint's preprocessor_config.json
@@ -137,9 +159,23 @@ class _Family:
 
 CLIP_MEAN, CLIP_STD = tuple(OPENAI_CLIP_MEAN), tuple(OPENAI_CLIP_STD)  # Qwen2 and Qwen2.5 normalize as CLIP
 _QWEN2_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 12845056}  # 4..16384 tokens of 28x28 px
+# Video pixel bounds, small for the tiny vision tower (the real ones allow up to 768 tokens per frame).
+# Qwen2VLVideoProcessor bounds each frame: 64..256 tokens of 28x28 px (256..1024 patches) per frame.
+# Qwen3VLVideoProcessor bounds all sampled frames together: 4..2048 tokens of 32x32 px over the clip
+# (8 frames: up to 1024 patches each; 32 frames: up to 256).
+_QWEN2_VIDEO = _Video(
+    "Qwen2VLVideoProcessor",
+    size={"shortest_edge": 64 * 28 * 28, "longest_edge": 256 * 28 * 28},
+    extra={"do_sample_frames": False, "max_video_tokens": 128000},
+)
+_QWEN3_VIDEO = _Video(
+    "Qwen3VLVideoProcessor",
+    size={"shortest_edge": 4 * 32 * 32, "longest_edge": 2048 * 32 * 32},
+    extra={"do_sample_frames": True, "fps": 2, "max_video_tokens": 768},
+)
 FAMILIES: dict[str, _Family] = {
     "qwen2_vl": _Family(
-        Qwen2VLConfig, Qwen2VLForConditionalGeneration, "Qwen2VLProcessor", QWEN2_CHAT_TEMPLATE,
+        Qwen2VLConfig, Qwen2VLForConditionalGeneration, "Qwen2VLProcessor", _QWEN2_VIDEO, QWEN2_CHAT_TEMPLATE,
         patch_size=14, **_QWEN2_PIXELS, image_mean=CLIP_MEAN, image_std=CLIP_STD,
         vision={"depth": 2, "embed_dim": 64, "hidden_size": 128, "num_heads": 4, "mlp_ratio": 4},
         # the real [16, 24, 24] of head_dim 128, scaled to 32
@@ -147,8 +183,8 @@ FAMILIES: dict[str, _Family] = {
         text={},
     ),
     "qwen2_5_vl": _Family(
-        Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, "Qwen2_5_VLProcessor", QWEN2_CHAT_TEMPLATE,
-        patch_size=14, **_QWEN2_PIXELS, image_mean=CLIP_MEAN, image_std=CLIP_STD,
+        Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, "Qwen2_5_VLProcessor", _QWEN2_VIDEO,
+        QWEN2_CHAT_TEMPLATE, patch_size=14, **_QWEN2_PIXELS, image_mean=CLIP_MEAN, image_std=CLIP_STD,
         # window_size 112 px = 4x4 merged tokens per window; blocks 1 and 3 attend over the whole image
         vision={"depth": 4, "hidden_size": 64, "out_hidden_size": 128, "intermediate_size": 128,
                 "num_heads": 4, "window_size": 112, "fullatt_block_indexes": [1, 3]},
@@ -156,7 +192,7 @@ FAMILIES: dict[str, _Family] = {
         text={},
     ),
     "qwen3_vl": _Family(
-        Qwen3VLConfig, Qwen3VLForConditionalGeneration, "Qwen3VLProcessor", QWEN3_CHAT_TEMPLATE,
+        Qwen3VLConfig, Qwen3VLForConditionalGeneration, "Qwen3VLProcessor", _QWEN3_VIDEO, QWEN3_CHAT_TEMPLATE,
         patch_size=16, min_pixels=65536, max_pixels=16777216,  # 64..16384 tokens of 32x32 px
         image_mean=(0.5, 0.5, 0.5), image_std=(0.5, 0.5, 0.5),
         vision={"depth": 3, "hidden_size": 64, "out_hidden_size": 128, "intermediate_size": 128,
@@ -196,6 +232,7 @@ def _write(out_path: Path, spec: _Family, seed: int) -> None:
     # saved like every attribute of an image processor, though transformers declares no such one
     image_processor.processor_class = spec.processor_class  # type: ignore[attr-defined]
     image_processor.save_pretrained(out_path)
+    _write_video_processor_config(out_path, spec)
 
     model = construct(spec.model_class, _build_config(spec, tokenizer))
     init_weights(
@@ -212,6 +249,34 @@ def _write(out_path: Path, spec: _Family, seed: int) -> None:
         pad_token_id=tokenizer.pad_token_id,
     )
     model.save_pretrained(out_path)
+
+
+def _write_video_processor_config(out_path: Path, spec: _Family) -> None:
+    """video_preprocessor_config.json as ``save_pretrained`` of the family's video processor writes it
+    (written by hand: HF's video processors need torchvision). ``cap_pixels_per_frame`` is left out, as in
+    the real checkpoints: HF then keeps the uncapped behaviour (and warns)."""
+    config = {
+        "do_convert_rgb": True,
+        "do_normalize": True,
+        "do_rescale": True,
+        "do_resize": True,
+        "image_mean": list(spec.image_mean),
+        "image_std": list(spec.image_std),
+        "max_frames": 768,
+        "merge_size": 2,
+        "min_frames": 4,
+        "patch_size": spec.patch_size,
+        "processor_class": spec.processor_class,
+        "resample": 3,  # bicubic
+        "rescale_factor": 1 / 255,
+        "return_metadata": False,
+        "size": dict(spec.video.size),
+        "temporal_patch_size": 2,
+        "video_processor_type": spec.video.processor_class,
+        **spec.video.extra,
+    }
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    (out_path / "video_preprocessor_config.json").write_text(text, encoding="utf-8")
 
 
 def _vision_qkv_gain(name: str, param: torch.Tensor) -> torch.Tensor | None:
