@@ -34,7 +34,7 @@ class InvalidRequestError(MMServeError):
 
 
 class MediaError(InvalidRequestError):
-    """An image could not be fetched, decoded or accepted (400, never a 500).
+    """An image or a video could not be fetched, decoded or accepted (400, never a 500).
 
     Codes: ``invalid_image_url`` (bad scheme, host or data URL), ``image_url_forbidden`` (refused by the
     media policy: a non-public address, a host outside ``--allowed-media-domains``, ``file://`` outside
@@ -43,6 +43,16 @@ class MediaError(InvalidRequestError):
     (encoded bytes or pixels over the limit), ``request_images_too_large`` (all images of the request
     over ``--max-request-image-bytes``; param ``messages``), ``invalid_image`` (bytes that do not decode,
     or a format outside the decoded ones), ``unsupported_image_format`` (SVG, HEIC/HEIF, AVIF).
+
+    Video codes (``app.media.video``): ``invalid_video`` (not a video, or bytes FFmpeg cannot read or
+    decode), ``video_is_an_image`` (PNG, JPEG, GIF, BMP, TIFF, still WebP, HEIF/AVIF sent as a video),
+    ``unsupported_video_format`` (a container other than MP4/MOV and WebM/Matroska: AVI, FLV, MPEG-TS,
+    animated WebP...), ``unsupported_video_codec`` (other than H.264, HEVC, VP8, VP9, AV1, or not
+    decodable here), ``video_stream_missing`` (audio only), ``video_empty`` (no frames),
+    ``video_dimensions_too_large`` (frame pixels over the limit), ``video_too_long`` (frames or duration
+    over the limits), ``video_variable_frame_rate``, ``video_rotated`` (a display matrix that rotates or
+    mirrors), ``video_truncated`` (the file ends before what its header declares, or before a wanted
+    frame), ``video_decode_timeout`` (probe or decode over its time budget).
     """
 
     default_code = "invalid_image"
