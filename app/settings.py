@@ -23,6 +23,9 @@ GIB = 1 << 30
 MIB = 1 << 20
 DEFAULT_ENCODER_CACHE_TOKENS = 8192
 DEFAULT_MM_PER_PROMPT = 999  # vLLM's default per modality
+# a video is tens of frames through the vision encoder: a few per prompt unless asked for more
+DEFAULT_VIDEOS_PER_PROMPT = 4
+DEFAULT_MM_LIMITS = {"image": DEFAULT_MM_PER_PROMPT, "video": DEFAULT_VIDEOS_PER_PROMPT}
 
 
 class Settings(BaseSettings):
@@ -93,9 +96,10 @@ class Settings(BaseSettings):
     )
     # NoDecode: MMSERVE_LIMIT_MM_PER_PROMPT reaches the validator as text, so "image=4" works there too
     limit_mm_per_prompt: Annotated[dict[str, int], NoDecode] = Field(
-        {"image": DEFAULT_MM_PER_PROMPT},
-        description="Most items per prompt by modality, as image=N or a JSON object "
-        f"(default: image={DEFAULT_MM_PER_PROMPT}, as vLLM).",
+        DEFAULT_MM_LIMITS,
+        description="Most items per prompt by modality, as image=N,video=M or a JSON object; a modality "
+        f"left out keeps its default (image={DEFAULT_MM_PER_PROMPT}, as vLLM; "
+        f"video={DEFAULT_VIDEOS_PER_PROMPT}).",
     )
     device: str = Field(
         "auto", description="Worker device: auto (cuda if available, else cpu), cpu, cuda, cuda:N."
@@ -141,7 +145,19 @@ class Settings(BaseSettings):
         gt=0,
         description="Most encoded image bytes in one request, all images together.",
     )
-    max_media_redirects: int = Field(5, ge=0, le=20, description="Most redirects followed per image URL.")
+    max_video_bytes: int = Field(
+        256 * 1024 * 1024, gt=0, description="Largest video (encoded bytes) accepted."
+    )
+    max_video_frames: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Most frames a video may give after its sampling (fps or num_frames); more is a 400.",
+    )
+    video_decode_timeout_s: float = Field(
+        30.0, gt=0, description="Longest one video's decode may take (checks, seeking, frames)."
+    )
+    max_media_redirects: int = Field(5, ge=0, le=20, description="Most redirects followed per media URL.")
     allow_private_media_urls: bool = Field(
         False,
         description="Fetch image URLs that resolve to loopback, private, link-local or other non-public "
@@ -268,12 +284,12 @@ class Settings(BaseSettings):
     @field_validator("limit_mm_per_prompt")
     @classmethod
     def _check_limits(cls, limits: dict[str, int]) -> dict[str, int]:
-        unknown = sorted(set(limits) - {"image"})
+        unknown = sorted(set(limits) - set(DEFAULT_MM_LIMITS))
         if unknown:
-            raise ValueError(f"unsupported modalities {unknown}; mmserve serves images")
+            raise ValueError(f"unsupported modalities {unknown}; mmserve serves {sorted(DEFAULT_MM_LIMITS)}")
         if any(count < 0 for count in limits.values()):
             raise ValueError("limits must be >= 0")
-        return limits
+        return {**DEFAULT_MM_LIMITS, **limits}
 
     @model_validator(mode="after")
     def _check_shm(self) -> Settings:

@@ -4,6 +4,7 @@ full (429; requests already queued are never dropped for a new one)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,9 +39,11 @@ def admission_error(
     prompt_len: int,
     max_tokens: int,
     mm_sizes: list[int],
+    mm_modalities: Sequence[str] = (),
 ) -> AdmissionError | None:
-    """Why a request of ``prompt_len`` tokens asking for ``max_tokens``, with images of ``mm_sizes``
-    encoder tokens, is refused, or None."""
+    """Why a request of ``prompt_len`` tokens asking for ``max_tokens``, with items of ``mm_sizes``
+    encoder tokens (``mm_modalities``: their kinds, for the message; images when not given), is
+    refused, or None."""
     busy = queue_full_error(config, num_waiting)
     if busy is not None:
         return busy
@@ -59,13 +62,14 @@ def admission_error(
             f"({kv_pool_tokens} tokens).",
             "kv_cache_exceeded",
         )
-    for num_tokens in mm_sizes:
+    for num_tokens, modality in zip(mm_sizes, [*mm_modalities, *["image"] * len(mm_sizes)], strict=False):
         flag = _budget_below(config, encoder_cache_enabled, num_tokens)
         if flag is not None:
+            smaller = "fewer frames (fps, num_frames) or" if modality == "video" else "a smaller image or"
             return AdmissionError(
-                f"An image of this request needs {num_tokens} encoder tokens, more than {flag} "
-                f"allows; raise {flag} to at least {num_tokens} (or send a smaller image or "
-                "mm_processor_kwargs.max_pixels).",
+                f"{'A video' if modality == 'video' else 'An image'} of this request needs {num_tokens} "
+                f"encoder tokens, more than {flag} allows; raise {flag} to at least {num_tokens} (or send "
+                f"{smaller} mm_processor_kwargs.max_pixels).",
                 "mm_item_too_large",
             )
     return None

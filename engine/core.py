@@ -146,7 +146,10 @@ class EngineCore:
                 missing=missing,
             )
         error = self.scheduler.admission_error(
-            len(msg.prompt_token_ids), msg.sampling.max_tokens, [f.num_tokens for f in msg.mm_features]
+            len(msg.prompt_token_ids),
+            msg.sampling.max_tokens,
+            [f.num_tokens for f in msg.mm_features],
+            [f.modality for f in msg.mm_features],
         )
         if error is not None:
             return self._reject(client, msg.req_id, error.message, error.code, http_status=error.http_status)

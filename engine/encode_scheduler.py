@@ -19,6 +19,7 @@ exactly them).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 from engine.admission import AdmissionError, queue_full_error
 from engine.ec_connector import ECConnectorScheduler
@@ -42,7 +43,9 @@ class EncodeOnlyScheduler:
         self._pending: dict[str, list[str]] = {}  # req_id -> its items not done yet, in prompt order
         self._step_id = 0
 
-    def admission_error(self, prompt_len: int, max_tokens: int, mm_sizes: list[int]) -> AdmissionError | None:
+    def admission_error(
+        self, prompt_len: int, max_tokens: int, mm_sizes: list[int], mm_modalities: Sequence[str] = ()
+    ) -> AdmissionError | None:
         busy = queue_full_error(self.config, self.num_waiting)
         if busy is not None:
             return busy
@@ -56,7 +59,7 @@ class EncodeOnlyScheduler:
             ):
                 if budget is not None and num_tokens > budget:
                     return AdmissionError(
-                        f"An image of this request needs {num_tokens} encoder tokens, more than {flag} "
+                        f"An item of this request needs {num_tokens} encoder tokens, more than {flag} "
                         f"({budget}) allows; raise {flag} to at least {num_tokens}.",
                         "mm_item_too_large",
                     )

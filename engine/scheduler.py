@@ -16,6 +16,7 @@ goes back to the front of the queue and is recomputed later (outputs already pro
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from engine.admission import AdmissionError, admission_error
@@ -111,10 +112,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
 
-    def admission_error(self, prompt_len: int, max_tokens: int, mm_sizes: list[int]) -> AdmissionError | None:
+    def admission_error(
+        self, prompt_len: int, max_tokens: int, mm_sizes: list[int], mm_modalities: Sequence[str] = ()
+    ) -> AdmissionError | None:
         """Why a request is refused before it is queued, or None (``engine.admission``)."""
         return admission_error(
-            self.config, self.num_waiting, self.encoder_cache.enabled, prompt_len, max_tokens, mm_sizes
+            self.config,
+            self.num_waiting,
+            self.encoder_cache.enabled,
+            prompt_len,
+            max_tokens,
+            mm_sizes,
+            mm_modalities,
         )
 
     def add_request(self, request: Request) -> None:

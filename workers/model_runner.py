@@ -303,7 +303,8 @@ class ModelRunner:
         items = []
         for item in inputs:
             names = item.shm.tensors if item.shm is not None else item.tensors
-            if item.modality != "image" or "pixel_values" not in names:
+            required = self.model.item_tensors.get(item.modality)
+            if required is None or not required <= names.keys():
                 raise StepError(f"cannot encode {item.modality!r} item {item.mm_hash!r} with {sorted(names)}")
             items.append(self._item_tensors(item, frames))
         outputs = self.model.encode(items)

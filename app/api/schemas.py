@@ -51,8 +51,21 @@ class ImageURLContentPart(_Request):
     image_url: ImageURL
 
 
-ContentPart = TextContentPart | ImageURLContentPart
-_PART_MODELS: dict[str, type[BaseModel]] = {"text": TextContentPart, "image_url": ImageURLContentPart}
+class VideoURL(_Request):
+    url: str  # http(s)://, data:video/...;base64, or file:// (checked where the video is fetched)
+
+
+class VideoURLContentPart(_Request):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = TextContentPart | ImageURLContentPart | VideoURLContentPart
+_PART_MODELS: dict[str, type[BaseModel]] = {
+    "text": TextContentPart,
+    "image_url": ImageURLContentPart,
+    "video_url": VideoURLContentPart,
+}
 
 
 def _validate_part(part: Any) -> Any:
@@ -63,7 +76,7 @@ def _validate_part(part: Any) -> Any:
     if isinstance(part_type, str) and part_type in _PART_MODELS:
         return _PART_MODELS[part_type].model_validate(part)
     got = repr(part_type) if isinstance(part, dict) else type(part).__name__
-    msg = "content part type must be 'text' or 'image_url', got {got}"
+    msg = "content part type must be 'text', 'image_url' or 'video_url', got {got}"
     error = PydanticCustomError("invalid_content_part", msg, {"got": got})
     loc = ("type",) if isinstance(part, dict) else ()
     raise ValidationError.from_exception_data("ContentPart", [{"type": error, "loc": loc, "input": part}])

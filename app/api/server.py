@@ -20,6 +20,7 @@ from app.api.state import ApiState
 from app.inputs.engine_client import EngineClient
 from app.inputs.input_processor import InputProcessor
 from app.inputs.preprocess.pool import PreprocessPool
+from app.inputs.preprocess.video_item import VideoRules
 from app.inputs.processor_cache import ProcessorCache
 from app.inputs.shm_store import ShmObjectStore
 from app.media.fetch import MediaFetcher
@@ -52,7 +53,10 @@ def create_app(
         ipc_cache_bytes = 0 if shm else settings.ipc_cache_bytes
         engine = EngineClient(settings.engine_addr, ipc_cache_bytes, metrics, shm, settings.curve_keys())
         processor_cache = ProcessorCache(0 if shm else settings.processor_cache_bytes)
-        pool = PreprocessPool(settings.model, settings.resolved_preprocess_processes(), family=family)
+        video = VideoRules.from_settings(settings) if family.supports_video else None
+        pool = PreprocessPool(
+            settings.model, settings.resolved_preprocess_processes(), family=family, video=video
+        )
         # Redirects are followed by the fetcher, each hop checked; proxies from the environment would
         # connect elsewhere than the checked address, so they are not used for image fetches.
         http = httpx.AsyncClient(follow_redirects=False, trust_env=False)

@@ -28,7 +28,7 @@ class EncoderBudgets:
 
 
 def derive_encoder_budgets(settings: Settings) -> EncoderBudgets:
-    largest = largest_item_tokens(settings.model)
+    largest = largest_item_tokens(settings.model, settings.max_video_frames)
     cache = settings.encoder_cache_tokens
     compute = settings.encoder_compute_budget_tokens
     return EncoderBudgets(

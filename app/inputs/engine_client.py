@@ -51,7 +51,7 @@ from wire.protocol import (
 
 if TYPE_CHECKING:
     from app.inputs.shm_store import ShmObjectStore
-    from workers.families.processing import ProcessedItem
+    from workers.families.processing import ItemLayout, ProcessedItem
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class OutgoingItem:
     """One image of a request as ``EngineClient.send_request`` sends it."""
 
     placement: MMFeature  # mm_hash, offset, num_tokens, grid; ``shm`` set when it lies in the ring
+    layout: ItemLayout  # what the mirror keeps for a later key-only send
     item: ProcessedItem | None  # its tensors, when this API process has them
     pinned: bool  # ``lookup_and_pin`` found it; the pin is released by ``send_request``
 
@@ -103,7 +104,7 @@ class EngineClient:
         ``curve``: the deployment's CURVE keys (used on a tcp:// engine address; wire/curve.py)."""
         self.engine_addr = engine_addr
         self.client_id = f"api-{uuid.uuid4().hex[:12]}".encode()
-        self._mirror = IpcMirror(ipc_cache_bytes)
+        self._mirror: IpcMirror[ItemLayout] = IpcMirror(ipc_cache_bytes)
         self.shm = shm
         self.metrics = metrics
         self.ready: EngineReady | None = None
@@ -162,7 +163,7 @@ class EngineClient:
     ) -> None:
         self._sock.send_multipart([encode(msg), *frames], flags=zmq.NOBLOCK, copy=False)
 
-    def lookup_and_pin(self, mm_hash: str) -> MirrorEntry | None:
+    def lookup_and_pin(self, mm_hash: str) -> MirrorEntry[ItemLayout] | None:
         """While a request is prepared: the mirror's entry when the engine holds the item, pinned until
         ``send_request`` (or ``unpin``) releases it."""
         return self._mirror.lookup_and_pin(mm_hash)
@@ -201,12 +202,7 @@ class EngineClient:
             by_mirror = [i for i in items if i.placement.shm is None]  # the ring's items bypass it
             mirror_decisions, evicted = self._mirror.record_request(
                 [
-                    MirrorItem(
-                        i.placement.mm_hash,
-                        i.item.num_bytes if i.item else 0,
-                        i.placement.num_tokens,
-                        i.placement.grid_thw,
-                    )
+                    MirrorItem(i.placement.mm_hash, i.item.num_bytes if i.item else 0, i.layout)
                     for i in by_mirror
                 ]
             )

@@ -26,25 +26,25 @@ import enum
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
+
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
-class MirrorEntry:
+class MirrorEntry(Generic[P]):
     num_bytes: int
-    # What a key-only request still needs to place the item without its tensors: its placeholder
-    # count and the family's grid (Qwen's (t, h, w); empty for LLaVA).
-    num_tokens: int
-    grid_thw: tuple[int, ...] = ()
+    # What a key-only request still needs to place the item without its tensors (the API keeps its
+    # ``ItemLayout``: placeholder count, grid, a video's frame times); the mirror only keeps it.
+    layout: P
 
 
-class MirrorItem(NamedTuple):
+class MirrorItem(NamedTuple, Generic[P]):
     """One item of a request, as ``record_request`` decides it."""
 
     mm_hash: str
     num_bytes: int
-    num_tokens: int
-    grid_thw: tuple[int, ...] = ()
+    layout: P
 
 
 class MirrorDecision(enum.Enum):
@@ -53,7 +53,7 @@ class MirrorDecision(enum.Enum):
     UNCACHED = "uncached"  # send the payload; the engine must not store it
 
 
-class IpcMirror:
+class IpcMirror(Generic[P]):
     # Invariants:
     #   M1  self._num_bytes == sum of entry sizes <= self._capacity_bytes
     #   M2  _entries is in LRU -> MRU order and changes only in record_request (insert/touch/evict),
@@ -63,7 +63,7 @@ class IpcMirror:
     def __init__(self, capacity_bytes: int) -> None:
         assert capacity_bytes >= 0
         self._capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[str, MirrorEntry] = OrderedDict()
+        self._entries: OrderedDict[str, MirrorEntry[P]] = OrderedDict()
         self._pins: dict[str, int] = {}
         self._num_bytes = 0
         self.num_queries = 0
@@ -112,9 +112,9 @@ class IpcMirror:
             self._pins[mm_hash] = count - 1
 
     def record_request(
-        self, items: Sequence[MirrorItem | tuple[str, int, int]]
+        self, items: Sequence[MirrorItem[P] | tuple[str, int, P]]
     ) -> tuple[list[MirrorDecision], list[str]]:
-        """Phase 2: decide each ``(mm_hash, num_bytes, num_tokens[, grid_thw])`` in prompt order.
+        """Phase 2: decide each ``(mm_hash, num_bytes, layout)`` in prompt order.
 
         Must run in the same synchronous step that hands the message to the socket: the returned
         evicted keys go in the message as ``evicted_mm_hashes`` (the engine applies them before the
@@ -127,7 +127,7 @@ class IpcMirror:
         # for a later item would make the engine evict it first and then store/expect it, so a HIT
         # key would be missing and a STORE key held by the engine but not by the mirror.
         protected: set[str] = set()
-        for mm_hash, num_bytes, num_tokens, grid_thw in (MirrorItem(*item) for item in items):
+        for mm_hash, num_bytes, layout in items:
             if mm_hash in self._entries:
                 self._entries.move_to_end(mm_hash)  # the engine's get() touches it the same way
                 protected.add(mm_hash)
@@ -140,7 +140,7 @@ class IpcMirror:
             for victim in victims:
                 self._num_bytes -= self._entries.pop(victim).num_bytes
                 evicted.append(victim)
-            self._entries[mm_hash] = MirrorEntry(num_bytes, num_tokens, grid_thw)
+            self._entries[mm_hash] = MirrorEntry(num_bytes, layout)
             self._num_bytes += num_bytes
             protected.add(mm_hash)
             decisions.append(MirrorDecision.STORE)

@@ -1,20 +1,22 @@
 """Stages 3 and 6 of the request path, render and tokenize (docs/architecture.md, "Request path"), at
 the cost of a dictionary lookup for a prompt seen before, and without tokenizing placeholders.
 
-**Tokenize.** ``FamilyProcessor.tokenize`` writes each image token out N times (LLaVA: 576) and tokenizes
-the result, so the placeholders were most of the tokenizer's work. The image token is an added token:
-the tokenizer splits added tokens out of the text before anything else runs and tokenizes the text
-between them on its own, and between two adjacent image tokens there is no text. So tokenizing the
-rendered prompt, which has one image token per image, and repeating each image token's id N times gives
-the same ids; ``tests/integration/test_prompt_builder.py`` checks them against the HF processor's
-``input_ids`` for LLaVA and the Qwen families. Where that reasoning does not cover a prompt (an image of
-0 tokens, a BOS check the short prompt could answer differently, a mismatched image count) ``tokenize``
-hands the prompt to the family's own method, which answers or raises exactly as before.
+**Tokenize.** ``FamilyProcessor.tokenize`` writes each media token out as its item's layout says (LLaVA:
+576 image tokens; a Qwen3-VL video: a timestamp and its frame group's placeholders per group) and
+tokenizes the result, so the placeholders were most of the tokenizer's work. Media tokens are added
+tokens: the tokenizer splits added tokens out of the text before anything else runs and tokenizes the
+text between them on its own, and the pieces a family writes between placeholders lie between such
+tokens too. So tokenizing the rendered prompt, which has one media token per item, and writing each
+media token's id out as placeholder ids and the pieces' own ids gives the same ids;
+``tests/integration/test_prompt_builder.py`` checks them against the HF processor's ``input_ids`` for
+LLaVA and the Qwen families. Where that reasoning does not cover a prompt (an item of 0 tokens, a BOS
+check the short prompt could answer differently, mismatched items) ``tokenize`` hands the prompt to the
+family's own method, which answers or raises exactly as before.
 
 **Caches.** Two LRUs bounded in characters, used from the event loop only: rendered messages -> prompt
 text (kept only when the chat template cannot depend on anything but the messages: one that reads the
 clock through ``strftime_now`` is rendered every time), and prompt text -> its ids with one id per
-image. A client re-sending the same conversation with the same image renders and tokenizes nothing.
+item. A client re-sending the same conversation with the same media renders and tokenizes nothing.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from workers.families.processing import ItemLayout, Tokenized
+
 if TYPE_CHECKING:
     from workers.families.processing import FamilyProcessor
 
 DEFAULT_MAX_CACHED_CHARS = 2 << 20  # per cache
+MAX_CACHED_PIECES = 4096  # texts between a video's placeholders (Qwen3-VL: "<1.5 seconds>" and the like)
 
 V = TypeVar("V")
 
@@ -68,21 +73,24 @@ class PromptBuilder:
 
     def __init__(self, family: FamilyProcessor, max_cached_chars: int = DEFAULT_MAX_CACHED_CHARS) -> None:
         self.family = family
-        self._image_token: str = family.image_token
-        self._image_token_id: int = family.image_token_id
+        self._media_ids = {family.image_token_id: "image"}
+        if family.video_token_id is not None:
+            self._media_ids[family.video_token_id] = "video"
         bos = family.tokenizer.bos_token
         self._bos: str | None = bos if isinstance(bos, str) else None
         # Only an added token is split out of the text before tokenization (see the module docstring).
-        self._fast_tokenize = self._image_token in family.tokenizer.get_added_vocab()
+        added = family.tokenizer.get_added_vocab()
+        self._fast_tokenize = all(family.placeholder_token(m) in added for m in self._media_ids.values())
         self._cache_renders = "strftime" not in str(family.hf_processor.chat_template)
         self._prompts: _CharBoundedLru[str] = _CharBoundedLru(max_cached_chars)
-        # prompt -> (its ids with one id per image, the index of each image's id in them)
+        # prompt -> (its ids with one id per media item, the index of each item's id in them)
         self._short_ids: _CharBoundedLru[tuple[tuple[int, ...], tuple[int, ...]]] = _CharBoundedLru(
             max_cached_chars
         )
+        self._piece_ids: dict[str, list[int]] = {}  # a piece's text -> its ids (timestamps repeat)
 
     def render(self, messages: list[dict[str, Any]]) -> str:
-        """``family.render_prompt(messages)``: the chat template with one image token per image."""
+        """``family.render_prompt(messages)``: the chat template with one media token per item."""
         if not self._cache_renders:
             return self.family.render_prompt(messages)
         key, num_chars = messages_key(messages)
@@ -92,40 +100,54 @@ class PromptBuilder:
             self._prompts.put(key, num_chars, prompt)
         return prompt
 
-    def tokenize(self, prompt: str, num_tokens_per_image: list[int]) -> tuple[list[int], list[int]]:
-        """What ``family.tokenize(prompt, num_tokens_per_image)`` returns (ids, each image's placeholder
-        offset) or raises. ``prompt`` is rendered by the family's chat template."""
+    def tokenize(self, prompt: str, layouts: list[ItemLayout]) -> Tokenized:
+        """What ``family.tokenize(prompt, layouts)`` returns (ids, each item's span) or raises.
+        ``prompt`` is rendered by the family's chat template."""
         short = self._short(prompt) if self._fast_tokenize else None
-        if short is None or len(short[1]) != len(num_tokens_per_image) or 0 in num_tokens_per_image:
-            return self.family.tokenize(prompt, num_tokens_per_image)
-        short_ids, image_indices = short
+        modalities = [layout.modality for layout in layouts if layout.num_tokens > 0]
+        if short is None or [self._media_ids[short[0][i]] for i in short[1]] != modalities:
+            return self.family.tokenize(prompt, layouts)
+        short_ids, media_indices = short
         token_ids: list[int] = []
-        offsets: list[int] = []
+        spans: list[tuple[int, int]] = []
         start = 0
-        for index, num_tokens in zip(image_indices, num_tokens_per_image, strict=True):
+        for index, layout in zip(media_indices, layouts, strict=True):
             token_ids += short_ids[start:index]
-            offsets.append(len(token_ids))
-            token_ids += [self._image_token_id] * num_tokens
+            first = len(token_ids)
+            pad = self.family.placeholder_token_id(layout.modality)
+            for text, num_pads in self.family.placeholder_pieces(layout):
+                token_ids += self._ids_of_piece(text)
+                token_ids += [pad] * num_pads
+            spans.append((first, len(token_ids)))
             start = index + 1
         token_ids += short_ids[start:]
-        return token_ids, offsets
+        return Tokenized(token_ids, spans)
+
+    def _ids_of_piece(self, text: str) -> list[int]:
+        ids = self._piece_ids.get(text)
+        if ids is None:
+            ids = self.family.piece_token_ids(text)
+            if len(self._piece_ids) < MAX_CACHED_PIECES:
+                self._piece_ids[text] = ids
+        return ids
 
     def _short(self, prompt: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-        """The prompt's ids, one per image token, and the index of each image token's id; None where
+        """The prompt's ids, one per media token, and the index of each media token's id; None where
         the family's own method must answer."""
         short = self._short_ids.get(prompt)
         if short is not None:
             return short
         # The family decides on a BOS by the expanded text's start, which the prompt's start decides
-        # too when the text before the first image is at least as long as the BOS.
+        # too when the text before the first media token is at least as long as the BOS.
+        media = self.family.media_tokens_in(prompt)
         bos = self._bos
-        if bos is not None and len(prompt.partition(self._image_token)[0]) < len(bos):
+        if bos is not None and media and media[0][1] < len(bos):
             return None
         add_special_tokens = not (bos is not None and prompt.startswith(bos))
         ids: list[int] = self.family.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
-        indices = tuple(i for i, token_id in enumerate(ids) if token_id == self._image_token_id)
-        if len(indices) != prompt.count(self._image_token):
-            return None  # image ids the text does not spell as image tokens, or the reverse
+        indices = tuple(i for i, token_id in enumerate(ids) if token_id in self._media_ids)
+        if len(indices) != len(media):
+            return None  # media ids the text does not spell as media tokens, or the reverse
         short = (tuple(ids), indices)
         self._short_ids.put(prompt, len(prompt), short)
         return short

@@ -29,15 +29,14 @@ import torch
 from app.settings import GIB
 from wire.protocol import ShmItemRef, ShmTensor
 from wire.shm_ring import HEADER_BYTES, RING_TAG_PREFIX, SHM_DIR, ShmRingWriter, ring_name, round_up
-from workers.families.processing import ProcessedItem
+from workers.families.processing import ItemLayout, ProcessedItem
 from workers.frames import dtype_name
 
 
 @dataclass(frozen=True)
 class ShmEntry:
     ref: ShmItemRef
-    num_tokens: int
-    grid_thw: tuple[int, ...] = ()
+    layout: ItemLayout
 
 
 def _layout(item: ProcessedItem) -> tuple[dict[str, ShmTensor], int]:
@@ -108,7 +107,7 @@ class ShmObjectStore:
             start = tensors[name].offset
             source = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
             payload[start : start + source.numel()].copy_(source)
-        entry = ShmEntry(self.writer.ref(slot, tensors), item.num_tokens, item.grid_thw)
+        entry = ShmEntry(self.writer.ref(slot, tensors), item.layout)
         self._index[mm_hash] = entry
         return entry
 

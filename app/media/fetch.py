@@ -24,6 +24,7 @@ from urllib.parse import urljoin
 import httpx
 
 from app.errors import MediaError
+from app.media.kinds import MediaKind
 from app.media.url_policy import IPAddress, MediaPolicy, Target
 
 # async resolve(host, port) -> every address the name has; tests inject a fake one.
@@ -69,49 +70,67 @@ class MediaFetcher:
         self.client = client
         self.resolver = resolver
 
-    async def fetch_http(self, url: str, *, param: str, budget: RequestImageBudget | None = None) -> bytes:
+    async def fetch_http(
+        self,
+        url: str,
+        *,
+        param: str,
+        budget: RequestImageBudget | None = None,
+        kind: MediaKind = MediaKind.IMAGE,
+    ) -> bytes:
         """The body behind an http(s) URL, after every hop passed the policy; a ``MediaError`` else."""
         timeout_s = self.policy.timeout_s
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._follow(url, param, budget)
+                return await self._follow(url, param, budget, kind)
         except MediaError:
             raise
         except TimeoutError as exc:
-            raise fetch_failed(f"Fetching image {url!r} timed out after {timeout_s:g} s.", param) from exc
+            message = f"Fetching {kind} {url!r} timed out after {timeout_s:g} s."
+            raise fetch_failed(message, param, kind) from exc
         except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError, OSError, ValueError) as exc:
-            raise fetch_failed(f"Fetching image {url!r} failed: {type(exc).__name__}: {exc}", param) from exc
+            message = f"Fetching {kind} {url!r} failed: {type(exc).__name__}: {exc}"
+            raise fetch_failed(message, param, kind) from exc
 
-    async def read_file(self, url: str, *, param: str, budget: RequestImageBudget | None = None) -> bytes:
+    async def read_file(
+        self,
+        url: str,
+        *,
+        param: str,
+        budget: RequestImageBudget | None = None,
+        kind: MediaKind = MediaKind.IMAGE,
+    ) -> bytes:
         """The bytes of a ``file://`` URL inside the allowed folder (path checks and the read run in a
         thread: both touch the file system)."""
         try:
             async with asyncio.timeout(self.policy.timeout_s):
-                data = await asyncio.to_thread(self._read_local, url, param)
+                data = await asyncio.to_thread(self._read_local, url, param, kind)
         except TimeoutError as exc:
-            raise fetch_failed("Reading the image file timed out.", param) from exc
+            raise fetch_failed(f"Reading the {kind} file timed out.", param, kind) from exc
         if budget is not None:
             budget.add(len(data))
         return data
 
-    async def _follow(self, url: str, param: str, budget: RequestImageBudget | None) -> bytes:
+    async def _follow(
+        self, url: str, param: str, budget: RequestImageBudget | None, kind: MediaKind
+    ) -> bytes:
         policy = self.policy
         num_redirects = 0
         while True:
-            target = policy.check_url(url, param=param)
-            addresses = [target.ip] if target.ip is not None else await self._resolve(target, param)
-            policy.check_addresses(target, addresses, param=param)
+            target = policy.check_url(url, param=param, kind=kind)
+            addresses = [target.ip] if target.ip is not None else await self._resolve(target, param, kind)
+            policy.check_addresses(target, addresses, param=param, kind=kind)
             request = self._request(target, addresses[0])
             response = await self.client.send(request, stream=True, follow_redirects=False)
             try:
                 location = response.headers.get("location")
                 if response.status_code not in REDIRECT_STATUSES or location is None:
-                    return await self._read_body(response, url, param, budget)
+                    return await self._read_body(response, url, param, budget, kind)
             finally:
                 await response.aclose()
             if num_redirects >= policy.max_redirects:
                 raise MediaError(
-                    f"Image URL {url!r} redirected more than {policy.max_redirects} times "
+                    f"{kind.noun} URL {url!r} redirected more than {policy.max_redirects} times "
                     "(--max-media-redirects).",
                     param=param,
                     code="too_many_redirects",
@@ -119,13 +138,14 @@ class MediaFetcher:
             num_redirects += 1
             url = urljoin(url, location)  # relative to the URL as named, never to the address
 
-    async def _resolve(self, target: Target, param: str) -> list[IPAddress]:
+    async def _resolve(self, target: Target, param: str, kind: MediaKind) -> list[IPAddress]:
         try:
             addresses = await self.resolver(target.host, target.port)
         except OSError as exc:  # socket.gaierror: no such name
-            raise fetch_failed(f"Image URL host {target.host!r} could not be resolved.", param) from exc
+            message = f"{kind.noun} URL host {target.host!r} could not be resolved."
+            raise fetch_failed(message, param, kind) from exc
         if not addresses:
-            raise fetch_failed(f"Image URL host {target.host!r} has no addresses.", param)
+            raise fetch_failed(f"{kind.noun} URL host {target.host!r} has no addresses.", param, kind)
         return addresses
 
     def _request(self, target: Target, address: IPAddress) -> httpx.Request:
@@ -146,44 +166,48 @@ class MediaFetcher:
         )
 
     async def _read_body(
-        self, response: httpx.Response, url: str, param: str, budget: RequestImageBudget | None
+        self,
+        response: httpx.Response,
+        url: str,
+        param: str,
+        budget: RequestImageBudget | None,
+        kind: MediaKind,
     ) -> bytes:
         if not response.is_success:
-            raise fetch_failed(
-                f"Fetching image {url!r} failed with HTTP status {response.status_code}.", param
-            )
-        max_bytes = self.policy.max_image_bytes
+            message = f"Fetching {kind} {url!r} failed with HTTP status {response.status_code}."
+            raise fetch_failed(message, param, kind)
+        max_bytes = self.policy.max_bytes(kind)
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > max_bytes:
-            raise too_large(f"Image at {url!r}", max_bytes, param)
+            raise too_large(f"{kind.noun} at {url!r}", max_bytes, param, kind)
         chunks: list[bytes] = []
         num_bytes = 0
         async for chunk in response.aiter_raw():
             num_bytes += len(chunk)
             if num_bytes > max_bytes:
-                raise too_large(f"Image at {url!r}", max_bytes, param)
+                raise too_large(f"{kind.noun} at {url!r}", max_bytes, param, kind)
             if budget is not None:
                 budget.add(len(chunk))
             chunks.append(chunk)
         if not num_bytes:
-            raise MediaError(f"Image at {url!r} is empty.", param=param, code="invalid_image")
+            raise MediaError(f"{kind.noun} at {url!r} is empty.", param=param, code=kind.invalid_code)
         return b"".join(chunks)
 
-    def _read_local(self, url: str, param: str) -> bytes:
-        path = self.policy.local_file(url, param=param)
-        max_bytes = self.policy.max_image_bytes
+    def _read_local(self, url: str, param: str, kind: MediaKind) -> bytes:
+        path = self.policy.local_file(url, param=param, kind=kind)
+        max_bytes = self.policy.max_bytes(kind)
         try:
             data = read_regular_file(path, max_bytes + 1)
         except OSError as exc:
-            raise fetch_failed(f"Image file could not be read: {exc.strerror}.", param) from exc
+            raise fetch_failed(f"{kind.noun} file could not be read: {exc.strerror}.", param, kind) from exc
         if data is None:
             raise MediaError(
-                "Image file refused: not a regular file.", param=param, code="image_url_forbidden"
+                f"{kind.noun} file refused: not a regular file.", param=param, code=kind.forbidden_code
             )
         if len(data) > max_bytes:
-            raise too_large("Image file", max_bytes, param)
+            raise too_large(f"{kind.noun} file", max_bytes, param, kind)
         if not data:
-            raise MediaError("Image file is empty.", param=param, code="invalid_image")
+            raise MediaError(f"{kind.noun} file is empty.", param=param, code=kind.invalid_code)
         return data
 
 
@@ -197,11 +221,11 @@ def read_regular_file(path: Path, max_bytes: int) -> bytes | None:
         return file.read(max_bytes)
 
 
-def fetch_failed(message: str, param: str) -> MediaError:
-    return MediaError(message, param=param, code="image_fetch_failed")
+def fetch_failed(message: str, param: str, kind: MediaKind = MediaKind.IMAGE) -> MediaError:
+    return MediaError(message, param=param, code=kind.fetch_failed_code)
 
 
-def too_large(subject: str, max_bytes: int, param: str) -> MediaError:
+def too_large(subject: str, max_bytes: int, param: str, kind: MediaKind = MediaKind.IMAGE) -> MediaError:
     return MediaError(
-        f"{subject} exceeds the limit of {max_bytes} bytes.", param=param, code="image_too_large"
+        f"{subject} exceeds the limit of {max_bytes} bytes.", param=param, code=kind.too_large_code
     )

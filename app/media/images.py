@@ -1,16 +1,12 @@
-"""Fetch and decode the images of a request.
+"""Decode the images of a request (their bytes come from ``app.media.urls``).
 
-``load_image_bytes`` returns the image's original encoded bytes whatever the URL kind, because the
-mm_hash is taken over them: the same file sent by ``https://`` or as a ``data:`` URL must hash alike.
-What may be fetched, and how, is ``app.media.url_policy`` and ``app.media.fetch``.
-``decode_image`` turns them into an RGB ``PIL.Image``. Every failure is a ``MediaError`` (HTTP 400)
-naming the offending message part in ``param``; nothing here lets a client's bad input become a 500.
+``decode_image`` turns an image's encoded bytes into an RGB ``PIL.Image``. Every failure is a
+``MediaError`` (HTTP 400) naming the offending message part in ``param``; nothing here lets a client's
+bad input become a 500.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import re
 import struct
@@ -19,15 +15,10 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from app.errors import MediaError
-from app.media.fetch import MediaFetcher, RequestImageBudget
 
 # Decoded pixels allowed per image (a 8192 x 8192 image); guards against decompression bombs, where a
 # few KB of PNG claim gigabytes of pixels.
 DEFAULT_MAX_IMAGE_PIXELS = 8192 * 8192
-
-# What a base64 payload may carry between its characters: the bytes ``re``'s ``\s`` matches in a bytes
-# pattern, removed with ``bytes.translate`` (one C pass; the regex took 1.5 ms on a 136 KB payload).
-_BASE64_WHITESPACE = b" \t\n\r\x0b\x0c"
 
 # Formats decoded: what the common VLM APIs take, plus BMP and TIFF. PIL's other decoders (and
 # Ghostscript behind EPS) are never tried on client bytes, and the pixel check above holds for each of
@@ -42,34 +33,6 @@ _MARKUP_START = re.compile(rb"\A(?:\xef\xbb\xbf)?\s*<")
 _HEIF_BRANDS = frozenset(
     {b"heic", b"heix", b"heim", b"heis", b"hevc", b"hevx", b"mif1", b"msf1", b"avif", b"avis"}
 )
-
-
-async def load_image_bytes(
-    url: str, *, fetcher: MediaFetcher, param: str, budget: RequestImageBudget | None = None
-) -> bytes:
-    """The encoded bytes behind an ``image_url``: ``data:image/...;base64,``, ``http(s)://`` (under the
-    media policy: public addresses, allowed domains, redirects checked hop by hop) or ``file://`` (only
-    under ``--allowed-local-media-path``).
-
-    Called once per image part while a request is prepared. At most ``max_image_bytes`` are read, and
-    every byte counts against ``budget``, the request's total when one is given.
-    """
-    head = url[:16]  # the schemes taken are short; splitting a data URL would copy its whole payload
-    scheme = head.split(":", 1)[0].lower() if ":" in head else ""
-    if scheme == "data":
-        data = decode_data_url(url, max_bytes=fetcher.policy.max_image_bytes, param=param)
-        if budget is not None:
-            budget.add(len(data))
-        return data
-    if scheme in ("http", "https"):
-        return await fetcher.fetch_http(url, param=param, budget=budget)
-    if scheme == "file":
-        return await fetcher.read_file(url, param=param, budget=budget)
-    raise MediaError(
-        "Image URLs must be http://, https:// or data:image/...;base64, URLs.",
-        param=param,
-        code="invalid_image_url",
-    )
 
 
 def decode_image(data: bytes, *, param: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Image.Image:
@@ -210,46 +173,3 @@ def _high_depth_to_8bit(image: Image.Image) -> Image.Image:
         alpha = Image.fromarray(np.where(values == transparency, 0, 255).astype(np.uint8))
         return Image.merge("LA", (gray, alpha))
     return gray
-
-
-def is_data_url(url: str) -> bool:
-    return url[:5].lower() == "data:"
-
-
-def decode_data_url(url: str, *, max_bytes: int, param: str) -> bytes:
-    """The bytes a ``data:image/<format>;base64,`` URL carries (whitespace in the payload ignored), at
-    most ``max_bytes``; anything else is a ``MediaError``."""
-    header, sep, payload = url.partition(",")
-    # header: "data:<mediatype>[;params];base64"
-    fields = header[len("data:") :].split(";")
-    media_type = fields[0].strip().lower()
-    if not sep or fields[-1].strip().lower() != "base64" or len(fields) < 2:
-        raise MediaError(
-            "Data URLs must have the form data:image/<format>;base64,<data>.",
-            param=param,
-            code="invalid_image_url",
-        )
-    if not media_type.startswith("image/") or len(media_type) == len("image/"):
-        raise MediaError(
-            f"Data URL media type must be image/<format>, got {media_type or 'none'!r}.",
-            param=param,
-            code="invalid_image_url",
-        )
-    encoded = payload.encode("ascii", "replace").translate(None, _BASE64_WHITESPACE)
-    if len(encoded) // 4 * 3 > max_bytes + 2:
-        raise MediaError(
-            f"Image exceeds the limit of {max_bytes} bytes.", param=param, code="image_too_large"
-        )
-    try:
-        data = base64.b64decode(encoded, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise MediaError(
-            "Data URL payload is not valid base64.", param=param, code="invalid_image_url"
-        ) from exc
-    if not data:
-        raise MediaError("Data URL carries no image data.", param=param, code="invalid_image_url")
-    if len(data) > max_bytes:
-        raise MediaError(
-            f"Image exceeds the limit of {max_bytes} bytes.", param=param, code="image_too_large"
-        )
-    return data

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from app.errors import MediaError
+from app.media.kinds import MediaKind
 
 if TYPE_CHECKING:
     from app.settings import Settings
@@ -190,7 +191,7 @@ class Target:
 
 @dataclass(frozen=True)
 class MediaPolicy:
-    """What image URLs may reach; built once from ``Settings`` at start and never changed."""
+    """What media URLs may reach; built once from ``Settings`` at start and never changed."""
 
     allow_private_addresses: bool = False
     allowed_domains: tuple[str, ...] | None = None  # lower-case; None: any host
@@ -199,6 +200,7 @@ class MediaPolicy:
     timeout_s: float = 10.0
     max_image_bytes: int = 20 << 20
     max_request_image_bytes: int = 64 << 20
+    max_video_bytes: int = 256 << 20
 
     @classmethod
     def from_settings(cls, settings: Settings) -> MediaPolicy:
@@ -212,35 +214,44 @@ class MediaPolicy:
             timeout_s=settings.fetch_timeout_s,
             max_image_bytes=settings.max_image_bytes,
             max_request_image_bytes=settings.max_request_image_bytes,
+            max_video_bytes=settings.max_video_bytes,
         )
 
-    def check_url(self, url: str, *, param: str) -> Target:
+    def max_bytes(self, kind: MediaKind) -> int:
+        """Encoded bytes one item of ``kind`` may have."""
+        return self.max_video_bytes if kind is MediaKind.VIDEO else self.max_image_bytes
+
+    def check_url(self, url: str, *, param: str, kind: MediaKind = MediaKind.IMAGE) -> Target:
         """Parses an http(s) URL and applies the scheme and domain rules (called on every hop, before
         any DNS lookup)."""
+        noun = kind.noun
         try:
             parts = urlsplit(url)
             scheme, port = parts.scheme.lower(), parts.port
             raw_host = unquote(parts.hostname or "")
         except ValueError as exc:
             raise MediaError(
-                f"Image URL {url!r} is malformed: {exc}.", param=param, code="invalid_image_url"
+                f"{noun} URL {url!r} is malformed: {exc}.", param=param, code=kind.invalid_url_code
             ) from exc
         if scheme not in DEFAULT_PORTS:
-            raise forbidden(f"Image URL {url!r} refused: only http(s) URLs are fetched.", param)
+            raise forbidden(f"{noun} URL {url!r} refused: only http(s) URLs are fetched.", param, kind)
         try:
             ip = parse_ip_host(raw_host)
             host = str(ip) if ip is not None else _idna(raw_host)
         except (ValueError, UnicodeError) as exc:
             raise MediaError(
-                f"Image URL {url!r} has an invalid host.", param=param, code="invalid_image_url"
+                f"{noun} URL {url!r} has an invalid host.", param=param, code=kind.invalid_url_code
             ) from exc
         if ip is None and not _HOSTNAME.fullmatch(host):
-            raise MediaError(f"Image URL {url!r} has an invalid host.", param=param, code="invalid_image_url")
+            raise MediaError(
+                f"{noun} URL {url!r} has an invalid host.", param=param, code=kind.invalid_url_code
+            )
         if self.allowed_domains is not None and not domain_allowed(host, self.allowed_domains):
             raise forbidden(
-                f"Image URL {url!r} refused: host {host!r} is not one of the allowed media domains "
+                f"{noun} URL {url!r} refused: host {host!r} is not one of the allowed media domains "
                 f"or their subdomains ({DOMAINS_FLAG}).",
                 param,
+                kind,
             )
         userinfo = parts.netloc.rpartition("@")[0]
         path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
@@ -248,7 +259,9 @@ class MediaPolicy:
             scheme, host, port or DEFAULT_PORTS[scheme], ip, path, f"{userinfo}@" if userinfo else ""
         )
 
-    def check_addresses(self, target: Target, addresses: list[IPAddress], *, param: str) -> None:
+    def check_addresses(
+        self, target: Target, addresses: list[IPAddress], *, param: str, kind: MediaKind = MediaKind.IMAGE
+    ) -> None:
         """Refuses ``target`` when ANY address its host resolved to is not public (no picking of a
         good one: the next answer could be the bad one). The message names the rule, not the address."""
         if self.allow_private_addresses:
@@ -256,31 +269,37 @@ class MediaPolicy:
         for ip in addresses:
             reason = address_refusal(ip)
             if reason is not None:
-                kind = "is" if target.ip is not None else "resolves to"
+                verb = "is" if target.ip is not None else "resolves to"
                 raise forbidden(
-                    f"Image URL host {target.host!r} {kind} a non-public address ({reason}); image URLs "
-                    f"must reach public addresses ({ALLOW_PRIVATE_FLAG} allows others, for development).",
+                    f"{kind.noun} URL host {target.host!r} {verb} a non-public address ({reason}); {kind} "
+                    f"URLs must reach public addresses ({ALLOW_PRIVATE_FLAG} allows others, for "
+                    "development).",
                     param,
+                    kind,
                 )
 
-    def local_file(self, url: str, *, param: str) -> Path:
+    def local_file(self, url: str, *, param: str, kind: MediaKind = MediaKind.IMAGE) -> Path:
         """The real path of an allowed ``file://`` URL: inside ``local_media_root`` after ``..`` and
         symlinks are resolved, and a regular file. A missing file is ``image_fetch_failed``."""
         if self.local_media_root is None:
             raise forbidden(
-                f"file:// image URLs are refused; {LOCAL_PATH_FLAG} DIR accepts files under DIR.", param
+                f"file:// {kind} URLs are refused; {LOCAL_PATH_FLAG} DIR accepts files under DIR.",
+                param,
+                kind,
             )
         parts = urlsplit(url)
         raw_path = unquote(parts.path)
         if parts.netloc not in ("", "localhost") or not raw_path.startswith("/") or "\0" in raw_path:
             raise MediaError(
-                "file:// image URLs must have the form file:///absolute/path.",
+                f"file:// {kind} URLs must have the form file:///absolute/path.",
                 param=param,
-                code="invalid_image_url",
+                code=kind.invalid_url_code,
             )
         outside = forbidden(
-            f"Image file refused: not a file inside the allowed local media folder ({LOCAL_PATH_FLAG}).",
+            f"{kind.noun} file refused: not a file inside the allowed local media folder "
+            f"({LOCAL_PATH_FLAG}).",
             param,
+            kind,
         )
         # Containment is checked before existence, so nothing outside the folder can be probed.
         if not path_inside(Path(raw_path).resolve(), self.local_media_root):
@@ -288,14 +307,16 @@ class MediaPolicy:
         try:
             path = Path(raw_path).resolve(strict=True)
         except OSError as exc:
-            raise MediaError("Image file not found.", param=param, code="image_fetch_failed") from exc
+            raise MediaError(
+                f"{kind.noun} file not found.", param=param, code=kind.fetch_failed_code
+            ) from exc
         if not path_inside(path, self.local_media_root) or not path.is_file():
             raise outside
         return path
 
 
-def forbidden(message: str, param: str) -> MediaError:
-    return MediaError(message, param=param, code="image_url_forbidden")
+def forbidden(message: str, param: str, kind: MediaKind = MediaKind.IMAGE) -> MediaError:
+    return MediaError(message, param=param, code=kind.forbidden_code)
 
 
 def _idna(name: str) -> str:

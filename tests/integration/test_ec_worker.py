@@ -62,7 +62,7 @@ def prompt(model_dir: Path) -> Prompt:
     text = processing.render_prompt(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
     )
-    token_ids, [offset] = processing.tokenize(text, [item.num_tokens])
+    token_ids, [(offset, _)] = processing.tokenize(text, [item.layout])
     return Prompt(
         token_ids, MMFeature(MM_HASH, offset, item.num_tokens, grid_thw=item.grid_thw), item.tensors
     )

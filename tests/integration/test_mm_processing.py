@@ -17,7 +17,7 @@ from wire.hashing import mm_hash
 from workers.families import load_processing
 from workers.families.errors import FamilyInputError
 from workers.families.processing import FamilyProcessor as MMProcessor
-from workers.families.processing import ProcessedItem
+from workers.families.processing import ItemLayout, ProcessedItem
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,8 @@ def test_render_and_tokenize_equal_the_hf_processor(
     assert prompt.count("<image>") == num_images and prompt.endswith("ASSISTANT:")
 
     items = [process(mm, image, {}) for image in images]
-    token_ids, offsets = mm.tokenize(prompt, [item.num_tokens for item in items])
+    token_ids, spans = mm.tokenize(prompt, [item.layout for item in items])
+    offsets = [first for first, _ in spans]
 
     expected = hf(text=prompt, images=images, return_tensors="pt")
     assert token_ids == expected.input_ids[0].tolist()
@@ -85,8 +86,8 @@ def test_string_content_renders_like_a_text_part(mm: MMProcessor) -> None:
     as_string = mm.render_prompt([{"role": "user", "content": "Hello"}])
     as_parts = mm.render_prompt([{"role": "user", "content": [{"type": "text", "text": "Hello"}]}])
     assert as_string == as_parts and "<image>" not in as_string
-    token_ids, offsets = mm.tokenize(as_string, [])
-    assert offsets == [] and token_ids[0] == mm.tokenizer.bos_token_id
+    token_ids, spans = mm.tokenize(as_string, [])
+    assert spans == [] and token_ids[0] == mm.tokenizer.bos_token_id
 
 
 def test_process_image_matches_the_hf_image_processor(mm: MMProcessor, hf: Any) -> None:
@@ -163,12 +164,12 @@ def test_kwargs_the_processor_or_model_cannot_take(mm: MMProcessor, kwargs: dict
 def test_image_count_mismatch(mm: MMProcessor) -> None:
     prompt = mm.render_prompt(TWO_IMAGES)
     with pytest.raises(FamilyInputError):
-        mm.tokenize(prompt, [576])
+        mm.tokenize(prompt, [ItemLayout(576)])
     with pytest.raises(FamilyInputError):
-        mm.tokenize(prompt, [576, 576, 576])
+        mm.tokenize(prompt, [ItemLayout(576)] * 3)
     # A user typing the placeholder themselves adds one more than the request carries.
     typed = mm.render_prompt(
         [{"role": "user", "content": [{"type": "text", "text": "<image>"}, {"type": "image"}]}]
     )
     with pytest.raises(FamilyInputError):
-        mm.tokenize(typed, [576])
+        mm.tokenize(typed, [ItemLayout(576)])

@@ -36,7 +36,7 @@ from app.errors import (
 )
 from app.inputs.preprocess.pool import PreprocessPool, output_name, read_output, write_output
 from workers.families import load_processing
-from workers.families.processing import FamilyProcessor, ProcessedItem
+from workers.families.processing import FamilyProcessor, ItemLayout, ProcessedItem
 
 T = TypeVar("T")
 PARAM = "messages[0].content[1].image_url.url"
@@ -163,11 +163,11 @@ def test_shm_round_trip_keeps_dtypes_and_unlinks() -> None:
         "empty": torch.empty(0, 4),
         "scalar": torch.tensor(2.5, dtype=torch.float16),
     }
-    output = write_output(ProcessedItem(tensors, num_tokens=9, grid_thw=(1, 2, 3)), output_name(os.getpid()))
+    output = write_output(ProcessedItem(tensors, ItemLayout(9, (1, 2, 3))), output_name(os.getpid()))
     assert all(slot.offset % 64 == 0 for slot in output.tensors)
     assert Path("/dev/shm", output.name).exists()
     back = read_output(output)
-    assert_same(back, ProcessedItem(tensors, num_tokens=9, grid_thw=(1, 2, 3)))
+    assert_same(back, ProcessedItem(tensors, ItemLayout(9, (1, 2, 3))))
     assert not Path("/dev/shm", output.name).exists()
 
 

@@ -16,7 +16,7 @@ from PIL import Image
 from app.inputs.prompts import PromptBuilder, messages_key
 from workers.families import load_processing
 from workers.families.errors import FamilyInputError
-from workers.families.processing import FamilyProcessor
+from workers.families.processing import FamilyProcessor, ItemLayout
 from workers.families.tiny import TINY_FAMILIES
 
 pytestmark = pytest.mark.slow
@@ -67,19 +67,20 @@ def test_equals_the_hf_processor(
     assert fast.render(conversation) == prompt  # from the cache
     num_images = prompt.count(family.image_token)
     images = IMAGES[:num_images]
-    num_tokens = [family.process_image(im, {}, param="p").num_tokens for im in images]
+    layouts = [family.process_image(im, {}, param="p").layout for im in images]
 
-    slow = family.tokenize(prompt, num_tokens)
+    slow = family.tokenize(prompt, layouts)
     with monkeypatch.context() as patch:  # the fast path answers: the family's method is not called
         patch.setattr(family, "tokenize", lambda *args: pytest.fail("fell back to family.tokenize"))
-        token_ids, offsets = fast.tokenize(prompt, num_tokens)
-    assert (token_ids, offsets) == slow
+        token_ids, spans = fast.tokenize(prompt, layouts)
+    assert (token_ids, spans) == slow
     if images:
         expected = family.hf_processor(text=[prompt], images=images, return_tensors="pt")
     else:
         expected = family.hf_processor.tokenizer([prompt], return_tensors="pt")
     assert token_ids == expected["input_ids"][0].tolist()
-    assert fast.tokenize(prompt, num_tokens) == (token_ids, offsets)  # from the cache
+    assert fast.tokenize(prompt, layouts) == (token_ids, spans)  # from the cache
+    assert [end - first for first, end in spans] == [layout.num_tokens for layout in layouts]
 
 
 def test_cached_prompt_with_other_placeholder_counts(family: FamilyProcessor) -> None:
@@ -87,13 +88,14 @@ def test_cached_prompt_with_other_placeholder_counts(family: FamilyProcessor) ->
     prompt = family.render_prompt(CONVERSATIONS[3])
     fast = PromptBuilder(family)
     for num_tokens in ([64, 64], [5, 300], [1, 1], [300, 7]):
-        assert fast.tokenize(prompt, num_tokens) == family.tokenize(prompt, num_tokens)
+        layouts = [ItemLayout(n) for n in num_tokens]
+        assert fast.tokenize(prompt, layouts) == family.tokenize(prompt, layouts)
 
 
 def test_what_the_family_refuses_is_refused_alike(family: FamilyProcessor) -> None:
     fast = PromptBuilder(family)
     prompt = family.render_prompt(CONVERSATIONS[0])
-    for wrong in ([], [16, 16]):
+    for wrong in ([], [ItemLayout(16)] * 2):
         with pytest.raises(FamilyInputError) as family_error:
             family.tokenize(prompt, wrong)
         with pytest.raises(FamilyInputError) as fast_error:
@@ -102,9 +104,9 @@ def test_what_the_family_refuses_is_refused_alike(family: FamilyProcessor) -> No
     # a user who types the image token gets the family's answer (an error: one image too many)
     typed = family.render_prompt([{"role": "user", "content": [IMG, text(f"see {family.image_token} here")]}])
     with pytest.raises(FamilyInputError) as family_error:
-        family.tokenize(typed, [16])
+        family.tokenize(typed, [ItemLayout(16)])
     with pytest.raises(FamilyInputError) as fast_error:
-        fast.tokenize(typed, [16])
+        fast.tokenize(typed, [ItemLayout(16)])
     assert fast_error.value.message == family_error.value.message
 
 
@@ -119,7 +121,10 @@ def test_no_placeholder_is_left_to_the_family(family: FamilyProcessor) -> None:
     """An image of 0 tokens never reaches tokenize (every item has some); the family answers it."""
     prompt = family.render_prompt(CONVERSATIONS[1])
     fast = PromptBuilder(family)
-    assert outcome(lambda: fast.tokenize(prompt, [0])) == outcome(lambda: family.tokenize(prompt, [0]))
+    layouts = [ItemLayout(0)]
+    assert outcome(lambda: fast.tokenize(prompt, layouts)) == outcome(
+        lambda: family.tokenize(prompt, layouts)
+    )
 
 
 def test_the_caches_are_bounded_in_characters(family: FamilyProcessor) -> None:

@@ -22,10 +22,10 @@ from wire.protocol import (
     SamplingParams,
     ShmItemRef,
 )
-from workers.families.processing import ProcessedItem
+from workers.families.processing import ItemLayout, ProcessedItem
 
 ITEM = ProcessedItem(
-    tensors={"pixel_values": torch.arange(48, dtype=torch.float32).reshape(1, 3, 4, 4)}, num_tokens=16
+    {"pixel_values": torch.arange(48, dtype=torch.float32).reshape(1, 3, 4, 4)}, ItemLayout(16)
 )
 READY = EngineReady(epoch="e1")
 SAMPLING = SamplingParams(max_tokens=4)
@@ -72,7 +72,7 @@ def placement(mm_hash: str, offset: int = 3, **fields: Any) -> MMFeature:
 
 
 def test_a_new_item_is_stored_then_sent_as_its_key_only(client: Client) -> None:
-    assert client.send("r1", OutgoingItem(placement("h1"), ITEM, pinned=False)) is not None
+    assert client.send("r1", OutgoingItem(placement("h1"), ITEM.layout, ITEM, pinned=False)) is not None
     msg, frames = client.last_request()
     [feature] = msg.mm_features
     assert feature.store and feature.tensors is not None and feature.tensors["pixel_values"].frame == 1
@@ -80,8 +80,8 @@ def test_a_new_item_is_stored_then_sent_as_its_key_only(client: Client) -> None:
     assert msg.prompt_token_ids == [1, 2, 3] and msg.evicted_mm_hashes == []
 
     entry = client.engine.lookup_and_pin("h1")
-    assert entry is not None and entry.num_tokens == ITEM.num_tokens and client.pins == {"h1": 1}
-    assert client.send("r2", OutgoingItem(placement("h1"), None, pinned=True)) is not None
+    assert entry is not None and entry.layout == ITEM.layout and client.pins == {"h1": 1}
+    assert client.send("r2", OutgoingItem(placement("h1"), ITEM.layout, None, pinned=True)) is not None
     msg, frames = client.last_request()
     assert msg.mm_features == [placement("h1")] and frames == []  # the key only
     assert client.pins == {}  # released in the same call
@@ -90,29 +90,29 @@ def test_a_new_item_is_stored_then_sent_as_its_key_only(client: Client) -> None:
 
 
 def test_a_pinned_hit_that_left_the_mirror_sends_nothing_and_is_unpinned(client: Client) -> None:
-    client.send("r1", OutgoingItem(placement("h1"), ITEM, pinned=False))
+    client.send("r1", OutgoingItem(placement("h1"), ITEM.layout, ITEM, pinned=False))
     assert client.engine.lookup_and_pin("h1") is not None
     client.engine.reset_caches()  # ordered on the socket: the engine forgets it too
     assert isinstance(client.sent[-1][0], ResetCaches)
     num_sent = len(client.sent)
-    assert client.send("r2", OutgoingItem(placement("h1"), None, pinned=True)) is None
+    assert client.send("r2", OutgoingItem(placement("h1"), ITEM.layout, None, pinned=True)) is None
     assert len(client.sent) == num_sent and client.pins == {}
     # with its tensors at hand the same item is sent (and stored again)
-    assert client.send("r2", OutgoingItem(placement("h1"), ITEM, pinned=False)) is not None
+    assert client.send("r2", OutgoingItem(placement("h1"), ITEM.layout, ITEM, pinned=False)) is not None
     assert client.last_request()[0].mm_features[0].store
 
 
 def test_evictions_travel_with_the_request_that_caused_them(client: Client) -> None:
-    client.send("r1", OutgoingItem(placement("h1"), ITEM, pinned=False))
-    client.send("r2", OutgoingItem(placement("h2"), ITEM, pinned=False))
+    client.send("r1", OutgoingItem(placement("h1"), ITEM.layout, ITEM, pinned=False))
+    client.send("r2", OutgoingItem(placement("h2"), ITEM.layout, ITEM, pinned=False))
     msg, _ = client.last_request()
     assert msg.evicted_mm_hashes == ["h1"] and msg.mm_features[0].store
 
 
 def test_a_pinned_entry_is_never_the_victim(client: Client) -> None:
-    client.send("r1", OutgoingItem(placement("h1"), ITEM, pinned=False))
+    client.send("r1", OutgoingItem(placement("h1"), ITEM.layout, ITEM, pinned=False))
     assert client.engine.lookup_and_pin("h1") is not None  # another request is preparing with it
-    client.send("r2", OutgoingItem(placement("h2"), ITEM, pinned=False))
+    client.send("r2", OutgoingItem(placement("h2"), ITEM.layout, ITEM, pinned=False))
     msg, frames = client.last_request()
     assert msg.evicted_mm_hashes == [] and not msg.mm_features[0].store and len(frames) == 1  # UNCACHED
     client.engine.unpin("h1")
@@ -123,7 +123,9 @@ def test_two_items_number_their_frames_in_order(client: Client) -> None:
     big = Client(capacity_bytes=0)  # nothing cached: both items UNCACHED
     try:
         big.send(
-            "r1", OutgoingItem(placement("a", 1), ITEM, False), OutgoingItem(placement("b", 20), ITEM, False)
+            "r1",
+            OutgoingItem(placement("a", 1), ITEM.layout, ITEM, False),
+            OutgoingItem(placement("b", 20), ITEM.layout, ITEM, False),
         )
         msg, frames = big.last_request()
         assert [f.tensors["pixel_values"].frame for f in msg.mm_features if f.tensors] == [1, 2]
@@ -134,23 +136,25 @@ def test_two_items_number_their_frames_in_order(client: Client) -> None:
 
 def test_shm_items_bypass_the_mirror(client: Client) -> None:
     ref = ShmItemRef(ring="mmserve.1.ring-ab", offset=0, item_id=1, size=64, tensors={})
-    assert client.send("r1", OutgoingItem(placement("h1", shm=ref), None, pinned=False)) is not None
+    assert (
+        client.send("r1", OutgoingItem(placement("h1", shm=ref), ITEM.layout, None, pinned=False)) is not None
+    )
     msg, frames = client.last_request()
     assert msg.mm_features == [placement("h1", shm=ref)] and frames == []
     assert "h1" not in client.engine._mirror
 
 
 def test_forget_drops_keys_the_engine_lacks(client: Client) -> None:
-    client.send("r1", OutgoingItem(placement("h1"), ITEM, pinned=False))
+    client.send("r1", OutgoingItem(placement("h1"), ITEM.layout, ITEM, pinned=False))
     client.engine.forget(["h1", "unknown"])
     assert client.engine.lookup_and_pin("h1") is None
 
 
 def test_not_ready_answers_engine_gone_and_still_unpins(client: Client) -> None:
-    client.send("r1", OutgoingItem(placement("h1"), ITEM, pinned=False))
+    client.send("r1", OutgoingItem(placement("h1"), ITEM.layout, ITEM, pinned=False))
     assert client.engine.lookup_and_pin("h1") is not None
     client.engine.ready = None
     num_sent = len(client.sent)
-    queue = client.send("r2", OutgoingItem(placement("h1"), None, pinned=True))
+    queue = client.send("r2", OutgoingItem(placement("h1"), ITEM.layout, None, pinned=True))
     assert queue is not None and isinstance(queue.get_nowait(), EngineGone)
     assert len(client.sent) == num_sent and client.pins == {}

@@ -18,7 +18,9 @@ from app.media.fetch import MediaFetcher
 from app.media.url_policy import MediaPolicy
 from app.metrics import ApiMetrics
 from app.settings import Settings
+from tests.unit.input_support import prepare_only_family
 from wire.hashing import mm_hash
+from workers.families.processing import ItemLayout
 
 IMAGE = b"\x89PNG not really, but bytes" * 20
 
@@ -34,21 +36,13 @@ class FakePool:
     def __init__(self) -> None:
         self.calls: list[bytes] = []
 
-    async def process(self, data: bytes, options: dict[str, Any], param: str) -> Any:
+    async def process(self, data: bytes, options: dict[str, Any], param: str, modality: str = "image") -> Any:
         self.calls.append(data)
-        return SimpleNamespace(num_tokens=4, grid_thw=(), tensors={}, num_bytes=0)
+        return SimpleNamespace(layout=ItemLayout(4), tensors={}, num_bytes=0)
 
 
 def make_inputs(settings: Settings, pool: FakePool) -> InputProcessor:
-    family = SimpleNamespace(
-        hash_options=lambda kwargs: dict(kwargs),
-        render_prompt=lambda m: "",
-        model_id="m",
-        image_token="<image>",
-        image_token_id=0,
-        tokenizer=SimpleNamespace(bos_token=None, get_added_vocab=lambda: {"<image>": 0}),
-        hf_processor=SimpleNamespace(chat_template=""),
-    )
+    family = prepare_only_family()
     media = MediaFetcher(MediaPolicy(), None)  # type: ignore[arg-type]  # data URLs only
     return InputProcessor(settings, family, None, None, ApiMetrics(), media, pool)  # type: ignore[arg-type]
 
@@ -64,8 +58,8 @@ def prepare(inputs: InputProcessor, *urls: str, **kwargs: Any) -> PreparedReques
 
 def test_a_known_data_url_keeps_its_mm_hash_and_is_not_decoded_again() -> None:
     inputs = make_inputs(Settings(), FakePool())
-    first = prepare(inputs, data_url()).images[0]
-    again = prepare(inputs, data_url()).images[0]
+    first = prepare(inputs, data_url()).items[0]
+    again = prepare(inputs, data_url()).items[0]
     assert first.data == IMAGE and again.data is None
     expected = mm_hash(model_id="m", modality="image", data=IMAGE, options={})  # as by http
     assert first.mm_hash == again.mm_hash == expected
@@ -74,10 +68,10 @@ def test_a_known_data_url_keeps_its_mm_hash_and_is_not_decoded_again() -> None:
 def test_other_text_or_options_are_decoded_and_hashed_as_before() -> None:
     inputs = make_inputs(Settings(), FakePool())
     prepare(inputs, data_url())
-    spaced = prepare(inputs, data_url(gap="\n")).images[0]  # other text, same bytes
+    spaced = prepare(inputs, data_url(gap="\n")).items[0]  # other text, same bytes
     assert spaced.data == IMAGE
     assert spaced.mm_hash == mm_hash(model_id="m", modality="image", data=IMAGE, options={})
-    with_options = prepare(inputs, data_url(), do_normalize=False).images[0]
+    with_options = prepare(inputs, data_url(), do_normalize=False).items[0]
     assert with_options.data == IMAGE
     assert with_options.mm_hash == mm_hash(
         model_id="m", modality="image", data=IMAGE, options={"do_normalize": False}
@@ -86,7 +80,7 @@ def test_other_text_or_options_are_decoded_and_hashed_as_before() -> None:
 
 def test_known_data_urls_still_count_against_the_request_budget() -> None:
     inputs = make_inputs(Settings(max_request_image_bytes=2 * len(IMAGE)), FakePool())
-    assert len(prepare(inputs, data_url(), data_url()).images) == 2
+    assert len(prepare(inputs, data_url(), data_url()).items) == 2
     with pytest.raises(MediaError) as info:
         prepare(inputs, data_url(), data_url(), data_url())  # all three known
     assert info.value.code == "request_images_too_large"
@@ -96,11 +90,11 @@ def test_a_known_data_url_is_decoded_when_its_item_must_be_processed() -> None:
     pool = FakePool()
     inputs = make_inputs(Settings(), pool)
     prepare(inputs, data_url())
-    image = prepare(inputs, data_url()).images[0]
+    image = prepare(inputs, data_url()).items[0]
     assert image.data is None
 
     async def run() -> None:
-        await inputs._run_once(image, {})
+        await inputs._run_once(image)
 
     asyncio.run(run())
     assert pool.calls == [IMAGE] and image.data == IMAGE

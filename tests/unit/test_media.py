@@ -17,8 +17,10 @@ from PIL import Image
 
 from app.errors import MediaError
 from app.media.fetch import MediaFetcher
-from app.media.images import decode_image, load_image_bytes
+from app.media.images import decode_image
+from app.media.kinds import MediaKind
 from app.media.url_policy import MediaPolicy
+from app.media.urls import load_media_bytes
 from wire.hashing import mm_hash
 
 PARAM = "messages[0].content[1].image_url"
@@ -103,7 +105,9 @@ def load(url: str, *, timeout_s: float = 5.0, max_bytes: int = MAX_BYTES) -> byt
 
     async def main() -> bytes:
         async with httpx.AsyncClient(trust_env=False) as client:
-            return await load_image_bytes(url, fetcher=MediaFetcher(policy, client), param=PARAM)
+            return await load_media_bytes(
+                url, kind=MediaKind.IMAGE, fetcher=MediaFetcher(policy, client), param=PARAM
+            )
 
     return asyncio.run(main())
 

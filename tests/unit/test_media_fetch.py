@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -25,10 +24,12 @@ from app.api.schemas import ChatMessageParam
 from app.errors import MediaError
 from app.inputs.input_processor import InputProcessor
 from app.media.fetch import MediaFetcher, RequestImageBudget
-from app.media.images import load_image_bytes
+from app.media.kinds import MediaKind
 from app.media.url_policy import IPAddress, MediaPolicy
+from app.media.urls import load_media_bytes
 from app.metrics import ApiMetrics
 from app.settings import Settings
+from tests.unit.input_support import prepare_only_family
 
 PARAM = "messages[0].content[0].image_url.url"
 BODY = b"\x89PNG not really, the fetcher does not decode"
@@ -422,7 +423,9 @@ def load_file(url: str, policy: MediaPolicy, budget: RequestImageBudget | None =
     async def main() -> bytes:
         async with httpx.AsyncClient(transport=httpx.MockTransport(Recorder())) as client:
             fetcher = MediaFetcher(policy, client, no_dns())
-            return await load_image_bytes(url, fetcher=fetcher, param=PARAM, budget=budget)
+            return await load_media_bytes(
+                url, kind=MediaKind.IMAGE, fetcher=fetcher, param=PARAM, budget=budget
+            )
 
     return asyncio.run(main())
 
@@ -464,15 +467,7 @@ def image_message(*urls: str) -> ChatMessageParam:
 
 def prepare(settings: Settings, fetcher_policy: MediaPolicy, *urls: str) -> Any:
     """Stage 2 of a real ``InputProcessor``; the family, caches and engine are not reached."""
-    family = SimpleNamespace(
-        hash_options=lambda kwargs: {},
-        render_prompt=lambda m: "",
-        model_id="m",
-        image_token="<image>",
-        image_token_id=0,
-        tokenizer=SimpleNamespace(bos_token=None, get_added_vocab=lambda: {"<image>": 0}),
-        hf_processor=SimpleNamespace(chat_template=""),
-    )
+    family = prepare_only_family(lambda kwargs: {})
 
     async def main() -> Any:
         async with httpx.AsyncClient(trust_env=False) as client:
@@ -492,7 +487,7 @@ def data_url(num_bytes: int) -> str:
 def test_the_request_wide_cap_counts_all_images_together() -> None:
     urls = [data_url(400)] * 3
     settings = Settings(max_request_image_bytes=1200)
-    assert len(prepare(settings, MediaPolicy(), *urls).images) == 3
+    assert len(prepare(settings, MediaPolicy(), *urls).items) == 3
     with pytest.raises(MediaError) as info:
         prepare(Settings(max_request_image_bytes=1199), MediaPolicy(), *urls)
     err = info.value

@@ -113,9 +113,9 @@ def test_negative_capacity_rejected() -> None:
 
 def test_real_processed_item_sizes_by_tensor_bytes() -> None:
     torch = pytest.importorskip("torch")
-    from workers.families.processing import ProcessedItem
+    from workers.families.processing import ItemLayout, ProcessedItem
 
-    item = ProcessedItem(tensors={"pixel_values": torch.zeros(1, 3, 4, 4)}, num_tokens=1)
+    item = ProcessedItem({"pixel_values": torch.zeros(1, 3, 4, 4)}, ItemLayout(1))
     assert item.num_bytes == 3 * 4 * 4 * 4
     cache = ProcessorCache(item.num_bytes)
     cache.put("a", item)

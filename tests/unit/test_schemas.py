@@ -207,7 +207,11 @@ def test_invalid_parameters(fields: dict[str, Any], loc: tuple[Any, ...], needle
         ({"role": "user", "content": [{"type": "input_audio"}]}, (0, "content", 0, "type"), "'input_audio'"),
         ({"role": "user", "content": [{"type": "image"}]}, (0, "content", 0, "type"), "'image'"),
         ({"role": "user", "content": [{"text": "no type"}]}, (0, "content", 0, "type"), "None"),
-        ({"role": "user", "content": ["just a string"]}, (0, "content", 0), "'text' or 'image_url'"),
+        (
+            {"role": "user", "content": ["just a string"]},
+            (0, "content", 0),
+            "'text', 'image_url' or 'video_url'",
+        ),
         ({"role": "user", "content": [{"type": "text"}]}, (0, "content", 0, "text"), "required"),
         ({"role": "user", "content": 5}, (0, "content"), "string or a list"),
         ({"role": "user"}, (0, "content"), "content is required"),

@@ -10,7 +10,7 @@ import torch
 
 from app.inputs.shm_store import ShmObjectStore
 from wire.shm_ring import HEADER_BYTES, ShmRingReader
-from workers.families.processing import ProcessedItem
+from workers.families.processing import ItemLayout, ProcessedItem
 from workers.frames import tensors_from_shm
 
 ITEM_BYTES = 3 * 32 * 32 * 4  # one pixel_values tensor below
@@ -20,7 +20,7 @@ def item(seed: int, side: int = 32) -> ProcessedItem:
     generator = torch.Generator().manual_seed(seed)
     pixels = torch.rand((1, 3, side, side), generator=generator)
     return ProcessedItem(
-        {"pixel_values": pixels, "grid": torch.tensor([[1, 2, 3]])}, num_tokens=9, grid_thw=(1, 2, 3)
+        {"pixel_values": pixels, "grid": torch.tensor([[1, 2, 3]])}, ItemLayout(9, (1, 2, 3))
     )
 
 
@@ -50,7 +50,7 @@ def read_back(ref_store: ShmObjectStore, mm_hash: str) -> dict[str, torch.Tensor
 def test_put_then_a_reader_sees_the_same_tensors(store: ShmObjectStore) -> None:
     original = item(1)
     entry = store.put("a", original)
-    assert entry is not None and entry.num_tokens == 9 and entry.grid_thw == (1, 2, 3)
+    assert entry is not None and entry.layout == ItemLayout(9, (1, 2, 3))
     store.release(entry)
     tensors = read_back(store, "a")
     assert tensors.keys() == original.tensors.keys()

@@ -80,11 +80,11 @@ def load_processing(model_dir: str | Path) -> FamilyProcessor:
     return family_for(model_dir).processing(model_dir)
 
 
-def largest_item_tokens(model_dir: str | Path) -> int:
+def largest_item_tokens(model_dir: str | Path, max_video_frames: int) -> int:
     """Placeholder tokens of the largest item the checkpoint's processor settings can produce (what
     vLLM's ``compute_encoder_budget`` derives its defaults from); JSON only, no torch."""
     limits = importlib.import_module(family_for(model_dir).limits_module)
-    return int(limits.largest_item_tokens(Path(model_dir)))
+    return int(limits.largest_item_tokens(Path(model_dir), max_video_frames))
 
 
 def _load(path: str) -> Any:

@@ -56,6 +56,8 @@ class FamilyModel:
     """Subclasses name their transformers class and implement ``encode``; 1-D positions by default."""
 
     hf_class: ClassVar[Any]
+    # The tensors an item of each modality the family encodes must carry (as the HF processor names them).
+    item_tensors: ClassVar[dict[str, frozenset[str]]] = {"image": frozenset({"pixel_values"})}
 
     def __init__(
         self,

@@ -13,13 +13,15 @@ the largest item its settings can produce). See docs/architecture.md, "Model fam
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jinja2
+import numpy as np
 import torch
 import transformers
 from huggingface_hub.dataclasses import validate_typed_dict
@@ -29,6 +31,7 @@ from wire.hashing import canonical_option, framed_digest
 from workers.families.errors import FamilyInputError
 
 MODEL_ID_DOMAIN = b"mmserve.model_id.v1"
+VIDEO_CONFIG_FILE = "video_preprocessor_config.json"  # as transformers writes a checkpoint's
 KWARGS_PARAM = "mm_processor_kwargs"
 
 # Image-processor kwargs no request may set: they change where or in which layout tensors come out,
@@ -39,14 +42,52 @@ _RESERVED_KWARGS = frozenset(
 
 
 @dataclass(frozen=True)
-class ProcessedItem:
-    """One image after the HF image processor: the model inputs, how many placeholder tokens
-    (embeddings) it fills in the prompt, and the family's grid of them (Qwen: (t, h, w) in patches,
-    as ``image_grid_thw``; empty where positions do not depend on it)."""
+class VideoMetadata:
+    """What a clip's header says, as the family's sampling needs it."""
 
-    tensors: dict[str, torch.Tensor]
+    fps: float  # the stream's average frame rate
+    num_frames: int  # frames in the stream
+
+
+class Tokenized(NamedTuple):
+    """A prompt's token ids and, per item, the (first, end) token index of its span."""
+
+    token_ids: list[int]
+    spans: list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class ItemLayout:
+    """How one processed item sits in a prompt, without its tensors: what a cache that keeps no
+    tensors (the IPC mirror) still needs to place the item.
+
+    ``num_tokens``: placeholder tokens (encoder output rows); ``grid_thw``: the family's grid of them
+    (Qwen: (t, h, w) in patches, which decides their M-RoPE positions; empty where positions do not
+    depend on it). Videos also carry what their frames' times decide: ``timestamps`` (seconds of each
+    temporal group, which Qwen3-VL writes into the prompt) and ``second_per_grid_t`` (Qwen2.5-VL's
+    spacing of the groups on the time axis)."""
+
     num_tokens: int
     grid_thw: tuple[int, ...] = ()
+    modality: str = "image"
+    timestamps: tuple[float, ...] = ()
+    second_per_grid_t: float | None = None
+
+
+@dataclass(frozen=True)
+class ProcessedItem:
+    """One image or video after the family's processor: the model inputs and their ``layout``."""
+
+    tensors: dict[str, torch.Tensor]
+    layout: ItemLayout
+
+    @property
+    def num_tokens(self) -> int:
+        return self.layout.num_tokens
+
+    @property
+    def grid_thw(self) -> tuple[int, ...]:
+        return self.layout.grid_thw
 
     @property
     def num_bytes(self) -> int:
@@ -72,7 +113,12 @@ class FamilyProcessor:
         self.image_processor = self.hf_processor.image_processor
         self.image_token: str = self.hf_processor.image_token
         self.image_token_id: int = self.hf_processor.image_token_id
+        # Set by a family that takes videos, when the checkpoint has a video processor config.
+        self.video_token: str | None = None
+        self.video_token_id: int | None = None
+        self.video_kwargs: frozenset[str] = frozenset()  # the request options its video processing takes
         self.eos_token_ids: list[int] = _eos_token_ids(self.model_dir, self.tokenizer)
+        video_config = self.model_dir / VIDEO_CONFIG_FILE
         # Everything that decides a processed item: model config, processor config and the
         # transformers version that implements them. Weights are left out: items do not depend on them.
         self.model_id = f"{self.config.get('model_type')}:" + framed_digest(
@@ -82,6 +128,7 @@ class FamilyProcessor:
             type(self.hf_processor).__name__,
             type(self.image_processor).__name__,
             transformers.__version__,
+            video_config.read_bytes() if video_config.is_file() else b"",
         )
         accepted = set(getattr(self.image_processor.valid_kwargs, "__annotations__", {}))
         self.accepted_kwargs: frozenset[str] = frozenset(accepted - _RESERVED_KWARGS - self.reserved_kwargs)
@@ -96,23 +143,29 @@ class FamilyProcessor:
         """
         if mm_processor_kwargs is None:
             return {}
-        if not isinstance(mm_processor_kwargs, Mapping):
-            raise FamilyInputError("mm_processor_kwargs must be an object.", param=KWARGS_PARAM)
-        unknown = sorted(str(key) for key in mm_processor_kwargs if key not in self.accepted_kwargs)
-        if unknown:
-            raise FamilyInputError(
-                f"Unsupported mm_processor_kwargs {unknown}; accepted: {sorted(self.accepted_kwargs)}.",
-                param=KWARGS_PARAM,
-            )
+        image_kwargs = self.options_for(mm_processor_kwargs, self.accepted_kwargs)
         try:
-            validate_typed_dict(self.image_processor.valid_kwargs, dict(mm_processor_kwargs))
-            options = {key: canonical_option(value) for key, value in mm_processor_kwargs.items()}
+            validate_typed_dict(self.image_processor.valid_kwargs, image_kwargs)
+            options = {key: canonical_option(value) for key, value in image_kwargs.items()}
         except Exception as exc:  # huggingface_hub raises its own validation error types
             raise FamilyInputError(f"Invalid mm_processor_kwargs: {exc}", param=KWARGS_PARAM) from exc
         for key in self.size_kwargs.intersection(options):
             self._check_size_option(key, options[key])
         self.check_options(options)
         return {key: options[key] for key in sorted(options) if not self._is_default(key, options[key])}
+
+    def options_for(self, mm_processor_kwargs: Mapping[str, Any], accepted: frozenset[str]) -> dict[str, Any]:
+        """The request's options that one modality's processing takes (``accepted``); names that neither
+        the image nor the video processing takes are refused."""
+        if not isinstance(mm_processor_kwargs, Mapping):
+            raise FamilyInputError("mm_processor_kwargs must be an object.", param=KWARGS_PARAM)
+        known = self.accepted_kwargs | self.video_kwargs
+        unknown = sorted(str(key) for key in mm_processor_kwargs if key not in known)
+        if unknown:
+            raise FamilyInputError(
+                f"Unsupported mm_processor_kwargs {unknown}; accepted: {sorted(known)}.", param=KWARGS_PARAM
+            )
+        return {key: value for key, value in mm_processor_kwargs.items() if key in accepted}
 
     def render_prompt(self, messages: list[dict[str, Any]]) -> str:
         """Apply the model's chat template (generation prompt added) to chat-template messages whose
@@ -142,30 +195,63 @@ class FamilyProcessor:
         }
         self.check_processed(tensors)
         num_tokens, grid_thw = self.item_layout(tensors)
-        return ProcessedItem(tensors=tensors, num_tokens=num_tokens, grid_thw=grid_thw)
+        return ProcessedItem(tensors, ItemLayout(num_tokens, grid_thw))
 
-    def tokenize(self, prompt: str, num_tokens_per_image: list[int]) -> tuple[list[int], list[int]]:
-        """Token ids of ``prompt`` with the i-th image token expanded to ``num_tokens_per_image[i]``
-        placeholders, and the offset of each image's placeholder run.
+    def tokenize(self, prompt: str, layouts: Sequence[ItemLayout]) -> Tokenized:
+        """Token ids of ``prompt`` with the i-th media token (image or video, in prompt order) written
+        out as ``layouts[i]`` says (``placeholder_pieces``), and each item's span in those ids.
 
-        Equals ``hf_processor(text=prompt, images=...).input_ids``, except that no second BOS is added
-        when the chat template already wrote one (as ``apply_chat_template(tokenize=True)`` does).
+        Equals ``hf_processor(text=prompt, images=..., videos=...).input_ids``, except that no second BOS
+        is added when the chat template already wrote one (as ``apply_chat_template(tokenize=True)``
+        does).
         """
-        pieces = prompt.split(self.image_token)
-        if len(pieces) - 1 != len(num_tokens_per_image):
+        media_tokens = self.media_tokens_in(prompt)
+        if [m for m, _ in media_tokens] != [layout.modality for layout in layouts]:
             raise FamilyInputError(
-                f"The prompt has {len(pieces) - 1} image placeholders ({self.image_token!r}) but the "
-                f"request carries {len(num_tokens_per_image)} images.",
+                f"The prompt has {len(media_tokens)} media placeholders "
+                f"({', '.join(m for m, _ in media_tokens) or 'none'}) but the request carries "
+                f"{len(layouts)} items ({', '.join(layout.modality for layout in layouts) or 'none'}).",
                 param="messages",
             )
-        expanded = pieces[0] + "".join(
-            self.image_token * num_tokens + piece
-            for num_tokens, piece in zip(num_tokens_per_image, pieces[1:], strict=True)
-        )
+        expanded, start = [], 0
+        for (modality, at), layout in zip(media_tokens, layouts, strict=True):
+            expanded.append(prompt[start:at])
+            pad = self.placeholder_token(modality)
+            expanded.extend(text + pad * num_pads for text, num_pads in self.placeholder_pieces(layout))
+            start = at + len(pad)
+        expanded.append(prompt[start:])
+        text = "".join(expanded)
         bos = self.tokenizer.bos_token
-        add_special_tokens = not (bos is not None and expanded.startswith(bos))
-        token_ids: list[int] = self.tokenizer(expanded, add_special_tokens=add_special_tokens)["input_ids"]
-        return token_ids, self._placeholder_offsets(token_ids, num_tokens_per_image)
+        add_special_tokens = not (bos is not None and text.startswith(bos))
+        token_ids: list[int] = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return Tokenized(token_ids, self._spans(token_ids, layouts))
+
+    def media_tokens_in(self, prompt: str) -> list[tuple[str, int]]:
+        """(modality, character index) of each image and video token in ``prompt``, in order."""
+        tokens = {"image": self.image_token}
+        if self.video_token is not None:
+            tokens["video"] = self.video_token
+        found = [(m, i) for m, token in tokens.items() for i in _find_all(prompt, token)]
+        return sorted(found, key=lambda found_at: found_at[1])
+
+    def placeholder_token(self, modality: str) -> str:
+        return self.video_token if modality == "video" and self.video_token is not None else self.image_token
+
+    def placeholder_token_id(self, modality: str) -> int:
+        if modality == "video" and self.video_token_id is not None:
+            return self.video_token_id
+        return self.image_token_id
+
+    def placeholder_pieces(self, layout: ItemLayout) -> list[tuple[str, int]]:
+        """What an item's media token becomes in the prompt, in order: (text, placeholder tokens after
+        it) pieces. One run of ``num_tokens`` placeholders unless the family writes text between them
+        (Qwen3-VL: a timestamp before each frame group of a video)."""
+        return [("", layout.num_tokens)]
+
+    def piece_token_ids(self, text: str) -> list[int]:
+        """The ids of a piece's text. Pieces lie between special tokens (or placeholders), so their
+        ids do not depend on the text around them."""
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
     def _check_size_option(self, key: str, option: Any) -> None:
         """Sizes a request asks for are bounded: the processor resizes before it crops, so an absurd
@@ -186,20 +272,57 @@ class FamilyProcessor:
         # Compared as hashed, so 1, 1.0 and True stay different.
         return framed_digest(b"", option) == framed_digest(b"", default)
 
-    def _placeholder_offsets(self, token_ids: list[int], num_tokens_per_image: list[int]) -> list[int]:
-        positions = [index for index, token_id in enumerate(token_ids) if token_id == self.image_token_id]
-        if len(positions) != sum(num_tokens_per_image):
-            raise FamilyInputError(
-                f"The prompt has {len(positions)} image tokens, expected {sum(num_tokens_per_image)}.",
-                param="messages",
-            )
-        offsets, start = [], 0
-        for num_tokens in num_tokens_per_image:
-            run = positions[start : start + num_tokens]
-            assert run[-1] - run[0] == num_tokens - 1, "an image's placeholder run is not contiguous"
-            offsets.append(run[0])
-            start += num_tokens
-        return offsets
+    def _spans(self, token_ids: list[int], layouts: Sequence[ItemLayout]) -> list[tuple[int, int]]:
+        """(first, end) token index of each item's expansion: its placeholders, and the text of its
+        first and last pieces around them."""
+        spans: list[tuple[int, int]] = []
+        positions = {
+            modality: iter([i for i, t in enumerate(token_ids) if t == self.placeholder_token_id(modality)])
+            for modality in {layout.modality for layout in layouts}
+        }
+        for layout in layouts:
+            run = list(itertools.islice(positions[layout.modality], layout.num_tokens))
+            if not run or len(run) != layout.num_tokens:
+                raise FamilyInputError(
+                    f"The prompt has fewer {layout.modality} tokens than its items need.", param="messages"
+                )
+            pieces = self.placeholder_pieces(layout)
+            first = run[0] - len(self.piece_token_ids(pieces[0][0]))
+            end = run[-1] + 1 + (len(self.piece_token_ids(pieces[-1][0])) if pieces[-1][1] == 0 else 0)
+            if len(pieces) == 1:
+                assert run[-1] - run[0] == layout.num_tokens - 1, (
+                    "an item's placeholder run is not contiguous"
+                )
+            spans.append((first, end))
+        for modality, rest in positions.items():
+            if next(rest, None) is not None:
+                raise FamilyInputError(
+                    f"The prompt has more {modality} tokens than its items.", param="messages"
+                )
+        return spans
+
+    # -- video: families that take videos override these -------------------------------------------
+
+    @property
+    def supports_video(self) -> bool:
+        return self.video_token is not None
+
+    def hash_video_options(self, mm_processor_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The validated, canonical video options of a request (sampling, per-frame pixel bounds); part
+        of every video's mm_hash."""
+        raise NotImplementedError
+
+    def sample_video(self, metadata: VideoMetadata, options: Mapping[str, Any]) -> list[int]:
+        """The frame indices the family's video processor samples from a clip (FamilyInputError when
+        the clip cannot give the sampling asked for)."""
+        raise NotImplementedError
+
+    def process_video(
+        self, frames: np.ndarray, metadata: VideoMetadata, indices: Sequence[int], options: Mapping[str, Any]
+    ) -> ProcessedItem:
+        """The video processor on the sampled ``frames`` (uint8 [T, H, W, 3]; ``indices`` are their
+        frame numbers in the clip)."""
+        raise NotImplementedError
 
     # -- family hooks -----------------------------------------------------------------------------
 
@@ -218,6 +341,14 @@ class FamilyProcessor:
 
     def check_processed(self, tensors: dict[str, torch.Tensor]) -> None:
         """Refuse a processed item the model could not encode (FamilyInputError)."""
+
+
+def _find_all(text: str, token: str) -> list[int]:
+    found, at = [], text.find(token)
+    while at != -1:
+        found.append(at)
+        at = text.find(token, at + len(token))
+    return found
 
 
 def _eos_token_ids(model_dir: Path, tokenizer: Any) -> list[int]:

@@ -16,6 +16,7 @@ import torch
 
 from app.errors import InternalError, MMServeError, from_family_error
 from app.inputs.preprocess.transfer import ShmOutput, write_output
+from app.inputs.preprocess.video_item import VideoRules, decode_and_process_video
 from app.media.images import decode_image
 from workers.families import load_processing
 from workers.families.errors import FamilyInputError
@@ -23,9 +24,17 @@ from workers.families.processing import FamilyProcessor, ProcessedItem
 
 
 def decode_and_process(
-    family: FamilyProcessor, data: bytes, options: dict[str, Any], param: str
+    family: FamilyProcessor,
+    data: bytes,
+    options: dict[str, Any],
+    param: str,
+    modality: str = "image",
+    video: VideoRules | None = None,
 ) -> ProcessedItem:
     """Runs in a pool process, or in a thread of the API process without a pool."""
+    if modality == "video":
+        assert video is not None, "a pool that takes videos has their rules"
+        return decode_and_process_video(family, data, options, param, video)
     pixels = decode_image(data, param=param)
     try:
         return family.process_image(pixels, options, param=param)
@@ -37,11 +46,13 @@ def decode_and_process(
 
 
 class Preprocess(msgspec.Struct, frozen=True, tag=True):
-    """API → process: one image, whose encoded bytes are the next frame; the result goes to ``out_name``."""
+    """API → process: one image or video, whose encoded bytes are the next frame; the result goes to
+    ``out_name``."""
 
     out_name: str
     options: dict[str, Any]
     param: str
+    modality: str = "image"
 
 
 class Loaded(msgspec.Struct, frozen=True, tag=True):
@@ -95,7 +106,7 @@ def request_error(refused: Refused) -> MMServeError:
 # -- in a pool process ------------------------------------------------------------------------------
 
 
-def child_main(model: str, api_pid: int, conn: Connection) -> None:
+def child_main(model: str, api_pid: int, conn: Connection, video: VideoRules | None = None) -> None:
     """A pool process: dies with the API process, leaves Ctrl-C to it, loads the family, then answers
     one call at a time until the API closes its end of the pipe."""
     if sys.platform.startswith("linux"):
@@ -112,7 +123,7 @@ def child_main(model: str, api_pid: int, conn: Connection) -> None:
         while True:
             call = _preprocess_decoder.decode(conn.recv_bytes())
             data = conn.recv_bytes()
-            conn.send_bytes(encoder.encode(_answer(family, call, data)))
+            conn.send_bytes(encoder.encode(_answer(family, call, data, video)))
     except (EOFError, OSError):  # the API closed the pipe, or is gone
         pass
     # Nothing is left to close: skip the interpreter's finalization (a second with torch imported),
@@ -122,9 +133,9 @@ def child_main(model: str, api_pid: int, conn: Connection) -> None:
     os._exit(0)
 
 
-def _answer(family: FamilyProcessor, call: Preprocess, data: bytes) -> Answer:
+def _answer(family: FamilyProcessor, call: Preprocess, data: bytes, video: VideoRules | None) -> Answer:
     try:
-        item = decode_and_process(family, data, call.options, call.param)
+        item = decode_and_process(family, data, call.options, call.param, call.modality, video)
         return Processed(write_output(item, call.out_name))
     except MMServeError as exc:
         return Refused(_error_name(type(exc)), exc.message, exc.param, exc.code)

@@ -36,7 +36,7 @@ from typing import Any
 
 import msgspec
 
-from app.errors import EngineUnavailableError, InternalError, InvalidRequestError, MMServeError
+from app.errors import EngineUnavailableError, InternalError, InvalidRequestError, MediaError, MMServeError
 from app.inputs.preprocess.child import (
     Answer,
     Loaded,
@@ -51,6 +51,7 @@ from app.inputs.preprocess.child import (
     request_error,
 )
 from app.inputs.preprocess.transfer import ShmOutput, discard_output, output_name, read_output, write_output
+from app.inputs.preprocess.video_item import VideoRules
 from workers.families.processing import KWARGS_PARAM, FamilyProcessor, ProcessedItem
 
 __all__ = ["PreprocessPool", "ShmOutput", "decode_and_process", "output_name", "read_output", "write_output"]
@@ -61,6 +62,8 @@ RESPAWN_DELAY_S = 1.0  # before spawning again after a process that never loaded
 STOP_TIMEOUT_S = 5.0  # for a process to leave its loop at EOF before it is killed
 PROCESS_DIED = "An image preprocessing process died; the image was not processed."
 SHUTTING_DOWN = "The server is shutting down."
+# A video call gets this much longer than the decoder's own time limit before its process is killed.
+HARD_TIMEOUT_MARGIN_S = 5.0
 
 
 class _ProcessLost(Exception):
@@ -71,11 +74,13 @@ class _PoolProcess:
     """One pool process and the API's end of its pipe. Built on the event loop's thread (PR_SET_PDEATHSIG
     ties the process to the thread that spawned it); ``on_lost`` runs once if the process dies."""
 
-    def __init__(self, model: str, api_pid: int, on_lost: Callable[[_PoolProcess], None]) -> None:
+    def __init__(
+        self, model: str, api_pid: int, video: VideoRules | None, on_lost: Callable[[_PoolProcess], None]
+    ) -> None:
         ctx = get_context("spawn")
         self.conn, child_end = ctx.Pipe()
         self.process = ctx.Process(
-            target=child_main, args=(model, api_pid, child_end), name="mmserve-preprocess", daemon=True
+            target=child_main, args=(model, api_pid, child_end, video), name="mmserve-preprocess", daemon=True
         )
         try:
             self.process.start()
@@ -154,6 +159,10 @@ class _PoolProcess:
         if self._reply is not None and not self._reply.done():
             self._reply.set_exception(_ProcessLost())
 
+    def kill(self) -> None:
+        """Called when the process takes too long on a call: it is killed and replaced."""
+        self._lose()
+
     def _lose(self) -> None:
         if self.attached:
             self._detach()
@@ -205,6 +214,16 @@ class _Call:
     call: bytes  # the encoded Preprocess
     data: bytes
     result: asyncio.Future[ShmOutput]
+    hard_timeout_s: float | None = None  # a video: the process is killed when it has not answered by then
+    param: str | None = None
+
+
+def _timed_out(timeout_s: float | None, param: str | None) -> MediaError:
+    return MediaError(
+        f"Decoding this video took longer than {timeout_s:g} s (--video-decode-timeout-s).",
+        param=param,
+        code="video_decode_timeout",
+    )
 
 
 def _settle(future: asyncio.Future[Any], error: BaseException) -> None:
@@ -217,10 +236,19 @@ class PreprocessPool:
     process, running ``family``). Built, started, used and closed from the event loop's thread:
     PR_SET_PDEATHSIG ties each process to the thread that spawned it."""
 
-    def __init__(self, model: str, processes: int, *, family: FamilyProcessor | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        processes: int,
+        *,
+        family: FamilyProcessor | None = None,
+        video: VideoRules | None = None,
+    ) -> None:
+        """``video``: the limits of video items (None: the pool takes images only)."""
         if processes < 0 or (processes == 0 and family is None):
             raise ValueError("processes must be >= 1, or 0 with the family to run in threads")
         self.model, self._num_processes, self._family = model, processes, family
+        self._video = video
         self._api_pid = os.getpid()
         self._started = self._closed = False
         self._processes: list[_PoolProcess] = []  # loading, idle or busy; a dead one leaves at once
@@ -252,21 +280,28 @@ class PreprocessPool:
         self._idle.extend(processes)
         self._dispatch()
 
-    async def process(self, data: bytes, options: dict[str, Any], param: str) -> ProcessedItem:
-        """One cache miss: decode + HF processor off the event loop, with the request errors the family
-        raises in this process. Calls made before ``start`` wait for it."""
+    async def process(
+        self, data: bytes, options: dict[str, Any], param: str, modality: str = "image"
+    ) -> ProcessedItem:
+        """One cache miss: decode + the family's processor off the event loop, with the request errors
+        the family raises in this process. Calls made before ``start`` wait for it."""
         if self._closed:
             raise EngineUnavailableError(SHUTTING_DOWN, code="server_shutting_down")
         if not self._num_processes:
             assert self._family is not None
-            return await asyncio.to_thread(decode_and_process, self._family, data, options, param)
+            return await asyncio.to_thread(
+                decode_and_process, self._family, data, options, param, modality, self._video
+            )
         name = output_name(self._api_pid)
         try:
-            call = encoder.encode(Preprocess(name, options, param))
+            call = encoder.encode(Preprocess(name, options, param, modality))
         except OverflowError as exc:  # an integer msgpack cannot carry: no processor takes it either
             raise InvalidRequestError(f"Invalid mm_processor_kwargs: {exc}", param=KWARGS_PARAM) from exc
         result: asyncio.Future[ShmOutput] = asyncio.get_running_loop().create_future()
-        waiting = _Call(name, call, data, result)
+        hard_timeout_s = None
+        if modality == "video" and self._video is not None:
+            hard_timeout_s = self._video.limits.decode_timeout_s + HARD_TIMEOUT_MARGIN_S
+        waiting = _Call(name, call, data, result, hard_timeout_s, param)
         self._waiting.append(waiting)
         self._dispatch()
         try:
@@ -292,7 +327,12 @@ class PreprocessPool:
     async def _run(self, process: _PoolProcess, call: _Call) -> None:
         """One call on one process; then the process takes the next waiting call (or ends, closing)."""
         try:
-            reply = await process.ask(call.call, call.data)
+            reply = await asyncio.wait_for(process.ask(call.call, call.data), call.hard_timeout_s)
+        except TimeoutError:  # stuck past its own time limit (inside the decoder): killed, replaced
+            process.kill()
+            discard_output(call.out_name)
+            _settle(call.result, _timed_out(call.hard_timeout_s, call.param))
+            return
         except _ProcessLost:
             discard_output(call.out_name)  # it may have died while writing it
             _settle(call.result, InternalError(PROCESS_DIED))
@@ -318,7 +358,7 @@ class PreprocessPool:
             self._dispatch()
 
     def _spawn(self) -> _PoolProcess:
-        process = _PoolProcess(self.model, self._api_pid, self._lost)
+        process = _PoolProcess(self.model, self._api_pid, self._video, self._lost)
         self._processes.append(process)
         return process
 

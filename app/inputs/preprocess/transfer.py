@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from wire.shm_ring import SHM_DIR, ring_name, round_up
-from workers.families.processing import ProcessedItem
+from workers.families.processing import ItemLayout, ProcessedItem
 from workers.frames import dtype_name
 
 
@@ -32,8 +32,7 @@ class ShmOutput(msgspec.Struct, frozen=True):
 
     name: str
     tensors: tuple[TensorSlot, ...]
-    num_tokens: int
-    grid_thw: tuple[int, ...]
+    layout: ItemLayout
 
 
 def output_name(api_pid: int) -> str:
@@ -59,7 +58,7 @@ def write_output(item: ProcessedItem, name: str) -> ShmOutput:
         raise
     finally:
         os.close(fd)
-    return ShmOutput(name, tuple(slots), item.num_tokens, item.grid_thw)
+    return ShmOutput(name, tuple(slots), item.layout)
 
 
 def read_output(output: ShmOutput) -> ProcessedItem:
@@ -74,7 +73,7 @@ def read_output(output: ShmOutput) -> ProcessedItem:
             os.close(fd)
     finally:
         discard_output(output.name)
-    return ProcessedItem(tensors=tensors, num_tokens=output.num_tokens, grid_thw=output.grid_thw)
+    return ProcessedItem(tensors, output.layout)
 
 
 def _copy_out(buf: mmap.mmap, slot: TensorSlot) -> torch.Tensor:

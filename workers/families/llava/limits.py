@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 
-def largest_item_tokens(model_dir: Path) -> int:
-    """Every image becomes the vision tower's square: one token per patch (the CLS one dropped)."""
+def largest_item_tokens(model_dir: Path, max_video_frames: int) -> int:
+    """Every image becomes the vision tower's square: one token per patch (the CLS one dropped); LLaVA
+    takes no video."""
     vision = json.loads((model_dir / "config.json").read_text()).get("vision_config", {})
     return int((vision.get("image_size", 336) // vision.get("patch_size", 14)) ** 2)

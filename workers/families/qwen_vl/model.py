@@ -22,6 +22,10 @@ from workers.families.model import FamilyModel, RequestPositions
 
 class QwenVLModel(FamilyModel):
     hf_class: ClassVar[type[PreTrainedModel]] = Qwen2VLForConditionalGeneration
+    item_tensors: ClassVar[dict[str, frozenset[str]]] = {
+        "image": frozenset({"pixel_values", "image_grid_thw"}),
+        "video": frozenset({"pixel_values_videos", "video_grid_thw"}),
+    }
 
     @property
     def merge_size(self) -> int:

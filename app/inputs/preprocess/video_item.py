@@ -1,0 +1,77 @@
+"""One video cache miss, from encoded bytes to a processed item, where images are processed: in a
+preprocessing process (or a thread of the API process without a pool)::
+
+    probe_video         header only: container, codec, size, frame count, frame rate, rotation
+    family.sample_video the frames the family's video processor samples (the request's fps / num_frames)
+    max sampled frames  --max-video-frames, before a frame is decoded
+    decode_frames       only those frames, seeking where the container allows, under the time limit
+    family.process_video
+
+Every refusal is a 400 naming its cause (``app.media.video``'s codes, ``too_many_video_frames``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from app.errors import MediaError, from_family_error
+from app.media.images import DEFAULT_MAX_IMAGE_PIXELS
+from app.media.video import VideoLimits, decode_frames, probe_video
+from app.settings import Settings
+from workers.families.errors import FamilyInputError
+from workers.families.processing import KWARGS_PARAM, FamilyProcessor, ProcessedItem, VideoMetadata
+
+MAX_VIDEO_FRAMES_IN_CONTAINER = 1_000_000
+MAX_VIDEO_DURATION_S = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class VideoRules:
+    """The video limits a preprocessing process applies; built from the settings, sent to each process."""
+
+    limits: VideoLimits
+    max_sampled_frames: int  # --max-video-frames
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> VideoRules:
+        limits = VideoLimits(
+            max_pixels=DEFAULT_MAX_IMAGE_PIXELS,
+            max_frames=MAX_VIDEO_FRAMES_IN_CONTAINER,
+            max_duration_s=MAX_VIDEO_DURATION_S,
+            decode_timeout_s=settings.video_decode_timeout_s,
+        )
+        return cls(limits, settings.max_video_frames)
+
+
+def decode_and_process_video(
+    family: FamilyProcessor, data: bytes, options: Mapping[str, Any], param: str, rules: VideoRules
+) -> ProcessedItem:
+    start = time.monotonic()
+    info = probe_video(data, limits=rules.limits, param=param)
+    metadata = VideoMetadata(fps=info.fps, num_frames=info.num_frames)
+    try:
+        indices = family.sample_video(metadata, options)
+    except FamilyInputError as exc:
+        raise from_family_error(exc) from exc
+    if len(indices) > rules.max_sampled_frames:
+        sampling = {key: options[key] for key in ("fps", "num_frames") if key in options}
+        raise MediaError(
+            f"This video's sampling gives {len(indices)} frames ({info.num_frames} frames at "
+            f"{info.fps:g} fps, sampled {sampling or 'by the model default'}); at most "
+            f"{rules.max_sampled_frames} are allowed (--max-video-frames). Ask for a lower fps or "
+            "num_frames in mm_processor_kwargs.",
+            param=KWARGS_PARAM if sampling else param,
+            code="too_many_video_frames",
+        )
+    # probe and decode share the item's one time limit
+    remaining_s = max(0.0, rules.limits.decode_timeout_s - (time.monotonic() - start))
+    limits = dataclasses.replace(rules.limits, decode_timeout_s=remaining_s)
+    frames = decode_frames(data, info, indices, limits=limits, param=param)
+    try:
+        return family.process_video(frames, metadata, indices, options)
+    except FamilyInputError as exc:
+        raise from_family_error(exc) from exc
