@@ -431,9 +431,7 @@ class StandinWorker:
                 )
             if end > num_slots:
                 raise StepError(f"request {req_id!r} needs {end} KV slots, its blocks hold {num_slots}")
-            needed = {
-                f.mm_hash for f in req.mm_features if f.offset < end and f.end > start
-            }
+            needed = {f.mm_hash for f in req.mm_features if f.offset < end and f.end > start}
             if missing := sorted(needed - self.outputs.keys()):
                 raise StepError(f"request {req_id!r} needs the encoder output of {missing}, not held here")
             chunks.append((req, end))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from tests.e2e.server import Server, start_serve
+from tests.e2e.server import Server, start_serve, stop_all
 from workers.families import family_for, load_processing
 
 
@@ -83,7 +83,11 @@ class Oracle:
         self, text: str, images: list[PIL.Image.Image], max_new_tokens: int
     ) -> tuple[list[int], torch.Tensor]:
         """Token ids and per-step log-probabilities, EOS ignored (like the server's ``ignore_eos``)."""
-        inputs = self.inputs(text, images)
+        return self.greedy_inputs(self.inputs(text, images), max_new_tokens)
+
+    def greedy_inputs(self, inputs: Any, max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+        """``greedy`` on the model inputs the HF processor made (e.g. with videos, in the reference
+        environment: tests/reference/client.py)."""
         config = GenerationConfig(
             do_sample=False,
             max_new_tokens=max_new_tokens,
@@ -128,24 +132,39 @@ def family_server(
     request: pytest.FixtureRequest,
     tiny_model: Callable[[str], Path],
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Callable[[str], Server]]:
-    """``family_server(family)``: a server with the default flags on that family's tiny checkpoint,
-    started on first use and shared by the rest of the session (LLaVA's is ``server``). Tests that only
-    send requests share it; they measure its counters as differences."""
-    started: dict[str, Server] = {}
+) -> Iterator[Callable[..., Server]]:
+    """``family_server(family, *flags)``: a server on that family's tiny checkpoint with those flags (the
+    defaults when none; LLaVA's default one is ``server``), started on first use and shared by the rest
+    of the session. It may fetch from loopback. Tests that only send requests share it; they measure its
+    counters as differences."""
+    started: dict[tuple[str, ...], Server] = {}
 
-    def get(family: str) -> Server:
-        if family == "llava":
+    def get(family: str, *flags: str) -> Server:
+        if family == "llava" and not flags:
             return request.getfixturevalue("server")
-        if family not in started:
-            started[family] = start_serve(tiny_model(family), tmp_path_factory.mktemp(f"serve-{family}"))
-        return started[family]
+        key = (family, *flags)
+        if key not in started:
+            folder = tmp_path_factory.mktemp(f"serve-{family}")
+            started[key] = start_serve(tiny_model(family), folder, "--allow-private-media-urls", *flags)
+        return started[key]
 
     try:
         yield get
     finally:
-        for srv in started.values():
-            srv.process.interrupt()
+        stop_all(list(started.values()))
+
+
+@pytest.fixture(scope="session")
+def family_oracle(tiny_model: Callable[[str], Path]) -> Callable[[str], Oracle]:
+    """``family_oracle(family)``: transformers' model on that family's tiny checkpoint, loaded once."""
+    loaded: dict[str, Oracle] = {}
+
+    def get(family: str) -> Oracle:
+        if family not in loaded:
+            loaded[family] = Oracle.load(tiny_model(family))
+        return loaded[family]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ process and items above an explicit budget get a 400 naming the part, and the se
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,16 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
-from tests.e2e.parity import assert_matches_oracle, concurrent_greedy_requests, greedy_request
+from tests.e2e.parity import (
+    assert_matches_greedy,
+    assert_matches_oracle,
+    concurrent_bodies,
+    concurrent_greedy_requests,
+    greedy_request,
+)
 from tests.e2e.server import Server, delta, serving
+from tests.e2e.video_oracle import Case, body, expected_answers
+from tests.video_clips import make_clip
 
 pytestmark = pytest.mark.slow
 
@@ -136,3 +145,43 @@ def test_item_above_the_explicit_budget_is_refused_and_nothing_is_disturbed(
     assert delta(before, after, "mmserve_encoder_runs_total") == 0  # every cache still holds it
     assert delta(before, after, "mmserve_mm_ipc_cache_hits_total") == 1
     assert_matches_oracle(again, qwen_oracle, text, images)
+
+
+def test_a_video_above_the_explicit_budget_is_refused_at_once(tiny_pool_server: Server) -> None:
+    """16 frames of 320x240: 8 groups of 80 placeholders, 640 > 600; refused before it is queued."""
+    clip = make_clip(width=320, height=240, fps=8, num_frames=16, seed=9)
+    start = time.monotonic()
+    resp = post(tiny_pool_server, body(Case("Too long.", (clip,), {"num_frames": 16}), "qwen3_vl", n=2))
+    assert time.monotonic() - start < 10
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "mm_item_too_large"
+    assert "A video" in error["message"] and "--encoder-compute-budget-tokens" in error["message"]
+    assert "640" in error["message"]
+    assert tiny_pool_server.metrics()["mmserve_num_requests_waiting"] == 0
+
+
+def test_preempted_video_requests_resume_exactly(
+    tiny_pool_server: Server, tiny_model: Callable[[str], Path], family_oracle: Callable[[str], Oracle]
+) -> None:
+    """Three clips of 4 frame groups (about 340 prompt tokens each, with 32 outputs) on a 1,024-token KV
+    pool: two fit at once, the third preempts; each answer equals ``generate``'s."""
+    cases = {
+        i: (
+            "qwen3_vl",
+            Case(
+                f"Preempt the clip {i}.",
+                (make_clip(width=320, height=224, fps=8, num_frames=8, seed=20 + i),),
+                {"num_frames": 8},
+            ),
+        )
+        for i in range(3)
+    }
+    expected = expected_answers(cases, tiny_model, family_oracle)
+    before = tiny_pool_server.metrics()
+    responses = concurrent_bodies(tiny_pool_server, [body(case, "qwen3_vl") for _, case in cases.values()])
+    after = tiny_pool_server.metrics()
+    assert delta(before, after, "mmserve_num_preemptions_total") > 0
+    tokenizer = family_oracle("qwen3_vl").processor.tokenizer
+    for i, response in enumerate(responses):
+        assert_matches_greedy(response, tokenizer, expected[i].ids, expected[i].logprobs)

@@ -1,12 +1,12 @@
 """Serving the dynamic-resolution families end to end (tiny Qwen2-VL, Qwen2.5-VL, Qwen3-VL): greedy output
 equals transformers' ``generate`` for one image, two images of different sizes in one prompt and text only
-— cold, with prefill chunks cut through images (--max-num-batched-tokens 256), and again from every
+— cold, with prefill chunks cut through images (--max-num-batched-tokens 128), and again from every
 cache; usage counts the processor's tokens; a second turn reuses the first turn's KV and skips the
 encoder; another image behind the same placeholders gets no image-block hits."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +15,13 @@ import pytest
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.parity import assert_matches_oracle, greedy_request
-from tests.e2e.server import Server, delta, start_serve
+from tests.e2e.server import Server, delta
 
 pytestmark = pytest.mark.slow
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 BLOCK = 16  # the default --block-size
+CHUNKED = ("--max-num-batched-tokens", "128")
 SMALL, LARGE = (224, 224), (1024, 768)
 CASES = {
     "one": ("What is in this picture?", [make_image(800, SMALL)]),
@@ -35,28 +36,16 @@ def model_dir(request: pytest.FixtureRequest, tiny_model: Callable[[str], Path])
 
 
 @pytest.fixture(scope="module")
-def qwen_oracle(model_dir: Path) -> Oracle:
-    return Oracle.load(model_dir)
+def qwen_oracle(model_dir: Path, family_oracle: Callable[[str], Oracle]) -> Oracle:
+    return family_oracle(model_dir.name.removeprefix("tiny-"))
 
 
 @pytest.fixture(scope="module")
-def servers(
-    model_dir: Path, family_server: Callable[[str], Server], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, Server]]:
-    """Every cache on: the defaults (the session's server for the family, whose blocks hold 16 tokens),
-    and a 256-token step budget so prefill chunks cut through images."""
-    chunked = start_serve(
-        model_dir,
-        tmp_path_factory.mktemp("serve"),
-        "--block-size",
-        str(BLOCK),
-        "--max-num-batched-tokens",
-        "256",
-    )
-    try:
-        yield {"default": family_server(model_dir.name.removeprefix("tiny-")), "chunked": chunked}
-    finally:
-        chunked.process.interrupt()
+def servers(model_dir: Path, family_server: Callable[..., Server]) -> dict[str, Server]:
+    """Every cache on: the defaults (blocks of 16 tokens), and a 128-token step budget so prefill chunks
+    cut through images; the session's servers for the family."""
+    family = model_dir.name.removeprefix("tiny-")
+    return {"default": family_server(family), "chunked": family_server(family, *CHUNKED)}
 
 
 def name_of(model_dir: Path) -> str:

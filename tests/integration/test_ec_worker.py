@@ -1,7 +1,8 @@
 """The worker's encoder-cache connector on the tiny LLaVA and Qwen3-VL (deepstack levels) checkpoints,
-over a real shared-storage folder: a producer's saved value is exactly its encoder output; a consumer
-that loads it samples what the producer sampled; a failed load is encoded locally where the vision
-tower is loaded, and fails the step where it is not; an encoder-only worker encodes like the full model.
+for an image and (Qwen3-VL) a video, over a real shared-storage folder: a producer's saved value is
+exactly its encoder output; a consumer that loads it samples what the producer sampled; a failed load
+is encoded locally where the vision tower is loaded, and fails the step where it is not; an
+encoder-only worker encodes like the full model.
 
 Steps are built by hand, as the engine would send them for one request prefilled in one step."""
 
@@ -30,6 +31,7 @@ from wire.protocol import (
 from workers.config import ModelParts
 from workers.ec_codec import decode_output, encode_output
 from workers.families import load_processing
+from workers.families.processing import VideoMetadata
 from workers.frames import tensor_to_frame
 from workers.model_runner import EncoderOutputUnavailable, ModelRunner
 from workers.runner_requests import StepError
@@ -48,24 +50,43 @@ class Prompt:
     tensors: dict[str, torch.Tensor]  # the processed image, as the API sends it
 
 
-@pytest.fixture(scope="module", params=["llava", "qwen3_vl"])
-def model_dir(request: pytest.FixtureRequest, tiny_model: Callable[[str], Path]) -> Path:
-    return tiny_model(request.param)
+@pytest.fixture(
+    scope="module",
+    params=[("llava", "image"), ("qwen3_vl", "image"), ("qwen3_vl", "video")],
+    ids=["llava", "qwen3_vl", "qwen3_vl-video"],
+)
+def case(request: pytest.FixtureRequest) -> tuple[str, str]:
+    """(family, modality of the prompt's item)."""
+    return request.param  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
-def prompt(model_dir: Path) -> Prompt:
-    """One image and a question, processed by the family's API half."""
+def model_dir(case: tuple[str, str], tiny_model: Callable[[str], Path]) -> Path:
+    return tiny_model(case[0])
+
+
+@pytest.fixture(scope="module")
+def prompt(model_dir: Path, case: tuple[str, str]) -> Prompt:
+    """One image or video (8 frames: its frame groups between Qwen3-VL's timestamps) and a question,
+    processed by the family's API half."""
     processing = load_processing(model_dir)
-    pixels = np.random.default_rng(0).integers(0, 256, (224, 224, 3), dtype=np.uint8)
-    item = processing.process_image(Image.fromarray(pixels), {}, param="image")
+    modality = case[1]
+    rng = np.random.default_rng(0)
+    if modality == "video":
+        frames = rng.integers(0, 256, (8, 96, 128, 3), dtype=np.uint8)
+        item = processing.process_video(frames, VideoMetadata(fps=4.0, num_frames=8), list(range(8)), {})
+    else:
+        pixels = rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)
+        item = processing.process_image(Image.fromarray(pixels), {}, param="image")
     text = processing.render_prompt(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+        [{"role": "user", "content": [{"type": modality}, {"type": "text", "text": "What is this?"}]}]
     )
-    token_ids, [(offset, _)] = processing.tokenize(text, [item.layout])
-    return Prompt(
-        token_ids, MMFeature(MM_HASH, offset, item.num_tokens, grid_thw=item.grid_thw), item.tensors
+    token_ids, [(first, end)] = processing.tokenize(text, [item.layout])
+    span = end - first if end - first != item.num_tokens else 0
+    feature = MMFeature(
+        MM_HASH, first, item.num_tokens, modality, grid_thw=item.grid_thw, num_span_tokens=span
     )
+    return Prompt(token_ids, feature, item.tensors)
 
 
 def runner(model_dir: Path, folder: Path, role: ECRole, parts: ModelParts = ModelParts.ALL) -> ModelRunner:
@@ -79,7 +100,7 @@ def encoder_input(prompt: Prompt) -> tuple[EncoderInput, list[object]]:
     for name, tensor in prompt.tensors.items():
         refs[name], buf = tensor_to_frame(tensor, len(frames))
         frames.append(buf)
-    return EncoderInput(MM_HASH, "image", refs), frames
+    return EncoderInput(MM_HASH, prompt.feature.modality, refs), frames
 
 
 def prefill(r: ModelRunner, prompt: Prompt, *, encode: bool, load: bool, req_id: str = "r") -> RunnerOutput:

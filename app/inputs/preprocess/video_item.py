@@ -19,14 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.errors import MediaError, from_family_error
-from app.media.images import DEFAULT_MAX_IMAGE_PIXELS
 from app.media.video import VideoLimits, decode_frames, probe_video
 from app.settings import Settings
 from workers.families.errors import FamilyInputError
 from workers.families.processing import KWARGS_PARAM, FamilyProcessor, ProcessedItem, VideoMetadata
-
-MAX_VIDEO_FRAMES_IN_CONTAINER = 1_000_000
-MAX_VIDEO_DURATION_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -38,12 +34,9 @@ class VideoRules:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> VideoRules:
-        limits = VideoLimits(
-            max_pixels=DEFAULT_MAX_IMAGE_PIXELS,
-            max_frames=MAX_VIDEO_FRAMES_IN_CONTAINER,
-            max_duration_s=MAX_VIDEO_DURATION_S,
-            decode_timeout_s=settings.video_decode_timeout_s,
-        )
+        # frames, size and duration a container may declare: VideoLimits' defaults (100,000 frames,
+        # an hour, 8192 x 8192): the header pass reads every packet, ~0.5 s for the largest
+        limits = VideoLimits(decode_timeout_s=settings.video_decode_timeout_s)
         return cls(limits, settings.max_video_frames)
 
 
