@@ -158,3 +158,25 @@ def test_the_same_bytes_by_url_and_data_url_are_one_entry(
     after = server.metrics()
     assert delta(before, after, "mmserve_mm_processor_cache_hits_total") == 1
     assert delta(before, after, "mmserve_encoder_runs_total") == 0
+
+
+def test_videos_through_the_shm_ring_and_past_its_object_size(
+    expected: dict[tuple[str, str], Expected],
+    family_server: Callable[..., Server],
+    family_oracle: Callable[[str], Oracle],
+) -> None:
+    """At fps 2 CLIP_B's tensors (3.9 MiB) go through the ring; CLIP_A's (5.0 MiB) are over the ring's
+    object size and take the normal path; the answers are the cold run's, and a repeat runs no encoder."""
+    family, case, want = "qwen2_5_vl", CASES["two_clips"], expected["qwen2_5_vl", "two_clips"]
+    tokenizer = family_oracle(family).processor.tokenizer
+    server = family_server(
+        family, "--mm-processor-cache-type", "shm", "--mm-shm-cache-max-object-size-mb", "4.5"
+    )
+    before = server.metrics()
+    assert_matches_greedy(ask(server, body(case, family)), tokenizer, want.ids, want.logprobs)
+    cold = server.metrics()
+    assert 3.5 * 2**20 < delta(before, cold, "mmserve_mm_shm_bytes_total") < 5 * 2**20  # CLIP_B only
+    assert_matches_greedy(ask(server, body(case, family)), tokenizer, want.ids, want.logprobs)
+    warm = server.metrics()
+    assert delta(cold, warm, "mmserve_encoder_runs_total") == 0
+    assert delta(cold, warm, "mmserve_mm_shm_bytes_total") == 0
