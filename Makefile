@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention
+.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -83,6 +83,11 @@ bench-ec: setup
 # ~11 min: issue 10's loads on HEAD, 7786cb7 and vLLM's CPU peer (if set up), one server at a time
 bench-engine: setup model
 	$(PY) bench/bench_engine.py --model $(MODEL)
+
+# ~5 min: video on a tiny Qwen2.5-VL: per-clip stage times, TTFT cold / encoder-cache warm / all warm,
+# req/s at 80 % clip reuse with every cache on vs off; draws docs/img/video.png
+bench-video: setup
+	$(PY) bench/bench_video.py
 
 # ~2 min: the worker's LM forward on one step per attention backend (glibc's malloc and the worker's),
 # and the kernel candidates (SDPA with a mask, flex_attention)
