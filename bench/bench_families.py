@@ -8,6 +8,8 @@
 2. Requests per second at concurrency 16 when 80 % of requests reuse one of 20 images of mixed sizes
    (224x224 to 1280x720) and 20 % bring a new one, 16 tokens each: every cache on vs every cache off,
    the same request sequence, in the same run.
+
+Draws both tables into ``--chart`` (docs/img/caches_on_off.png).
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import random
 import statistics
 import tempfile
 from contextlib import ExitStack
+from datetime import date
 from pathlib import Path
 
 import httpx
-from bench_throughput import REPO, chat_body, run_load, start_serve, stream_chat
+from bench_input_scale import machine
+from bench_throughput import REPO, chat_body, git, run_load, start_serve, stream_chat
+from charts import Panel, draw
 from images import jpeg_data_url  # bench/ is on sys.path: scripts run as bench/<name>.py
 
 from workers.families.tiny import build_tiny_model
@@ -98,6 +103,7 @@ def main() -> None:
     parser.add_argument("--families", default="qwen2_vl,qwen3_vl")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--requests", type=int, default=160)
+    parser.add_argument("--chart", type=Path, default=REPO / "docs/img/caches_on_off.png")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="mmserve-bench-families-"))
     results = {}
@@ -118,6 +124,25 @@ def main() -> None:
     for family, (_, rates) in results.items():
         on, off = rates["all caches on"], rates["all caches off"]
         print(f"| {family} | {on:.2f} | {off:.2f} | {on / off:.2f}x |")
+    revision = git("rev-parse", "--short", "HEAD").strip()
+    draw(
+        args.chart,
+        "Every cache on against every cache off: tiny Qwen-VL checkpoints, JPEG images",
+        [
+            Panel(
+                f"TTFT, one 1024x768 JPEG (ms, median of {args.repeats})",
+                "ms",
+                {family: {k: v * 1e3 for k, v in ttft.items()} for family, (ttft, _) in results.items()},
+            ),
+            Panel(
+                "Requests/s, concurrency 16, 80 % reuse of 20 images",
+                "req/s",
+                {family: rates for family, (_, rates) in results.items()},
+                fmt="{:.1f}",
+            ),
+        ],
+        f"bench/bench_families.py · {date.today()} · revision {revision} · {machine()}",
+    )
     print(f"\nlogs: {folder}")
 
 

@@ -23,7 +23,6 @@ import asyncio
 import base64
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 from contextlib import ExitStack
@@ -32,7 +31,7 @@ from pathlib import Path
 
 from bench_families import ALL_OFF, ENCODER_ONLY, MAX_TOKENS, ttft_s
 from bench_input_scale import machine, scrape
-from bench_throughput import REPO, SAMPLING, run_load, start_serve
+from bench_throughput import REPO, SAMPLING, git, run_load, start_serve
 from charts import Panel, draw
 from clips import moving_clip
 
@@ -142,9 +141,7 @@ def throughput_table(model: str, model_dir: Path, folder: Path, num_requests: in
 
 
 def revision() -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=False
-    ).stdout.strip()
+    return git("rev-parse", "--short", "HEAD").strip()
 
 
 def main() -> None:
