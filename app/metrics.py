@@ -164,6 +164,11 @@ class ApiMetrics:
         self.ipc_payload_bytes = counter(
             "mm_ipc_payload_bytes", "Multimodal bytes sent API->engine, keys included."
         )
+        self.ipc_saved_bytes = counter(
+            "mm_ipc_saved_bytes",
+            "Processed-item bytes not sent API->engine because the engine held the item (IPC-mirror "
+            "hits; with shm, ring hits).",
+        )
         self.shm_bytes = counter("mm_shm_bytes", "Processed-item bytes written into the shared-memory ring.")
         self.shm_fallbacks = counter(
             "mm_shm_fallbacks",
@@ -173,6 +178,12 @@ class ApiMetrics:
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Finished requests.", ("finish_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
+            "Time between a request's consecutive tokens reaching the API (an output of k tokens after t "
+            "seconds: k observations of t/k).",
+            STEP_BUCKETS,
+        )
         self.e2e_latency = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
         self.fetch_seconds = histogram(
             "mm_fetch_seconds", "Time to fetch one image's bytes (URL or data URL)."
@@ -187,6 +198,9 @@ class ApiMetrics:
             name: EngineHistogram(f"mmserve_{name}", name.help, buckets)
             for name, buckets in HISTOGRAM_BUCKETS.items()
         }
+        self.http_requests = counter(
+            "http_requests", "HTTP requests answered, by route and status code.", ("route", "status")
+        )
         self.bad_messages = counter(BAD_MESSAGES, BAD_MESSAGES_HELP, ("process", "source")).labels(
             process="api", source="engine"
         )

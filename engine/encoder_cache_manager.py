@@ -48,6 +48,7 @@ class EncoderCacheManager:
         self._evicted: list[str] = []
         self.num_queries = 0
         self.num_hits = 0
+        self.num_hit_tokens = 0  # embeddings the hits reused: vision-encoder output not computed again
 
     @property
     def capacity_tokens(self) -> int:
@@ -81,6 +82,7 @@ class EncoderCacheManager:
         users.add(req_id)
         self._req_entries.setdefault(req_id, {})[mm_hash] = None
         self.num_hits += 1
+        self.num_hit_tokens += self._num_tokens[mm_hash]
         return True
 
     def can_allocate(self, num_tokens: int) -> bool:

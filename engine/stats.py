@@ -60,6 +60,7 @@ class EngineMetrics:
             counters[EngineCounter.EC_LOOKUP_ERRORS] = connector.num_lookup_errors
         counters[EngineCounter.ENCODER_CACHE_QUERIES] = encoder_cache.num_queries
         counters[EngineCounter.ENCODER_CACHE_HITS] = encoder_cache.num_hits
+        counters[EngineCounter.ENCODER_CACHE_HIT_TOKENS] = encoder_cache.num_hit_tokens
         kv_cache = scheduler.kv_cache
         counters[EngineCounter.PREFIX_CACHE_QUERIES] = kv_cache.num_prefix_queries_tokens
         counters[EngineCounter.PREFIX_CACHE_HITS] = kv_cache.num_prefix_hits_tokens

@@ -32,6 +32,10 @@ class EngineCounter(_Named):
         "encoder_cache_hits_total",
         "Encoder-cache lookups that found the item already encoded.",
     )
+    ENCODER_CACHE_HIT_TOKENS = (
+        "encoder_cache_hit_tokens_total",
+        "Embeddings (tokens) of encoder-cache hits: vision-encoder output reused, not computed again.",
+    )
     ENCODER_RUNS = "encoder_runs_total", "Items run through the vision encoder."
     ENGINE_STEPS = "engine_steps_total", "Engine steps run on the worker."
     PREFIX_CACHE_QUERIES = (

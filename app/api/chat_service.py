@@ -163,8 +163,8 @@ class ChatService:
 
     def _advance(self, gen: Generation, out: RequestOutput) -> str:
         """Applies one engine output to ``gen``; returns the new text."""
-        if not gen.token_ids and out.new_token_ids:
-            self.metrics.ttft.observe(time.time() - gen.arrival)
+        if out.new_token_ids:
+            self._observe_latency(gen, len(out.new_token_ids))
         gen.token_ids.extend(out.new_token_ids)
         self.metrics.generation_tokens.inc(len(out.new_token_ids))
         if gen.want_logprobs and out.logprobs:
@@ -181,6 +181,18 @@ class ChatService:
             self.metrics.e2e_latency.observe(time.time() - gen.arrival)
         gen.text += delta
         return delta
+
+    def _observe_latency(self, gen: Generation, num_new_tokens: int) -> None:
+        """TTFT for a request's first tokens; after them, an output of k tokens t seconds after the
+        previous one is k inter-token latencies of t/k (outputs merged under load spread their wait)."""
+        now = time.time()
+        if gen.last_token_at is None:
+            self.metrics.ttft.observe(now - gen.arrival)
+        else:
+            per_token_s = (now - gen.last_token_at) / num_new_tokens
+            for _ in range(num_new_tokens):
+                self.metrics.inter_token_latency.observe(per_token_s)
+        gen.last_token_at = now
 
     async def _collect(self, gen: Generation, outputs: AsyncIterator[RequestOutput]) -> None:
         async for out in outputs:

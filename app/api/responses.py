@@ -26,6 +26,7 @@ class Generation:
     text: str = ""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
+    last_token_at: float | None = None  # unix time the latest output with tokens reached the API
 
     @property
     def created(self) -> int:

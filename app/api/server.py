@@ -9,10 +9,12 @@ from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI
+from starlette.routing import Route
 
 from app.api.chat_service import ChatService
 from app.api.drain import Drain, DrainGuard
 from app.api.error_handlers import install_error_handlers
+from app.api.http_metrics import HttpMetrics
 from app.api.openapi_errors import document_error_envelope
 from app.api.request_guards import RequestGuards
 from app.api.routes import chat, models, ops
@@ -82,6 +84,10 @@ def create_app(
     app.add_middleware(
         RequestGuards, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes
     )
-    for router in (chat.router, models.router, ops.router):
+    routers = (chat.router, models.router, ops.router)
+    for router in routers:
         app.include_router(router)
+    # added last: the outermost middleware, so it sees the guards' refusals too
+    routes = [*app.routes, *(route for router in routers for route in router.routes)]
+    app.add_middleware(HttpMetrics, routes=[route.path for route in routes if isinstance(route, Route)])
     return app

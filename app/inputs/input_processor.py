@@ -287,6 +287,7 @@ class InputProcessor:
                 if media.shm is not None:
                     self.metrics.processor_cache_hits.inc()
                     self.metrics.ipc_cache_hits.inc()
+                    self.metrics.ipc_saved_bytes.inc(media.shm.ref.size)
             if media.shm is not None:
                 media.layout = media.shm.layout
             return media.shm is not None or media.item is not None
@@ -300,6 +301,7 @@ class InputProcessor:
             entry = self.engine.lookup_and_pin(media.mm_hash)
             if entry is not None:
                 self.metrics.ipc_cache_hits.inc()
+                self.metrics.ipc_saved_bytes.inc(entry.num_bytes)
                 media.pinned, media.layout = True, entry.layout
         if media.item is not None:
             media.layout = media.item.layout

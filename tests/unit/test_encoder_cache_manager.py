@@ -23,7 +23,7 @@ def test_two_requests_share_one_entry() -> None:
     assert m.can_allocate(4)
     m.allocate("a", 4, "r1")
     assert m.lookup("a", "r2")
-    assert (m.num_queries, m.num_hits) == (2, 1)
+    assert (m.num_queries, m.num_hits, m.num_hit_tokens) == (2, 1, 4)  # the hit reused 4 embeddings
     assert m.num_used_tokens == 4 and m.num_free_tokens == 6
     m.release("r1", "a")
     assert not m.can_allocate(7)  # "a" still used by r2: nothing to evict
@@ -40,6 +40,7 @@ def test_freeable_entry_is_reused_and_leaves_eviction_order() -> None:
     m.release_all("r1")  # a then b become freeable
     assert "a" in m and m.num_used_tokens == 10
     assert m.lookup("a", "r2")  # revived: no longer freeable
+    assert m.num_hit_tokens == 5
     check(m)
     assert m.can_allocate(5)
     assert m.take_evicted() == ["b"]

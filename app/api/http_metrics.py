@@ -1,0 +1,40 @@
+"""Counts every HTTP response of an API process by route and status code
+(``mmserve_http_requests_total``): the outermost ASGI middleware, so the guards' refusals (401, 413, the
+drain's 503) count as well as the routes' answers. A response counts with the status it started with: an
+error after a stream began goes out as an SSE event under 200 (``app.api.error_handlers``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from app.api.request_guards import ASGIApp, Message, Receive, Scope, Send
+
+OTHER_ROUTE = "other"  # any path the app has no route for: one label value, whatever clients send
+
+
+class HttpMetrics:
+    def __init__(self, app: ASGIApp, *, routes: Iterable[str]) -> None:
+        """``routes``: the app's route paths (all static), the only values of the ``route`` label."""
+        self.app = app
+        self.routes = frozenset(routes)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = "500"  # an exception that escapes the app is answered 500 by the server
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            # the lifespan creates the metrics; a server listens only after it ran
+            state = getattr(scope["app"].state, "mmserve", None)
+            if state is not None:
+                route = scope["path"] if scope["path"] in self.routes else OTHER_ROUTE
+                state.metrics.http_requests.labels(route=route, status=status).inc()

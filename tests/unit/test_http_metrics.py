@@ -1,0 +1,52 @@
+"""``mmserve_http_requests_total{route,status}``: the outermost middleware counts every response, the
+request guards' refusals and unexpected exceptions included, with unknown paths under one label value."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from app.api.http_metrics import OTHER_ROUTE, HttpMetrics
+from app.api.request_guards import RequestGuards
+from app.metrics import ApiMetrics
+from tests.e2e.server import parse_metrics
+
+
+def _app(metrics: ApiMetrics) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def listing() -> dict[str, str]:
+        return {"object": "list"}
+
+    @app.get("/boom")
+    async def boom() -> None:
+        raise RuntimeError("a bug")
+
+    app.add_middleware(RequestGuards, api_key="k", max_body_bytes=10)
+    app.add_middleware(HttpMetrics, routes=["/v1/models", "/boom"])
+    app.state.mmserve = SimpleNamespace(metrics=metrics)
+    return app
+
+
+def test_every_response_is_counted_by_route_and_status() -> None:
+    metrics = ApiMetrics()
+    client = TestClient(_app(metrics), raise_server_exceptions=False)
+    auth = {"Authorization": "Bearer k"}
+    assert client.get("/v1/models", headers=auth).status_code == 200
+    assert client.get("/v1/models", headers=auth).status_code == 200
+    assert client.get("/v1/models").status_code == 401  # refused by the guard, before any route
+    assert client.get("/boom").status_code == 500
+    assert client.get("/nowhere/1").status_code == 404
+    assert client.get("/nowhere/2").status_code == 404
+
+    samples = parse_metrics(metrics.render().decode())
+    counted = {name: value for name, value in samples.items() if name.startswith("mmserve_http_requests")}
+    assert counted == {
+        'mmserve_http_requests_total{route="/v1/models",status="200"}': 2.0,
+        'mmserve_http_requests_total{route="/v1/models",status="401"}': 1.0,
+        'mmserve_http_requests_total{route="/boom",status="500"}': 1.0,
+        f'mmserve_http_requests_total{{route="{OTHER_ROUTE}",status="404"}}': 2.0,
+    }
