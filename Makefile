@@ -12,6 +12,8 @@ PORT  ?= 8000
 $(VENV)/.installed: pyproject.toml
 	# mooncake's wheel (the encoder-cache store) links libibverbs.so.1, even for TCP only
 	ldconfig -p | grep -q libibverbs.so.1 || (apt-get update && apt-get install -y libibverbs1)
+	# Debian's Prometheus (and promtool): tests/e2e/test_monitoring.py runs it on the monitoring profile's files
+	command -v prometheus >/dev/null || (apt-get update && apt-get install -y prometheus)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0

@@ -34,6 +34,11 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 2048, 4096, 8192, 16384)
 EC_BUCKETS = (0.0005, 0.001, 0.0025, *LATENCY_BUCKETS)
 MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+# Label values exported at 0 from the start. A series that appears with its first increment shows no
+# rate() for that increment, so without these the first error of a kind would not show on a dashboard.
+CHAT_ROUTE = "/v1/chat/completions"
+CHAT_STATUSES = ("200", "400", "401", "404", "413", "429", "499", "500", "503")  # every one it answers
+FINISH_REASONS = ("stop", "length")
 
 # Engine counters exported as one family with a label: family -> (help, label, {label value: counter}).
 # Every other counter and every gauge of wire/metric_names.py is a family of its own.
@@ -201,6 +206,10 @@ class ApiMetrics:
         self.http_requests = counter(
             "http_requests", "HTTP requests answered, by route and status code.", ("route", "status")
         )
+        for status in CHAT_STATUSES:
+            self.http_requests.labels(route=CHAT_ROUTE, status=status)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(finish_reason=reason)
         self.bad_messages = counter(BAD_MESSAGES, BAD_MESSAGES_HELP, ("process", "source")).labels(
             process="api", source="engine"
         )

@@ -186,10 +186,10 @@ def start_serve(model_dir: Path, log_dir: Path, *flags: str) -> Server:
     return server
 
 
-def start_proxy(log_dir: Path, encoder_url: str, lm_url: str) -> Server:
-    """``mmserve proxy`` on a free port, returned once it serves (its ``/metrics``: its ``/health`` is
-    503 on purpose when an upstream is down)."""
-    port = free_port()
+def start_proxy(log_dir: Path, encoder_url: str, lm_url: str, port: int | None = None) -> Server:
+    """``mmserve proxy`` on ``port`` (a free one when None), returned once it serves (its ``/metrics``:
+    its ``/health`` is 503 on purpose when an upstream is down)."""
+    port = free_port() if port is None else port
     flags = ["--encoder-url", encoder_url, "--lm-url", lm_url, "--port", str(port), "--timeout", "60"]
     process = ServerProcess(["proxy", *flags], log_dir / f"proxy-{port}.log").start()
     proxy = Server(process, port)

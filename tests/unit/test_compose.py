@@ -142,6 +142,15 @@ def test_schema_validation_catches_mistakes(compose, compose_schema):
     assert any("service_ready" in error or "depends_on" in error for error in errors), errors
 
 
+def test_every_named_volume_is_declared(compose):
+    """The schema does not check it; compose refuses to start a service whose named volume (e.g. the
+    monitoring profile's prometheus-data) is not declared at the top level."""
+    declared = set(compose.get("volumes") or {})
+    for name, service in _services(compose).items():
+        for source, _, _ in _mounts(service):
+            assert source.startswith(("./", "/")) or source in declared, f"{name}: volume {source}"
+
+
 # --- roles and settings -------------------------------------------------------------------------
 
 

@@ -1,5 +1,6 @@
 """``mmserve_http_requests_total{route,status}``: the outermost middleware counts every response, the
-request guards' refusals and unexpected exceptions included, with unknown paths under one label value."""
+request guards' refusals and unexpected exceptions included, with unknown paths under one label value;
+the chat route's statuses are exported at 0 before the first request."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from app.api.http_metrics import OTHER_ROUTE, HttpMetrics
 from app.api.request_guards import RequestGuards
-from app.metrics import ApiMetrics
+from app.metrics import CHAT_ROUTE, CHAT_STATUSES, ApiMetrics
 from tests.e2e.server import parse_metrics
 
 
@@ -43,10 +44,20 @@ def test_every_response_is_counted_by_route_and_status() -> None:
     assert client.get("/nowhere/2").status_code == 404
 
     samples = parse_metrics(metrics.render().decode())
-    counted = {name: value for name, value in samples.items() if name.startswith("mmserve_http_requests")}
+    counted = {
+        name: value for name, value in samples.items() if name.startswith("mmserve_http_requests") and value
+    }
     assert counted == {
         'mmserve_http_requests_total{route="/v1/models",status="200"}': 2.0,
         'mmserve_http_requests_total{route="/v1/models",status="401"}': 1.0,
         'mmserve_http_requests_total{route="/boom",status="500"}': 1.0,
         f'mmserve_http_requests_total{{route="{OTHER_ROUTE}",status="404"}}': 2.0,
     }
+
+
+def test_the_chat_routes_statuses_start_at_zero() -> None:
+    """A series born with its first increment shows no rate() for it: each status is there before."""
+    samples = parse_metrics(ApiMetrics().render().decode())
+    for status in CHAT_STATUSES:
+        assert samples[f'mmserve_http_requests_total{{route="{CHAT_ROUTE}",status="{status}"}}'] == 0.0
+    assert samples['mmserve_request_success_total{finish_reason="length"}'] == 0.0
