@@ -159,7 +159,7 @@ class ApiMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
             return Histogram(f"mmserve_{name}", doc, buckets=buckets, registry=r)
 
-        self.mm_items = counter("mm_items", "Multimodal items (images) received.")
+        self.mm_items = counter("mm_items", "Multimodal items (images and videos) received.")
         self.processor_cache_queries = counter(
             "mm_processor_cache_queries", "Processor-cache lookups (items)."
         )
@@ -191,11 +191,11 @@ class ApiMetrics:
         )
         self.e2e_latency = histogram("e2e_request_latency_seconds", "End-to-end request latency.")
         self.fetch_seconds = histogram(
-            "mm_fetch_seconds", "Time to fetch one image's bytes (URL or data URL)."
+            "mm_fetch_seconds", "Time to fetch one item's bytes (URL or data URL)."
         )
         self.processor_seconds = histogram(
             "mm_processor_seconds",
-            "Image decode + HF processor time of one run (a miss; shared by concurrent misses).",
+            "Decode + processor time of one item (a miss; shared by concurrent misses).",
         )
         self.engine_counters: dict[str, float] = {}
         self.engine_gauges: dict[str, float] = {}
