@@ -23,7 +23,9 @@ class Panel:
 
 
 def draw(path: Path, title: str, panels: list[Panel], footnote: str) -> Path:
-    """Writes ``panels`` side by side to ``path`` (PNG); returns the path."""
+    """Writes ``panels`` side by side to ``path`` (PNG), leaving out those without a value; returns the
+    path."""
+    panels = [panel for panel in panels if any(panel.rows.values())]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
     for ax, panel in zip(axes[0], panels, strict=True):
         bars = list(dict.fromkeys(bar for row in panel.rows.values() for bar in row))
