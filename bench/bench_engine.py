@@ -7,7 +7,8 @@ build, side by side on the tiny LLaVA and the same loads, in one run.
 
 Servers, one at a time (never two at once: they share the cores), each started fresh, warmed up, put through
 every load, stopped with its process group (also on Ctrl-C, SIGTERM and errors):
-- HEAD: ``python -m app.launch.cli serve`` (= ``mmserve serve``) in this checkout, uncommitted edits included;
+- HEAD: ``python -m app.launch.cli serve`` (= ``mmserve serve``; ``app.cli`` in older trees) in this
+  checkout, uncommitted edits included;
 - baseline: the same in a ``git worktree`` of ``--baseline-rev`` under /tmp (its packages shadow the editable
   install: cwd comes first on ``sys.path``), removed at the end;
 - vLLM: ``serve.sh`` of ``--vllm-peer`` (vLLM's OpenAI server on ``tiny-llava-vllm``, the same tensors,

@@ -52,14 +52,20 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def cli_module(tree: Path) -> str:
+    """The CLI's module in ``tree``: ``app.launch.cli``, or ``app.cli`` in revisions before the app
+    subpackages."""
+    return "app.launch.cli" if (tree / "app/launch/cli.py").exists() else "app.cli"
+
+
 class Proc:
-    """``python -m app.launch.cli ROLE ...`` in its own process group, output to a log file."""
+    """``python -m <cli> ROLE ...`` in ``cwd``'s tree, in its own process group, output to a log file."""
 
     def __init__(self, args: list[str], cwd: Path, log_path: Path) -> None:
         self.log_path = log_path
         with log_path.open("wb") as log:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "app.launch.cli", *args],
+                [sys.executable, "-m", cli_module(cwd), *args],
                 cwd=cwd,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 stdout=log,
@@ -118,7 +124,7 @@ def check_reference(tree: Path) -> None:
     files = python("-c", "import app, engine, workers as w; print(app.__file__, engine.__file__, w.__file__)")
     if not all(Path(f).is_relative_to(tree) for f in files.split()):
         raise RuntimeError(f"the reference imports packages outside its worktree: {files}")
-    has_kv_flag = "--kv-cache-tokens" in python("-m", "app.launch.cli", "serve", "--help")
+    has_kv_flag = "--kv-cache-tokens" in python("-m", cli_module(tree), "serve", "--help")
     print(f"reference imports {tree}/{{app,engine,workers}}; has --kv-cache-tokens: {has_kv_flag}")
 
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench_throughput import Proc, free_port, wait_healthy
+from bench_throughput import Proc, cli_module, free_port, wait_healthy
 
 # what keeps the servers comparable: vLLM's serve.sh runs --max-model-len 4096, and these are the step
 # budgets vLLM's CPU OpenAI server defaults to (128 seqs; at most 64 are ever in flight here); the KV pool
@@ -89,7 +89,7 @@ def serving(server: Server, vllm_peer: Path, vllm_dir: Path, folder: Path) -> It
 def mmserve_server(label: str, cwd: Path, model: str) -> Server:
     """``MMSERVE_FLAGS`` less those the tree's ``serve --help`` lacks (each dropped with a note)."""
     help_text = subprocess.run(
-        [sys.executable, "-m", "app.launch.cli", "serve", "--help"],
+        [sys.executable, "-m", cli_module(cwd), "serve", "--help"],
         cwd=cwd,
         capture_output=True,
         text=True,
