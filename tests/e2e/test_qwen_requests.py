@@ -41,21 +41,16 @@ def qwen_oracle(model_dir: Path) -> Oracle:
     return Oracle.load(model_dir)
 
 
+# A 1,024-token KV pool, and an explicit encoder budget of 600 (below the largest item).
+POOL_FLAGS = (
+    "--kv-cache-tokens", "1024", "--block-size", "16", "--max-num-batched-tokens", "256",
+    "--encoder-compute-budget-tokens", "600",
+)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def tiny_pool_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """A 1,024-token KV pool, and an explicit encoder budget of 600 (below the largest item)."""
-    with serving(
-        model_dir,
-        tmp_path_factory.mktemp("qwen-pool"),
-        "--kv-cache-tokens",
-        "1024",
-        "--block-size",
-        "16",
-        "--max-num-batched-tokens",
-        "256",
-        "--encoder-compute-budget-tokens",
-        "600",
-    ) as srv:
+    with serving(model_dir, tmp_path_factory.mktemp("qwen-pool"), *POOL_FLAGS) as srv:
         yield srv
 
 
@@ -161,27 +156,34 @@ def test_a_video_above_the_explicit_budget_is_refused_at_once(tiny_pool_server: 
     assert tiny_pool_server.metrics()["mmserve_num_requests_waiting"] == 0
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_preempted_video_requests_resume_exactly(
-    tiny_pool_server: Server, tiny_model: Callable[[str], Path], family_oracle: Callable[[str], Oracle]
+    family: str,
+    tiny_pool_server: Server,
+    family_server: Callable[..., Server],
+    tiny_model: Callable[[str], Path],
+    family_oracle: Callable[[str], Oracle],
 ) -> None:
-    """Three clips of 4 frame groups (about 340 prompt tokens each, with 32 outputs) on a 1,024-token KV
+    """Three clips of 4 frame groups (340-460 prompt tokens each, with 32 outputs) on a 1,024-token KV
     pool: two fit at once, the third preempts; each answer equals ``generate``'s."""
+    server = tiny_pool_server if family == "qwen3_vl" else family_server(family, *POOL_FLAGS)
+    height = 224 if family == "qwen3_vl" else 280  # patch 16 / 14: about the same placeholder counts
     cases = {
         i: (
-            "qwen3_vl",
+            family,
             Case(
                 f"Preempt the clip {i}.",
-                (make_clip(width=320, height=224, fps=8, num_frames=8, seed=20 + i),),
+                (make_clip(width=320, height=height, fps=8, num_frames=8, seed=20 + i),),
                 {"num_frames": 8},
             ),
         )
         for i in range(3)
     }
     expected = expected_answers(cases, tiny_model, family_oracle)
-    before = tiny_pool_server.metrics()
-    responses = concurrent_bodies(tiny_pool_server, [body(case, "qwen3_vl") for _, case in cases.values()])
-    after = tiny_pool_server.metrics()
+    before = server.metrics()
+    responses = concurrent_bodies(server, [body(case, family) for _, case in cases.values()])
+    after = server.metrics()
     assert delta(before, after, "mmserve_num_preemptions_total") > 0
-    tokenizer = family_oracle("qwen3_vl").processor.tokenizer
+    tokenizer = family_oracle(family).processor.tokenizer
     for i, response in enumerate(responses):
         assert_matches_greedy(response, tokenizer, expected[i].ids, expected[i].logprobs)
