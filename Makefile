@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video
+.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video dashboard-image
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -45,14 +45,18 @@ test-fast: setup
 compose-keys: setup
 	test -f secrets/mmserve-curve.key || $(VENV)/bin/mmserve curve-keygen --out secrets/mmserve-curve.key
 
+# ~3 min: docs/img/dashboard.png, the Grafana dashboard's panels drawn from a real Prometheus's answers
+dashboard-image: setup
+	$(PY) monitoring/draw_dashboard.py
+
 # docs/configuration.md, generated from the settings and the CLI (tests/unit/test_config_doc.py checks it)
 docs: setup
 	$(PY) -m app.launch.config_doc > docs/configuration.md.tmp
 	mv docs/configuration.md.tmp docs/configuration.md
 
 lint: setup
-	$(VENV)/bin/ruff check app engine workers wire bench tests
-	$(VENV)/bin/ruff format --check app engine workers wire bench tests
+	$(VENV)/bin/ruff check app engine workers wire bench tests monitoring
+	$(VENV)/bin/ruff format --check app engine workers wire bench tests monitoring
 	$(VENV)/bin/mypy app engine workers wire
 
 bench: setup model
