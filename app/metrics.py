@@ -18,7 +18,14 @@ import itertools
 import os
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client import values as prometheus_values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -178,6 +185,20 @@ class ApiMetrics:
         self.shm_fallbacks = counter(
             "mm_shm_fallbacks",
             "Items that took the normal path with shm (larger than the object limit, or no free room).",
+        )
+        self.uuid_lookups = counter(
+            "mm_uuid_lookups",
+            "Media ids (uuid) sent without their media: hit (served from a cache) or unknown (400 "
+            "media_uuid_unknown).",
+            ("result",),
+        )
+        for result in ("hit", "unknown"):
+            self.uuid_lookups.labels(result=result)
+        self.uuid_bindings = Gauge(
+            "mmserve_mm_uuid_bindings",
+            "Media-id bindings (uuid -> media) held.",
+            registry=r,
+            multiprocess_mode="max",
         )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")

@@ -189,10 +189,29 @@ class Settings(BaseSettings):
         description="Most requests waiting in the engine's queue; one more gets 429 with Retry-After "
         "(requests already accepted are never dropped).",
     )
-    api_key: str | None = Field(
+    # NoDecode: MMSERVE_API_KEY reaches the validator as text ("k1,k2"), as the repeated flag's list does
+    api_key: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Require 'Authorization: Bearer <key>' on /v1/* and /reset_mm_cache; repeat the flag "
+        "(or give MMSERVE_API_KEY as k1,k2) for several keys, each a tenant with its own media ids "
+        "(default: no auth).",
+    )
+    mm_uuid_cache_entries: int = Field(
+        65536,
+        ge=0,
+        description="Media-id bindings (uuid -> media) kept, least recently used first out; shared by "
+        "the API processes of one server; 0 turns media ids off.",
+    )
+    mm_uuid_store: str | None = Field(
         None,
-        min_length=1,
-        description="Require 'Authorization: Bearer <key>' on /v1/* and /reset_mm_cache (default: no auth).",
+        description="A SQLite file holding the media-id bindings, shared by every API process that names "
+        "it (serve --api-server-count N > 1 sets one in its temporary folder); unset: each API process "
+        "keeps its own in memory.",
+    )
+    tenant_cache_isolation: bool = Field(
+        False,
+        description="Make each API key's own cache salt the default, so tenants share no cache hit of "
+        "any kind (a request's cache_salt then divides its tenant's caches further).",
     )
     curve_key_file: str | None = Field(
         None,
@@ -262,6 +281,19 @@ class Settings(BaseSettings):
             value = json.loads(text) if text.startswith("[") else text.split(",")
         if isinstance(value, list):
             return [str(v).strip().lower().rstrip(".") for v in value if str(v).strip()]
+        return value
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _parse_api_keys(cls, value: Any) -> Any:
+        """A comma-separated list (the environment variable), a list (the repeated flag), or one key."""
+        if isinstance(value, str):
+            value = value.split(",")
+        if isinstance(value, list | tuple):
+            keys = [str(key).strip() for key in value]
+            if any(not key for key in keys):
+                raise ValueError("an API key must not be empty")
+            return list(dict.fromkeys(keys))
         return value
 
     @field_validator("limit_mm_per_prompt", mode="before")

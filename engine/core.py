@@ -120,6 +120,7 @@ class EngineCore:
             raise BadMessage("request id in use", msg.req_id)
         check_vocab(msg, self.vocab_size)
         cache = self.receiver_caches.for_sender(client)
+        mirrored = [f for f in msg.mm_features if not f.borrowed]
         features = [
             (
                 f.mm_hash,
@@ -127,16 +128,25 @@ class EngineCore:
                 sum(frames[r.frame].nbytes for r in f.tensors.values()) if f.tensors else 0,
                 f.store and f.shm is None,
             )
+            for f in mirrored
+        ]
+        applied, missing = cache.apply(msg.evicted_mm_hashes, features)
+        by_feature = iter(applied)
+        items = [
+            self.receiver_caches.find(client, f.mm_hash) if f.borrowed else next(by_feature)
             for f in msg.mm_features
         ]
-        items, missing = cache.apply(msg.evicted_mm_hashes, features)
+        # a borrowed item no partition holds any more: the API answers 400 media_uuid_unknown
+        borrowed_missing = [
+            f.mm_hash for f, item in zip(msg.mm_features, items, strict=True) if item is None and f.borrowed
+        ]
         if self.draining:
             return self._reject(
                 client, msg.req_id, "The server is shutting down.", "server_shutting_down", http_status=503
             )
         self.metrics.count(EngineCounter.IPC_CACHE_RESENDS, len(missing))
         stale = self._stale_shm_refs(msg.mm_features)
-        missing += stale
+        missing += stale + borrowed_missing
         if missing:
             return self._reject(
                 client,
@@ -162,6 +172,7 @@ class EngineCore:
                 sampling=msg.sampling,
                 mm_features=[msgspec.structs.replace(f, tensors=None, store=False) for f in msg.mm_features],
                 mm_items=mm_items,
+                cache_salt=msg.cache_salt,
             )
         )
         return {}

@@ -43,12 +43,20 @@ _I64 = struct.Struct("<q")
 
 
 def hash_block(
-    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple[tuple[str, int], ...]
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: tuple[tuple[str, int], ...],
+    cache_salt: str | None = None,
 ) -> BlockHash:
     """blake3 over a length-prefixed encoding of the parent hash (tagged, so "no parent" differs from
-    every parent), the block's token ids and the extra keys (mm_hash, placeholder offset)."""
+    every parent, and a first block's cache salt from every other first block), the block's token ids
+    and the extra keys (mm_hash, placeholder offset). Only a first block takes the salt: every later
+    block covers it through its parent."""
     hasher = blake3.blake3(_HASH_DOMAIN)
-    if parent is None:
+    if parent is None and cache_salt is not None:
+        salt = cache_salt.encode("utf-8")
+        hasher.update(b"\x02" + _U64.pack(len(salt)) + salt)
+    elif parent is None:
         hasher.update(b"\x00")
     else:
         hasher.update(b"\x01" + _U64.pack(len(parent)) + parent)
@@ -79,6 +87,7 @@ class KVRequest(Protocol):
 
     req_id: str
     num_computed_tokens: int
+    cache_salt: str | None  # folded into the first block's hash: other salts share no block
 
     @property
     def num_tokens(self) -> int: ...  # prompt + generated
@@ -255,7 +264,8 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), num_blocks):
             start, end = i * size, (i + 1) * size
-            parent = hash_block(parent, token_ids[start:end], block_extra_keys(req.mm_features, start, end))
+            extra_keys = block_extra_keys(req.mm_features, start, end)
+            parent = hash_block(parent, token_ids[start:end], extra_keys, req.cache_salt if i == 0 else None)
             hashes.append(parent)
         return hashes
 

@@ -65,6 +65,12 @@ class ReceiverCache(Generic[V]):
         self._items.move_to_end(mm_hash)
         return entry[0]
 
+    def peek(self, mm_hash: str) -> V | None:
+        """The item, not touched (another API process's borrowed use must not reorder this partition,
+        which mirrors its own API's decisions only); None when not held."""
+        entry = self._items.get(mm_hash)
+        return entry[0] if entry is not None else None
+
     def clear(self) -> None:
         self._items.clear()
         self._num_bytes = 0
@@ -111,6 +117,17 @@ class ReceiverCachePartitions(Generic[V]):
         if cache is None:
             cache = self._caches[identity] = ReceiverCache()
         return cache
+
+    def find(self, identity: bytes, mm_hash: str) -> V | None:
+        """A borrowed item (``MMFeature.borrowed``): from the sender's own partition if it holds it, else
+        from any other, touching none; None when no partition holds it."""
+        own = self._caches.get(identity)
+        if own is not None and (item := own.peek(mm_hash)) is not None:
+            return item
+        for cache in self._caches.values():
+            if (item := cache.peek(mm_hash)) is not None:
+                return item
+        return None
 
     def drop(self, identity: bytes) -> None:
         """Forget a sender's partition (the API process went away); unknown identities are ignored."""

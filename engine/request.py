@@ -40,6 +40,7 @@ class Request:
     sampling: SamplingParams
     mm_features: list[MMFeature]  # placements (tensors stripped)
     mm_items: dict[str, MMItem]  # mm_hash -> item, resolved at admission
+    cache_salt: str | None = None  # the request's cache scope: its first KV block's hash covers it
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission

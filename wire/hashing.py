@@ -2,7 +2,12 @@
 
 The hash is blake3 over a framed byte stream::
 
-    bytes(MAGIC)  str(model_id)  str(modality)  bytes(data)  dict(options)
+    bytes(MAGIC)  str(model_id)  str(modality)  bytes(data)  dict(options)           (no cache salt)
+    bytes(SALTED) str(model_id)  str(modality)  bytes(data)  dict(options)  str(salt)
+
+A cache salt (docs/architecture.md, "Cache salts and media ids") makes every cache keyed by mm_hash --
+processor cache, IPC mirror, shm ring, receiver cache, encoder cache, connector -- see another key for the
+same media, so requests with different salts share no hit.
 
 Every value is written as ``tag (1 byte) | length (8 bytes, big-endian) | payload``; containers carry
 their element count as length and their elements follow, each framed the same way. The encoding is
@@ -21,6 +26,7 @@ from typing import Any, Protocol
 import blake3
 
 MAGIC = b"mmserve.mm_hash.v1"
+SALTED = b"mmserve.mm_hash.salted.v1"
 
 _TAG_NONE = b"N"
 _TAG_BOOL = b"?"
@@ -59,16 +65,24 @@ def framed_stream(domain: bytes, *values: Any) -> bytes:
 
 
 def mm_hash(
-    *, model_id: str, modality: str, data: bytes | bytearray | memoryview, options: Mapping[str, Any]
+    *,
+    model_id: str,
+    modality: str,
+    data: bytes | bytearray | memoryview,
+    options: Mapping[str, Any],
+    salt: str | None = None,
 ) -> str:
     """Hex digest identifying the processed result of ``data`` under ``options`` for ``model_id``.
 
     ``data`` must be the media's original encoded bytes (not the URL, not decoded pixels), so the same
     file sent by URL or as a data URL hashes alike. ``options`` holds every option that can change the
     processed result; values may be None, bool, int, float, str, bytes, lists/tuples and str-keyed
-    mappings, nested. Raises TypeError for anything else (an internal bug, not a user error).
+    mappings, nested. Raises TypeError for anything else (an internal bug, not a user error). ``salt``
+    (a request's cache scope, ``CacheScope.salt``) gives the same media another key; None is no salt.
     """
-    return framed_digest(MAGIC, model_id, modality, bytes(data), dict(options))
+    if salt is None:
+        return framed_digest(MAGIC, model_id, modality, bytes(data), dict(options))
+    return framed_digest(SALTED, model_id, modality, bytes(data), dict(options), salt)
 
 
 def _write_all(sink: _Sink, domain: bytes, values: tuple[Any, ...]) -> None:

@@ -114,6 +114,10 @@ class MMFeature(msgspec.Struct, frozen=True):
     num_span_tokens: NonNegInt = 0  # prompt tokens the item covers; 0: num_tokens (placeholders only)
     # Qwen2.5-VL videos: seconds between temporal groups (M-RoPE spaces them by it); None elsewhere
     second_per_grid_t: Annotated[float, Meta(gt=0.0, le=3600.0)] | None = None
+    # A media id's item the sender's mirror does not hold (bound through another API process): key only,
+    # outside the mirror's decisions; the engine takes it from any receiver-cache partition that holds
+    # it, touching none, or reports it missing.
+    borrowed: bool = False
 
     @property
     def end(self) -> int:
@@ -133,6 +137,9 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     sampling: SamplingParams
     mm_features: list[MMFeature] = []
     evicted_mm_hashes: list[str] = []
+    # the request's cache scope (``CacheScope.salt``, a digest): folded into its first KV block's hash,
+    # so requests of different salts share no prefix-cache hit (their mm_hashes already differ)
+    cache_salt: Annotated[str, Meta(max_length=128)] | None = None
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):

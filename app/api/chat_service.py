@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.api.detokenizer import IncrementalDetokenizer
 from app.api.error_handlers import sse_error_event
+from app.api.request_guards import request_tenant
 from app.api.responses import Generation, chunk, completion, final_usage_chunk, logprob_entries, sse
 from app.api.schemas import ChatCompletionRequest
 from app.errors import (
@@ -29,6 +30,7 @@ from app.errors import (
 )
 from app.inputs.engine_client import EngineClient, EngineGone
 from app.inputs.input_processor import InputProcessor, PreparedRequest
+from app.inputs.media_ids import CacheScope
 from app.metrics import ApiMetrics
 from wire.protocol import ErrorInfo, RequestOutput, SamplingParams
 
@@ -72,8 +74,14 @@ class ChatService:
             raise EngineUnavailableError("The engine is not ready.")
         arrival = time.time()
         req_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prepared = await self.inputs.prepare(body.messages, body.mm_processor_kwargs or {})
+        scope = CacheScope.of(
+            tenant=request_tenant(raw.scope),
+            cache_salt=body.cache_salt,
+            isolate_tenants=self.inputs.settings.tenant_cache_isolation,
+        )
+        prepared = await self.inputs.prepare(body.messages, body.mm_processor_kwargs or {}, scope)
         queue, first = await self._submit(body, prepared, req_id)
+        self.inputs.count_uuid_hits(prepared)
         self.metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
         gen = Generation(
             req_id=req_id,

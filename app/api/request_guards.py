@@ -2,7 +2,8 @@
 parsed or buffered first):
 
     1. auth        with --api-key: /v1/* and /reset_mm_cache need ``Authorization: Bearer <key>``
-                   (compared in constant time); /health, /metrics and the OpenAPI docs stay open
+                   (compared in constant time with every key); /health, /metrics and the OpenAPI docs
+                   stay open. The key's tenant (``tenant_of``) goes into the scope for the routes
     2. body size   a Content-Length over --max-request-body-mb -> 413 without reading the body; a body
                    without one (chunked) is counted as it streams and refused the moment it passes
 
@@ -19,6 +20,7 @@ from fastapi import HTTPException
 
 from app.api.error_handlers import error_response
 from app.errors import AuthenticationError, MMServeError, RequestTooLargeError
+from wire.hashing import framed_digest
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -27,12 +29,26 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 GUARDED_PREFIXES = ("/v1/", "/reset_mm_cache")
+TENANT_SCOPE_KEY = "mmserve.tenant"  # the request's tenant; absent without API keys
+TENANT_DOMAIN = b"mmserve.tenant.v1"
+
+
+def tenant_of(api_key: str) -> str:
+    """A tenant's id: a digest of its API key (the key itself never leaves the guard)."""
+    return framed_digest(TENANT_DOMAIN, api_key)[:32]
+
+
+def request_tenant(scope: Scope) -> str:
+    """The tenant ``RequestGuards`` found for this request; "" when the server has no API keys."""
+    return str(scope.get(TENANT_SCOPE_KEY, ""))
 
 
 class RequestGuards:
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, api_key: str | list[str] | None, max_body_bytes: int) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key is not None else None
+        keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        # (expected header, tenant) per key; every key is compared, so timing tells nothing of which
+        self.expected = [(f"Bearer {key}".encode(), tenant_of(key)) for key in keys]
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -40,14 +56,19 @@ class RequestGuards:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"].startswith(GUARDED_PREFIXES):
+        if self.expected and scope["path"].startswith(GUARDED_PREFIXES):
             given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            tenant = None
+            for expected, key_tenant in self.expected:
+                if hmac.compare_digest(given, expected):
+                    tenant = key_tenant
+            if tenant is None:
                 message = "Missing API key." if not given else "Incorrect API key provided."
                 await refuse(
                     AuthenticationError(message + " Send 'Authorization: Bearer <key>'."), scope, send
                 )
                 return
+            scope[TENANT_SCOPE_KEY] = tenant
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await refuse(self._too_large(), scope, send)

@@ -9,8 +9,8 @@ OpenAI wire format sends as ``null`` stay, and a stream delta drops its unset ``
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Annotated, Any, Literal
+from uuid import uuid4
 
 from pydantic import (
     BaseModel,
@@ -36,9 +36,34 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+MAX_UUID_CHARS = 128
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def _check_uuid(uuid: Any) -> Any:
+    """A media id: 1-128 printable characters (docs/api.md, "Media ids")."""
+    if uuid is None:
+        return None
+    if not isinstance(uuid, str):
+        raise ValueError(f"uuid must be a string, got {type(uuid).__name__}")
+    if not 1 <= len(uuid) <= MAX_UUID_CHARS or not uuid.isprintable() or not uuid.strip():
+        raise ValueError(f"uuid must be 1 to {MAX_UUID_CHARS} printable characters")
+    return uuid
+
+
+MediaUuid = Annotated[str | None, BeforeValidator(_check_uuid)]
+
+
 class TextContentPart(_Request):
     type: Literal["text"]
     text: str
+    uuid: Any = Field(None, exclude=True)
+
+    @field_validator("uuid")
+    @classmethod
+    def _no_uuid(cls, uuid: Any) -> None:
+        if uuid is not None:
+            raise ValueError("uuid is only allowed on image_url and video_url parts")
 
 
 class ImageURL(_Request):
@@ -46,9 +71,24 @@ class ImageURL(_Request):
     detail: Literal["auto", "low", "high"] | None = None  # accepted, not used
 
 
+def _media_or_uuid(media: Any, info: ValidationInfo) -> Any:
+    """A media part leaves its media out (``null`` or no key) only with a uuid naming media sent before."""
+    if media is None and "uuid" in info.data and info.data["uuid"] is None:
+        msg = "{name} is required unless the part carries a uuid of media sent before"
+        raise PydanticCustomError("missing", msg, {"name": info.field_name})
+    return media
+
+
 class ImageURLContentPart(_Request):
     type: Literal["image_url"]
-    image_url: ImageURL
+    uuid: MediaUuid = None  # declared before the media: its validator reads it
+    image_url: ImageURL | None = Field(None, validate_default=True)
+
+    _check_media = field_validator("image_url")(_media_or_uuid)
+
+    @property
+    def url(self) -> str | None:
+        return self.image_url.url if self.image_url is not None else None
 
 
 class VideoURL(_Request):
@@ -57,7 +97,14 @@ class VideoURL(_Request):
 
 class VideoURLContentPart(_Request):
     type: Literal["video_url"]
-    video_url: VideoURL
+    uuid: MediaUuid = None
+    video_url: VideoURL | None = Field(None, validate_default=True)
+
+    _check_media = field_validator("video_url")(_media_or_uuid)
+
+    @property
+    def url(self) -> str | None:
+        return self.video_url.url if self.video_url is not None else None
 
 
 ContentPart = TextContentPart | ImageURLContentPart | VideoURLContentPart
@@ -139,6 +186,8 @@ class ChatCompletionRequest(_Request):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=_INT64_MAX)
     mm_processor_kwargs: dict[str, Any] | None = None
+    # vLLM's: requests with different salts share no cache hit of any kind (docs/api.md, "Cache salts")
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, strict=True)
 
     @field_validator(
         "stream", "temperature", "top_p", "n", "logprobs", "frequency_penalty", "presence_penalty",
@@ -251,7 +300,7 @@ class ChatCompletionChoice(BaseModel):
 
 
 class ChatCompletionResponse(BaseModel):
-    id: str = Field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    id: str = Field(default_factory=lambda: f"chatcmpl-{uuid4().hex}")
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str

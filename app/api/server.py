@@ -24,6 +24,7 @@ from app.inputs.input_processor import InputProcessor
 from app.inputs.preprocess.pool import PreprocessPool
 from app.inputs.preprocess.video_item import VideoRules
 from app.inputs.processor_cache import ProcessorCache
+from app.inputs.shared_media_ids import media_ids_for
 from app.inputs.shm_store import ShmObjectStore
 from app.media.fetch import MediaFetcher
 from app.media.url_policy import MediaPolicy
@@ -63,7 +64,8 @@ def create_app(
         # connect elsewhere than the checked address, so they are not used for image fetches.
         http = httpx.AsyncClient(follow_redirects=False, trust_env=False)
         media = MediaFetcher(MediaPolicy.from_settings(settings), http)
-        inputs = InputProcessor(settings, family, processor_cache, engine, metrics, media, pool)
+        media_ids = media_ids_for(settings)
+        inputs = InputProcessor(settings, family, processor_cache, engine, metrics, media, pool, media_ids)
         chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics)
         app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, drain)
         try:

@@ -185,6 +185,7 @@ class EngineClient:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         items: Sequence[OutgoingItem],
+        cache_salt: str | None = None,
     ) -> asyncio.Queue[RequestOutput | EngineGone] | None:
         """Stage 7 of the request path, in one synchronous step (docs/architecture.md, "IPC mirror",
         rules 1-3): the mirror decides each item not in the shm ring (HIT: key only; STORE or UNCACHED:
@@ -194,12 +195,10 @@ class EngineClient:
         Returns None, sending nothing, when an item pinned as a hit has left the mirror since (engine
         restart, reset) and its tensors are not at hand: the caller resolves the request again."""
         try:
-            if any(
-                i.placement.shm is None and i.item is None and i.placement.mm_hash not in self._mirror
-                for i in items
-            ):
+            # the ring's items and borrowed media ids bypass the mirror
+            by_mirror = [i for i in items if i.placement.shm is None and not i.placement.borrowed]
+            if any(i.item is None and i.placement.mm_hash not in self._mirror for i in by_mirror):
                 return None
-            by_mirror = [i for i in items if i.placement.shm is None]  # the ring's items bypass it
             mirror_decisions, evicted = self._mirror.record_request(
                 [
                     MirrorItem(i.placement.mm_hash, i.item.num_bytes if i.item else 0, i.layout)
@@ -213,7 +212,7 @@ class EngineClient:
             for outgoing in items:
                 placement = outgoing.placement
                 payload_bytes += len(placement.mm_hash)
-                decision = None if placement.shm is not None else next(decisions)
+                decision = None if placement.shm is not None or placement.borrowed else next(decisions)
                 if decision is None or decision is MirrorDecision.HIT:  # a ring reference, or a key only
                     features.append(placement)
                     continue
@@ -229,6 +228,7 @@ class EngineClient:
                 sampling=sampling,
                 mm_features=features,
                 evicted_mm_hashes=evicted,
+                cache_salt=cache_salt,
             )
             queue = self._add_request(msg, frames)
             self.metrics.ipc_payload_bytes.inc(payload_bytes)

@@ -40,6 +40,14 @@ from typing import Any, TypeVar
 from app.errors import InvalidRequestError, MMServeError
 from app.inputs.engine_client import EngineClient, EngineGone, OutgoingItem
 from app.inputs.known_data_urls import KnownDataUrls
+from app.inputs.media_ids import (
+    UNSCOPED,
+    CacheScope,
+    LocalMediaIds,
+    MediaBinding,
+    MediaIds,
+    binding_key,
+)
 from app.inputs.preprocess.pool import PreprocessPool
 from app.inputs.processor_cache import ProcessorCache
 from app.inputs.prompts import PromptBuilder
@@ -70,6 +78,12 @@ class MediaInput:
     options: dict[str, Any]  # its kind's validated mm_processor_kwargs (part of its mm_hash)
     item: ProcessedItem | None = None  # processed tensors, when this API process has them
     layout: ItemLayout | None = None  # known once looked up or processed
+    uuid_only: bool = False  # sent as a media id alone: served from a cache or refused, never processed
+    bind_uuid: str | None = None  # sent with media and this id: bound once its layout is known
+    # a media id's binding layout, when the binding came with one (a shared store): what the item needs
+    # to be borrowed from another API process's receiver-cache partition
+    bound_layout: ItemLayout | None = None
+    borrowed: bool = False  # sent as a key only outside the mirror (MMFeature.borrowed)
     pinned: bool = False  # found in the mirror and pinned until the request is sent
     shm: ShmEntry | None = None  # in this API's shm ring, one reference held until the request is sent
     payload_only: bool = False  # the engine found its shm reference stale: send the tensors instead
@@ -81,13 +95,15 @@ class PreparedRequest:
     items: list[MediaInput]
     prompt_token_ids: list[int] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # each item's (first, end) token
+    scope: CacheScope = UNSCOPED  # its tenant and salt: media ids are bound under them
 
 
 @dataclass(frozen=True)
 class MediaPart:
     kind: MediaKind
-    url: str
+    url: str | None  # None: left out, named by ``uuid``
     param: str
+    uuid: str | None = None
 
 
 def normalise_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], list[MediaPart]]:
@@ -104,22 +120,23 @@ def normalise_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], list[
         for j, part in enumerate(content):
             if part.type == "text":
                 parts.append({"type": "text", "text": part.text})
-            elif part.type == "video_url":
-                parts.append({"type": "video"})
-                media.append(
-                    MediaPart(
-                        MediaKind.VIDEO, part.video_url.url, f"messages[{i}].content[{j}].video_url.url"
-                    )
-                )
             else:
-                parts.append({"type": "image"})
-                media.append(
-                    MediaPart(
-                        MediaKind.IMAGE, part.image_url.url, f"messages[{i}].content[{j}].image_url.url"
-                    )
-                )
+                kind = MediaKind.VIDEO if part.type == "video_url" else MediaKind.IMAGE
+                parts.append({"type": kind.value})
+                where = f"messages[{i}].content[{j}]"
+                param = f"{where}.{part.type}.url" if part.url is not None else f"{where}.uuid"
+                media.append(MediaPart(kind, part.url, param, part.uuid))
         rendered.append({"role": message.role, "content": parts})
     return rendered, media
+
+
+def media_uuid_unknown(uuid: str | None, param: str, detail: str) -> InvalidRequestError:
+    named = f"The media id {uuid!r}" if uuid is not None else "This media id"
+    return InvalidRequestError(
+        f"{named} names no media this server holds{detail}. Send the media again with the uuid.",
+        param=param,
+        code="media_uuid_unknown",
+    )
 
 
 async def gather_or_cancel(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
@@ -145,8 +162,10 @@ class InputProcessor:
         metrics: ApiMetrics,
         media: MediaFetcher,
         pool: PreprocessPool,
+        media_ids: MediaIds | None = None,
     ) -> None:
         self.settings = settings
+        self.media_ids = media_ids if media_ids is not None else LocalMediaIds(settings.mm_uuid_cache_entries)
         self.pool = pool
         self.family = family
         self.processor_cache = processor_cache
@@ -160,27 +179,57 @@ class InputProcessor:
 
     # -- stages 1-3 -------------------------------------------------------------------------------
 
-    async def prepare(self, messages: list[Any], mm_processor_kwargs: dict[str, Any]) -> PreparedRequest:
+    async def prepare(
+        self, messages: list[Any], mm_processor_kwargs: dict[str, Any], scope: CacheScope = UNSCOPED
+    ) -> PreparedRequest:
         rendered, parts = normalise_messages(messages)
         self._check_parts(parts)
         options = self._options(parts, mm_processor_kwargs)
         budget = RequestImageBudget(self.settings.max_request_image_bytes)
-        url_keys = [self._data_url_key(part, options[part.kind]) for part in parts]
-        known = [self._known_data_urls.get(key) if key is not None else None for key in url_keys]
-        if all(k is not None for k in known):  # only data URLs hashed before: nothing to await
-            items = [
-                self._known_item(part, options[part.kind], budget, k)
-                for part, k in zip(parts, known, strict=True)
-            ]
-        else:
-            items = await gather_or_cancel(
+        # media ids first: an unknown one is refused before anything is fetched
+        items: list[MediaInput | None] = [
+            self._named_item(part, options[part.kind], scope) if part.url is None else None for part in parts
+        ]
+        pending: list[tuple[int, MediaPart, str | None]] = []
+        for i, part in enumerate(parts):
+            if part.url is None:
+                continue
+            url_key = self._data_url_key(part, options[part.kind], scope)
+            known = self._known_data_urls.get(url_key) if url_key is not None else None
+            if known is not None:  # a data URL hashed before: nothing to await
+                items[i] = self._known_item(part, options[part.kind], budget, known)
+            else:
+                pending.append((i, part, url_key))
+        if pending:
+            fetched = await gather_or_cancel(
                 [
-                    self._fetch_and_hash(part, options[part.kind], budget, key, k)
-                    for part, key, k in zip(parts, url_keys, known, strict=True)
+                    self._fetch_and_hash(part, options[part.kind], budget, key, scope)
+                    for _, part, key in pending
                 ]
             )
+            for (i, _, _), fetched_item in zip(pending, fetched, strict=True):
+                items[i] = fetched_item
+        ready = [media for media in items if media is not None]
+        assert len(ready) == len(parts)
+        for part, media in zip(parts, ready, strict=True):
+            if part.uuid is not None and part.url is not None:  # media with its id: (re)bound in resolve
+                media.bind_uuid = part.uuid
         prompt = self._prompts.render(rendered)
-        return PreparedRequest(prompt, items)
+        return PreparedRequest(prompt, ready, scope=scope)
+
+    def _named_item(self, part: MediaPart, options: dict[str, Any], scope: CacheScope) -> MediaInput:
+        """A media part left out and named by its uuid: the item its binding names, or a 400 when the
+        uuid names nothing here (never bound, another tenant's or salt's, or bound with other options)."""
+        assert part.uuid is not None
+        binding = self.media_ids.get(binding_key(scope, part.uuid))
+        if binding is None or binding.kind != part.kind or dict(binding.options) != options:
+            self.metrics.uuid_lookups.labels(result="unknown").inc()
+            detail = "" if binding is None else f" as a {part.kind} with these mm_processor_kwargs"
+            raise media_uuid_unknown(part.uuid, part.param, detail)
+        self.metrics.mm_items.inc()
+        media = MediaInput(part.kind, binding.mm_hash, None, "", part.param, options, uuid_only=True)
+        media.bound_layout = binding.layout
+        return media
 
     def _check_parts(self, parts: list[MediaPart]) -> None:
         """Per-prompt limits by kind, and videos only for a family that takes them."""
@@ -215,12 +264,12 @@ class InputProcessor:
             options[MediaKind.VIDEO] = self.family.hash_video_options(mm_processor_kwargs)
         return options
 
-    def _data_url_key(self, part: MediaPart, options: dict[str, Any]) -> str | None:
+    def _data_url_key(self, part: MediaPart, options: dict[str, Any], scope: CacheScope) -> str | None:
         """The ``KnownDataUrls`` key of a data URL; None for any other URL."""
-        if not is_data_url(part.url):
+        if part.url is None or not is_data_url(part.url):
             return None
         return KnownDataUrls.key(
-            model_id=self.family.model_id, modality=part.kind, url=part.url, options=options
+            model_id=self.family.model_id, modality=part.kind, url=part.url, options=options, salt=scope.salt
         )
 
     def _known_item(
@@ -238,6 +287,7 @@ class InputProcessor:
             budget.add(num_bytes)
         self.metrics.fetch_seconds.observe(0.0)
         self.metrics.mm_items.inc()
+        assert part.url is not None
         return MediaInput(part.kind, digest, None, part.url, part.param, options)
 
     async def _fetch_and_hash(
@@ -246,10 +296,9 @@ class InputProcessor:
         options: dict[str, Any],
         budget: RequestImageBudget,
         url_key: str | None,
-        known: tuple[str, int] | None,
+        scope: CacheScope,
     ) -> MediaInput:
-        if known is not None:
-            return self._known_item(part, options, budget, known)
+        assert part.url is not None
         start = time.perf_counter()
         data = await load_media_bytes(
             part.url,
@@ -260,7 +309,9 @@ class InputProcessor:
         )
         self.metrics.fetch_seconds.observe(time.perf_counter() - start)
         self.metrics.mm_items.inc()
-        digest = mm_hash(model_id=self.family.model_id, modality=part.kind, data=data, options=options)
+        digest = mm_hash(
+            model_id=self.family.model_id, modality=part.kind, data=data, options=options, salt=scope.salt
+        )
         if url_key is not None:
             self._known_data_urls.put(url_key, digest, len(data))
         return MediaInput(part.kind, digest, data, part.url, part.param, options)
@@ -270,10 +321,33 @@ class InputProcessor:
     async def resolve(self, prepared: PreparedRequest) -> None:
         """Makes every item's layout known and its tensors available unless the engine holds it."""
         misses = [item for item in prepared.items if not self._lookup(item)]
-        await asyncio.gather(*(self._process(item) for item in misses))
+        for media in misses:
+            if media.uuid_only:  # no bytes to process: another API process's partition, or a 400
+                self._borrow_or_refuse(media)
+        await asyncio.gather(*(self._process(item) for item in misses if not item.uuid_only))
         layouts = [item.layout for item in prepared.items]
         assert all(layout is not None for layout in layouts)
         prepared.prompt_token_ids, prepared.spans = self._prompts.tokenize(prepared.prompt, layouts)  # type: ignore[arg-type]
+        for media in prepared.items:
+            if media.bind_uuid is not None:
+                binding = MediaBinding(media.mm_hash, media.kind, media.options, media.layout)
+                self.media_ids.bind(binding_key(prepared.scope, media.bind_uuid), binding)
+                self.metrics.uuid_bindings.set(len(self.media_ids))
+
+    def _borrow_or_refuse(self, media: MediaInput) -> None:
+        """A media id's item that no cache of this API process holds: with a shared bindings store (and
+        no shm ring) it may be in another API process's receiver-cache partition, so it is sent as a
+        borrowed key, which the engine resolves or reports missing (``refuse_missing``); else 400."""
+        if media.bound_layout is None or not self.media_ids.shared or self.engine.shm is not None:
+            self.metrics.uuid_lookups.labels(result="unknown").inc()
+            raise media_uuid_unknown(None, media.param, " any more: no cache holds its item")
+        media.borrowed, media.layout = True, media.bound_layout
+
+    def count_uuid_hits(self, prepared: PreparedRequest) -> None:
+        """Called once the engine accepted the request: each media id sent alone was served."""
+        for media in prepared.items:
+            if media.uuid_only:
+                self.metrics.uuid_lookups.labels(result="hit").inc()
 
     def _lookup(self, media: MediaInput) -> bool:
         """Processor cache, then the mirror (a hit is pinned); with shm, the ring (a hit holds a
@@ -372,9 +446,12 @@ class InputProcessor:
 
     def send_payloads(self, prepared: PreparedRequest, mm_hashes: list[str]) -> None:
         """The engine found these items' shm references stale (``EngineClient.forget`` dropped them):
-        send those items' tensors with the request from now on."""
+        send those items' tensors with the request from now on. A media id sent alone has none: 400."""
         for media in prepared.items:
             if media.mm_hash in mm_hashes:
+                if media.borrowed:
+                    self.metrics.uuid_lookups.labels(result="unknown").inc()
+                    raise media_uuid_unknown(None, media.param, " any more: no cache holds its item")
                 media.payload_only = True
 
     # -- stage 7 ----------------------------------------------------------------------------------
@@ -401,10 +478,13 @@ class InputProcessor:
                 grid_thw=layout.grid_thw,
                 num_span_tokens=end - first if end - first != layout.num_tokens else 0,
                 second_per_grid_t=layout.second_per_grid_t,
+                borrowed=media.borrowed,
             )
             outgoing.append(OutgoingItem(placement, layout, media.item, media.pinned))
         try:
-            queue = self.engine.send_request(req_id, prepared.prompt_token_ids, sampling, outgoing)
+            queue = self.engine.send_request(
+                req_id, prepared.prompt_token_ids, sampling, outgoing, cache_salt=prepared.scope.salt
+            )
         finally:
             for media in prepared.items:  # send_request released the pins, sent or not
                 media.pinned = False

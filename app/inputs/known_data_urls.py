@@ -26,8 +26,10 @@ class KnownDataUrls:
         self._entries: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     @staticmethod
-    def key(*, model_id: str, modality: str, url: str, options: Mapping[str, Any]) -> str:
-        return framed_digest(DATA_URL_DOMAIN, model_id, modality, url, dict(options))
+    def key(
+        *, model_id: str, modality: str, url: str, options: Mapping[str, Any], salt: str | None = None
+    ) -> str:
+        return framed_digest(DATA_URL_DOMAIN, model_id, modality, url, dict(options), salt)
 
     def get(self, key: str) -> tuple[str, int] | None:
         """(mm_hash, decoded size in bytes) of a known URL, now the most recently used; else None."""

@@ -21,6 +21,9 @@ ROLES = {
 }
 
 
+REPEATABLE = {"api_key"}  # settings whose flag may be given several times (a list)
+
+
 def is_env_only(name: str) -> bool:
     """A setting read from its environment variable only (a secret: a flag would show in ``ps``)."""
     extra = Settings.model_fields[name].json_schema_extra
@@ -35,10 +38,17 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
         default = "model's own limit" if name == "max_model_len" else field.default
         if name == "limit_mm_per_prompt":
             default = ",".join(f"{k}={v}" for k, v in field.default.items())
+        if name in REPEATABLE:
+            default = "none"
         help_text = f"{field.description} (default: {default}; env MMSERVE_{name.upper()})"
         if field.annotation is bool:
             action = argparse.BooleanOptionalAction
             parser.add_argument(flag, dest=name, default=None, action=action, help=help_text)
+        elif name in REPEATABLE:
+            metavar = name.split("_")[-1].upper()
+            parser.add_argument(
+                flag, dest=name, default=None, action="append", metavar=metavar, help=help_text
+            )
         else:
             metavar = name.split("_")[-1].upper()
             parser.add_argument(flag, dest=name, default=None, metavar=metavar, help=help_text)

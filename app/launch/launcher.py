@@ -227,6 +227,8 @@ def _private_addresses(settings: Settings, folder: str) -> Settings:
         update["engine_addr"] = f"ipc://{folder}/engine.sock"
     if "worker_addr" not in explicit:
         update["worker_addr"] = f"ipc://{folder}/worker.sock"
+    if "mm_uuid_store" not in explicit and settings.api_server_count > 1:
+        update["mm_uuid_store"] = f"{folder}/media-ids.sqlite"  # one binding table for every API process
     return Settings(**{**settings.model_dump(exclude_unset=True), **update})
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import greedy_body, make_image, user_message
+from tests.e2e.conftest import data_url, greedy_body, make_image, user_message
 from tests.e2e.server import (
     Server,
     alive,
@@ -136,6 +136,30 @@ def test_two_processes_share_the_load_and_the_totals(server: Server) -> None:
     after = metrics_by_process(server)[0][0]
     hits = delta(before, after, "mmserve_mm_ipc_cache_hits_total")
     assert 2 * len(IMAGES) - hits == new_sightings
+    assert after["mmserve_mm_ipc_cache_resends_total"] == 0.0
+
+
+def test_a_media_id_bound_through_one_process_is_served_through_the_other(server: Server) -> None:
+    part: dict[str, Any] = {"type": "image_url", "image_url": {"url": data_url(make_image(95))}, "uuid": "p"}
+    payload = greedy_body([{"role": "user", "content": [part, {"type": "text", "text": "?"}]}], MAX_TOKENS)
+    bound = post(server, payload)
+    assert bound.status_code == 200, bound.text
+    expected = bound.json()["choices"][0]["message"]["content"]
+    part["image_url"] = None
+    before = metrics_by_process(server)[0][0]
+    answered_by: set[int] = set()
+    for _ in range(60):  # new connections until both processes answered (the kernel picks one each)
+        resp = post(server, payload)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["message"]["content"] == expected
+        answered_by.add(api_process(resp))
+        if answered_by == {0, 1}:
+            break
+    assert answered_by == {0, 1}
+    after = metrics_by_process(server)[0][0]
+    assert delta(before, after, "mmserve_mm_processor_seconds_count") == 0  # nothing processed again
+    assert delta(before, after, "mmserve_encoder_runs_total") == 0
+    assert delta(before, after, 'mmserve_mm_uuid_lookups_total{result="hit"}') >= 2
     assert after["mmserve_mm_ipc_cache_resends_total"] == 0.0
 
 

@@ -148,3 +148,12 @@ def test_a_model_without_video_says_what_it_takes(server: Server) -> None:
     error = refused(server, chat(data_url(GOOD), model="tiny-llava"))
     assert error["code"] == "unsupported_modality" and "text and images" in error["message"]
     assert error["param"] == "messages[0].content[0]"
+
+
+def test_more_videos_than_the_limit_are_refused_before_any_is_fetched(qwen: Server) -> None:
+    payload = chat(data_url(GOOD))
+    video = payload["messages"][0]["content"][0]
+    payload["messages"][0]["content"] = [video] * 5 + payload["messages"][0]["content"][1:]  # default 4
+    error = refused(qwen, payload)
+    assert error["code"] == "mm_limit_exceeded" and "video=4" in error["message"]
+    assert error["param"] == "messages"

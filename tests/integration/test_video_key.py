@@ -27,6 +27,8 @@ from workers.families.errors import FamilyInputError
 from workers.families.processing import FamilyProcessor, ProcessedItem
 from workers.families.qwen_vl.video_processing import VideoKind
 
+pytestmark = pytest.mark.slow  # real decoding and processing of generated clips, per family
+
 CLIP = make_clip(width=64, height=48, fps=10, num_frames=30, seed=3)  # 3 s
 RULES = VideoRules(VideoLimits(), max_sampled_frames=64)
 PIXELS = st.sampled_from([28 * 28 * 4, 28 * 28 * 8, 28 * 28 * 16, 28 * 28 * 64])

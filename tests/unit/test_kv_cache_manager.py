@@ -22,6 +22,7 @@ class Req:
     mm_features: list[MMFeature] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +115,9 @@ def test_hash_block_separates_every_field() -> None:
         hash_block(None, [1, 2, 3], (("b", 0), ("a", 0))),
         hash_block(None, [1, 2, 3], (("ab", 0),)),
         hash_block(b"", [1, 2, 3], ()),  # an empty parent is not "no parent"
+        hash_block(None, [1, 2, 3], (), cache_salt="s"),  # a salted first block
+        hash_block(None, [1, 2, 3], (), cache_salt="t"),
+        hash_block(None, [1, 2, 3], (), cache_salt=""),
     ]
     assert len({base, *variants}) == len(variants) + 1
 
@@ -199,6 +203,14 @@ def test_same_prompt_shares_full_blocks_only() -> None:
     assert (computed, num_hit) == ([0, 1], 8)  # block 2 holds 2 tokens: never shared
     assert admit(m, b) == [0, 1, 3]
     assert m._pool.ref_count(0) == m._pool.ref_count(1) == 2 and m._pool.ref_count(3) == 1
+
+
+def test_requests_of_other_salts_share_no_block() -> None:
+    m = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    admit(m, Req("a", list(range(10)), cache_salt="one"))
+    assert m.get_computed_blocks(Req("b", list(range(10)), cache_salt="one")) == (m.block_ids("a")[:2], 8)
+    for salt in ("two", None):
+        assert m.get_computed_blocks(Req("c", list(range(10)), cache_salt=salt)) == ([], 0)
 
 
 def test_hit_leaves_at_least_one_token_to_compute() -> None:

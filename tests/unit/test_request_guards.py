@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI, Request
 
 from app.api.error_handlers import install_error_handlers
-from app.api.request_guards import RequestGuards
+from app.api.request_guards import RequestGuards, request_tenant, tenant_of
 from app.settings import Settings
 
 KEY = "sk-test-123"
@@ -114,4 +114,34 @@ def test_settings() -> None:
 
 def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MMSERVE_API_KEY", KEY)
-    assert Settings().api_key == KEY
+    assert Settings().api_key == [KEY]
+    monkeypatch.setenv("MMSERVE_API_KEY", f"{KEY}, sk-other")  # several keys: one tenant each
+    assert Settings().api_key == [KEY, "sk-other"]
+    monkeypatch.setenv("MMSERVE_API_KEY", f"{KEY},,sk-other")
+    with pytest.raises(ValueError):
+        Settings()
+
+
+def test_each_key_is_a_tenant_of_its_own() -> None:
+    app = FastAPI()
+    install_error_handlers(app)
+    app.add_middleware(RequestGuards, api_key=[KEY, "sk-other"], max_body_bytes=CAP)
+
+    @app.post("/v1/tenant")
+    async def tenant(request: Request) -> dict[str, str]:
+        return {"tenant": request_tenant(request.scope)}
+
+    tenants = [
+        call(app, "POST", "/v1/tenant", headers={"Authorization": f"Bearer {key}"}).json()["tenant"]
+        for key in (KEY, "sk-other", KEY)
+    ]
+    assert tenants[0] == tenants[2] == tenant_of(KEY) and tenants[1] == tenant_of("sk-other")
+    assert tenants[0] != tenants[1] and KEY not in tenants[0]
+    assert call(app, "POST", "/v1/tenant", headers={"Authorization": "Bearer sk-third"}).status_code == 401
+
+
+def test_the_flag_repeats(tmp_path: object) -> None:
+    from app.launch.cli import build_parser, settings_from_args
+
+    args = build_parser().parse_args(["api", "--api-key", KEY, "--api-key", "sk-other"])
+    assert settings_from_args(args).api_key == [KEY, "sk-other"]
