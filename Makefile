@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video dashboard-image
+.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video bench-media-ids dashboard-image
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -75,7 +75,7 @@ bench-throughput: setup model
 bench-load: setup model
 	$(PY) bench/bench_load.py --model $(MODEL)
 
-# ~10 min: issue 8's input path at scale: cold-miss req/s for 1-2 API processes x 1, 2, 4 preprocessing
+# ~10 min: the input path at scale: cold-miss req/s for 1-2 API processes x 1, 2, 4 preprocessing
 # workers; 90 % image reuse, lru vs shm processor cache; bytes copied per miss on each path
 bench-input-scale: setup model
 	$(PY) bench/bench_input_scale.py --model $(MODEL)
@@ -86,7 +86,7 @@ bench-input-scale: setup model
 bench-ec: setup
 	$(PY) bench/bench_ec.py
 
-# ~11 min: issue 10's loads on HEAD, 7786cb7 and vLLM's CPU peer (if set up), one server at a time
+# ~11 min: the engine-step loads on HEAD, 7786cb7 and vLLM's CPU peer (if set up), one server at a time
 bench-engine: setup model
 	$(PY) bench/bench_engine.py --model $(MODEL)
 
@@ -94,6 +94,11 @@ bench-engine: setup model
 # req/s at 80 % clip reuse with every cache on vs off; draws docs/img/video.png
 bench-video: setup
 	$(PY) bench/bench_video.py
+
+# ~3 min: eight 1024x1024 JPEGs at 100 % reuse, sent every time vs named by uuid alone, beside text-only
+# requests of the same prompt length: req/s, TTFT, API CPU per request; draws docs/img/media_ids.png
+bench-media-ids: setup model
+	$(PY) bench/bench_media_ids.py --model $(MODEL)
 
 # ~2 min: the worker's LM forward on one step per attention backend (glibc's malloc and the worker's),
 # and the kernel candidates (SDPA with a mask, flex_attention)

@@ -136,9 +136,21 @@ class EngineCore:
             self.receiver_caches.find(client, f.mm_hash) if f.borrowed else next(by_feature)
             for f in msg.mm_features
         ]
-        # a borrowed item no partition holds any more: the API answers 400 media_uuid_unknown
+        # a borrowed item no partition holds: served from its encoder output if the encoder cache holds it
+        # (held by the request from admission on), else missing (the API answers 400 media_uuid_unknown)
+        scheduler = self.scheduler
+        encoder_only = {
+            f.mm_hash
+            for f, item in zip(msg.mm_features, items, strict=True)
+            if item is None
+            and f.borrowed
+            and isinstance(scheduler, Scheduler)  # an encoder-only instance has only items to encode
+            and scheduler.holds_encoder_output(f.mm_hash)
+        }
         borrowed_missing = [
-            f.mm_hash for f, item in zip(msg.mm_features, items, strict=True) if item is None and f.borrowed
+            f.mm_hash
+            for f, item in zip(msg.mm_features, items, strict=True)
+            if item is None and f.borrowed and f.mm_hash not in encoder_only
         ]
         if self.draining:
             return self._reject(
@@ -173,6 +185,7 @@ class EngineCore:
                 mm_features=[msgspec.structs.replace(f, tensors=None, store=False) for f in msg.mm_features],
                 mm_items=mm_items,
                 cache_salt=msg.cache_salt,
+                encoder_only_hashes=encoder_only,
             )
         )
         return {}

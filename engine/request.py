@@ -48,6 +48,9 @@ class Request:
     finish_reason: FinishReason | None = None
     # mm_hashes whose encoder-cache entry this request currently uses (acquired, not yet released)
     encoder_hashes_in_use: set[str] = field(default_factory=set)
+    # mm_hashes admitted without their processed item (a media id whose encoder output is cached): used
+    # from admission to the end, through preemption, since nothing could encode them again
+    encoder_only_hashes: set[str] = field(default_factory=set)
     # mm_hashes already looked up once (an item that waits for budget is not counted again)
     encoder_hashes_queried: set[str] = field(default_factory=set)
     sent_to_worker: bool = False

@@ -127,8 +127,19 @@ class Scheduler:
         )
 
     def add_request(self, request: Request) -> None:
+        """Queues a request. Its encoder-only items (``Request.encoder_only_hashes``, checked held by
+        ``holds_encoder_output`` in the same synchronous step) become its entries at once and stay so
+        until it finishes: an eviction would leave nothing to encode them from."""
         self.requests[request.req_id] = request
         self.waiting.append(request)
+        for mm_hash in request.encoder_only_hashes:
+            held = self.encoder_cache.lookup(mm_hash, request.req_id)
+            assert held, f"encoder-only item {mm_hash} is not in the encoder cache"
+            request.encoder_hashes_in_use.add(mm_hash)
+
+    def holds_encoder_output(self, mm_hash: str) -> bool:
+        """Whether the encoder cache holds ``mm_hash``'s output (in use or freeable)."""
+        return mm_hash in self.encoder_cache
 
     def abort(self, req_id: str) -> Request | None:
         request = self.requests.get(req_id)
@@ -252,8 +263,9 @@ class Scheduler:
         it will recompute its tokens (prompt + outputs so far) and continue where it stopped."""
         self.running.remove(request)
         self.kv_cache.free(request.req_id)
-        self.encoder_cache.release_all(request.req_id)
-        request.encoder_hashes_in_use.clear()
+        for mm_hash in request.encoder_hashes_in_use - request.encoder_only_hashes:
+            self.encoder_cache.release(request.req_id, mm_hash)
+        request.encoder_hashes_in_use &= request.encoder_only_hashes
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
@@ -343,7 +355,7 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue
             request.num_computed_tokens += num_tokens
-            for mm_hash in list(request.encoder_hashes_in_use):
+            for mm_hash in list(request.encoder_hashes_in_use - request.encoder_only_hashes):
                 if request.num_computed_tokens >= request.mm_last_end[mm_hash]:
                     request.encoder_hashes_in_use.discard(mm_hash)
                     self.encoder_cache.release(req_id, mm_hash)

@@ -80,8 +80,7 @@ class MediaInput:
     layout: ItemLayout | None = None  # known once looked up or processed
     uuid_only: bool = False  # sent as a media id alone: served from a cache or refused, never processed
     bind_uuid: str | None = None  # sent with media and this id: bound once its layout is known
-    # a media id's binding layout, when the binding came with one (a shared store): what the item needs
-    # to be borrowed from another API process's receiver-cache partition
+    # a media id's binding layout: what the item needs to be placed when the engine alone still has it
     bound_layout: ItemLayout | None = None
     borrowed: bool = False  # sent as a key only outside the mirror (MMFeature.borrowed)
     pinned: bool = False  # found in the mirror and pinned until the request is sent
@@ -335,10 +334,11 @@ class InputProcessor:
                 self.metrics.uuid_bindings.set(len(self.media_ids))
 
     def _borrow_or_refuse(self, media: MediaInput) -> None:
-        """A media id's item that no cache of this API process holds: with a shared bindings store (and
-        no shm ring) it may be in another API process's receiver-cache partition, so it is sent as a
-        borrowed key, which the engine resolves or reports missing (``refuse_missing``); else 400."""
-        if media.bound_layout is None or not self.media_ids.shared or self.engine.shm is not None:
+        """A media id's item that no cache of this API process holds: the engine may still have it (in
+        another API process's receiver-cache partition, or its encoder output in the encoder cache), so
+        it is sent as a borrowed key, which the engine serves or reports missing (``send_payloads``: a
+        400). Without its layout (how many placeholders, which grid) it cannot be placed: a 400 now."""
+        if media.bound_layout is None:
             self.metrics.uuid_lookups.labels(result="unknown").inc()
             raise media_uuid_unknown(None, media.param, " any more: no cache holds its item")
         media.borrowed, media.layout = True, media.bound_layout

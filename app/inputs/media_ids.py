@@ -66,9 +66,7 @@ def binding_key(scope: CacheScope, uuid: str) -> BindingKey:
 class MediaIds(Protocol):
     """The uuid bindings of one server: ``LocalMediaIds`` in one API process, or
     ``app.inputs.shared_media_ids.SharedMediaIds`` across the API processes of ``serve
-    --api-server-count N`` (``shared``: a binding may name an item another API process holds)."""
-
-    shared: bool
+    --api-server-count N``."""
 
     def bind(self, key: BindingKey, binding: MediaBinding) -> None: ...
 
@@ -80,8 +78,6 @@ class MediaIds(Protocol):
 class LocalMediaIds:
     """Bindings in this process, least recently used out past ``max_entries`` (0: none kept). Called
     from the event loop only."""
-
-    shared = False
 
     def __init__(self, max_entries: int) -> None:
         self.max_entries = max_entries

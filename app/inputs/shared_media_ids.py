@@ -43,8 +43,6 @@ def media_ids_for(settings: Settings) -> MediaIds:
 
 
 class SharedMediaIds:
-    shared = True
-
     def __init__(self, path: str | Path, max_entries: int) -> None:
         self.max_entries = max_entries
         # autocommit off by hand: every call opens its own IMMEDIATE transaction

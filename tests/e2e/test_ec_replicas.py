@@ -52,6 +52,21 @@ def test_replica_b_loads_what_replica_a_encoded(replicas: tuple[Server, Server, 
     assert delta(b_before, b_after, "mmserve_ec_saves_total") == 0, "loaded outputs are not saved again"
 
 
+def test_another_salt_loads_nothing_from_the_store(replicas: tuple[Server, Server, Path]) -> None:
+    a, b, _ = replicas
+    body = greedy_body([user_message("Salted?", make_image(705))], max_tokens=8, cache_salt="a")
+    answer = ask(a, body)
+    before = b.metrics()
+    assert ask(b, {**body, "cache_salt": "b"}) == answer
+    middle = b.metrics()
+    assert ask(b, body) == answer
+    after = b.metrics()
+    assert delta(before, middle, "mmserve_ec_loads_total") == 0  # no hit across salts
+    assert delta(before, middle, "mmserve_encoder_runs_total") == 1
+    assert delta(middle, after, "mmserve_ec_loads_total") == 1  # the same salt loads A's encode
+    assert delta(middle, after, "mmserve_encoder_runs_total") == 0
+
+
 def test_a_corrupt_entry_is_encoded_locally(replicas: tuple[Server, Server, Path]) -> None:
     a, b, store = replicas
     body = greedy_body([user_message("And now?", make_image(710))], max_tokens=8)

@@ -1,7 +1,7 @@
 """Media ids and cache salts on a real server: a ``uuid`` sent with media names that content for its tenant
 and salt; sent alone it is served from the caches without fetching, decoding or encoding, or refused
 with 400 ``media_uuid_unknown`` (never another item's answer); ``cache_salt`` shares no cache hit of any
-kind across salts, and ``--tenant-cache-isolation`` none across API keys."""
+kind across salts, and with ``--tenant-cache-isolation`` (on here) none across API keys."""
 
 from __future__ import annotations
 
@@ -23,11 +23,20 @@ KEYS = ("sk-tenant-one", "sk-tenant-two")
 # room for one processed LLaVA image (1.35 MB) in the processor cache and in the IPC cache: a second
 # image evicts the first from both
 ONE_ITEM_GB = "0.002"
+ENCODER_CACHE_IMAGES = 8192 // 576  # the default encoder-cache space holds 14 LLaVA images
 
 
 @pytest.fixture(scope="module")
 def ids_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    flags = ["--api-key", KEYS[0], "--api-key", KEYS[1], "--max-model-len", "2048"]
+    flags = [
+        "--api-key",
+        KEYS[0],
+        "--api-key",
+        KEYS[1],
+        "--tenant-cache-isolation",
+        "--max-model-len",
+        "2048",
+    ]
     flags += ["--mm-processor-cache-gb", ONE_ITEM_GB, "--mm-ipc-cache-gb", ONE_ITEM_GB]
     with serving(tiny_model_dir, tmp_path_factory.mktemp("media-ids"), *flags) as srv:
         yield srv
@@ -99,14 +108,32 @@ def test_a_uuid_sent_with_other_media_rebinds(ids_server: Server) -> None:
     assert answer(ids_server, image_part(None, "photo")) == second_answer  # and is what the id names now
 
 
-def test_an_evicted_item_is_refused_then_served_again_when_resent(ids_server: Server) -> None:
+def test_an_item_only_the_encoder_cache_holds_is_served_from_it(ids_server: Server) -> None:
     image = make_image(504)
-    expected = answer(ids_server, image_part(image, "evicted"))
+    expected = answer(ids_server, image_part(image, "encoded"))
     answer(ids_server, image_part(make_image(505)))  # evicts it from the processor and IPC caches
+    before = ids_server.metrics()
+    assert answer(ids_server, image_part(None, "encoded")) == expected
+    after = ids_server.metrics()
+    assert delta(before, after, "mmserve_mm_processor_seconds_count") == 0
+    assert delta(before, after, "mmserve_mm_processor_cache_hits_total") == 0  # not from those caches
+    assert delta(before, after, "mmserve_mm_ipc_cache_hits_total") == 0
+    assert delta(before, after, "mmserve_encoder_runs_total") == 0
+    assert delta(before, after, 'mmserve_mm_uuid_lookups_total{result="hit"}') == 1
+
+
+def test_an_item_evicted_from_every_cache_is_refused_then_served_again_when_resent(
+    ids_server: Server,
+) -> None:
+    image = make_image(506)
+    expected = answer(ids_server, image_part(image, "evicted"))
+    for seed in range(600, 600 + ENCODER_CACHE_IMAGES + 1):  # past the encoder cache's room too
+        answer(ids_server, image_part(make_image(seed)))
     before = ids_server.metrics()
     assert_unknown(post(ids_server, image_part(None, "evicted")))
     after = ids_server.metrics()
     assert delta(before, after, 'mmserve_mm_uuid_lookups_total{result="unknown"}') == 1
+    assert delta(before, after, "mmserve_mm_processor_seconds_count") == 0
     assert answer(ids_server, image_part(image, "evicted")) == expected
     assert answer(ids_server, image_part(None, "evicted")) == expected
 
@@ -171,17 +198,16 @@ def test_salts_share_no_cache_hit_and_never_change_the_answer(ids_server: Server
     assert delta(middle, after, "mmserve_encoder_runs_total") == 1
 
 
-def test_tenant_isolation_keeps_each_keys_caches_apart(
-    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    flags = ["--api-key", KEYS[0], "--api-key", KEYS[1], "--tenant-cache-isolation"]
-    with serving(tiny_model_dir, tmp_path_factory.mktemp("isolated"), *flags) as srv:
-        image = make_image(540)
-        first = answer(srv, image_part(image))
-        before = srv.metrics()
-        assert answer(srv, image_part(image), key=KEYS[1]) == first
-        middle = srv.metrics()
-        assert answer(srv, image_part(image)) == first
-        after = srv.metrics()
+def test_tenant_isolation_keeps_each_keys_caches_apart(ids_server: Server) -> None:
+    image = make_image(540)
+    first = answer(ids_server, image_part(image))
+    before = ids_server.metrics()
+    assert answer(ids_server, image_part(image), key=KEYS[1]) == first
+    middle = ids_server.metrics()
+    assert answer(ids_server, image_part(image)) == first  # evicted from the one-item caches by then
+    assert answer(ids_server, image_part(image)) == first
+    after = ids_server.metrics()
     assert cache_hits(before, middle) == dict.fromkeys(cache_hits(before, middle), 0.0)
+    assert delta(before, middle, "mmserve_encoder_runs_total") == 1
+    assert delta(middle, after, "mmserve_encoder_runs_total") == 0  # the first key's entry was kept
     assert all(hits > 0 for hits in cache_hits(middle, after).values()), cache_hits(middle, after)

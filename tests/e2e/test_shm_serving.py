@@ -109,25 +109,60 @@ def ring_files(root_pid: int) -> list[Path]:
     return [path for path in DEV_SHM.glob("mmserve.*.ring-*") if int(path.name.split(".")[1]) in api_pids]
 
 
-def test_a_stale_reference_is_resent_with_its_payload(tiny_model_dir: Path, log_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def shm_server(tiny_model_dir: Path, log_dir: Path) -> Iterator[Server]:
     with serving(tiny_model_dir, log_dir, *COMMON, *SMALL, *SHM) as server:
-        url = f"{server.base_url}/v1/chat/completions"
-        request = body(0, [A])
-        first = httpx.post(url, json=request, timeout=120).json()["choices"][0]["message"]["content"]
-        before = server.metrics()
-        assert server.process.proc is not None
-        (ring,) = ring_files(server.process.proc.pid)
-        ring.write_bytes(b"\0" * ring.stat().st_size)  # every chunk header now names item 0
-        resp = httpx.post(url, json=request, timeout=120)
+        yield server
+
+
+def test_salts_and_media_ids_through_the_ring(shm_server: Server) -> None:
+    """Another cache_salt is another ring entry (no hit, written again); a media id sent alone is
+    served from the ring."""
+    server = shm_server
+    url = f"{server.base_url}/v1/chat/completions"
+
+    def ask(part: dict[str, Any], **extra: Any) -> str:
+        message = {"role": "user", "content": [part, {"type": "text", "text": "Which?"}]}
+        resp = httpx.post(url, json=greedy_body([message], 8, **extra), timeout=120)
         assert resp.status_code == 200, resp.text
-        assert resp.json()["choices"][0]["message"]["content"] == first
-        after = server.metrics()
-        assert delta(before, after, "mmserve_mm_shm_stale_refs_total") == 1
-        assert delta(before, after, "mmserve_mm_ipc_payload_bytes_total") > 1_000_000  # the payload went
-        # the stale entry was forgotten: the next request writes the item into the ring again
-        again = httpx.post(url, json=request, timeout=120).json()["choices"][0]["message"]["content"]
-        assert again == first
-        assert delta(after, server.metrics(), "mmserve_mm_shm_stale_refs_total") == 0
+        return str(resp.json()["choices"][0]["message"]["content"])
+
+    with_media = {**user_message("", E)["content"][0], "uuid": "e"}
+    first = ask(with_media, cache_salt="one")
+    before = server.metrics()
+    assert ask(with_media, cache_salt="one") == first
+    middle = server.metrics()
+    assert ask(with_media, cache_salt="two") == first
+    after = server.metrics()
+    assert delta(before, middle, "mmserve_mm_ipc_cache_hits_total") == 1  # a ring hit
+    assert delta(before, middle, "mmserve_mm_shm_bytes_total") == 0
+    assert delta(middle, after, "mmserve_mm_ipc_cache_hits_total") == 0  # the other salt's entry
+    assert delta(middle, after, "mmserve_mm_shm_bytes_total") > 1_000_000  # written anew
+    assert delta(middle, after, "mmserve_encoder_runs_total") == 1
+    alone = {"type": "image_url", "image_url": None, "uuid": "e"}
+    assert ask(alone, cache_salt="two") == first
+    assert delta(after, server.metrics(), "mmserve_mm_processor_seconds_count") == 0
+
+
+def test_a_stale_reference_is_resent_with_its_payload(shm_server: Server) -> None:
+    server = shm_server  # the module's: the zeroed ring makes earlier tests' items stale too
+    url = f"{server.base_url}/v1/chat/completions"
+    request = body(0, [A])
+    first = httpx.post(url, json=request, timeout=120).json()["choices"][0]["message"]["content"]
+    before = server.metrics()
+    assert server.process.proc is not None
+    (ring,) = ring_files(server.process.proc.pid)
+    ring.write_bytes(b"\0" * ring.stat().st_size)  # every chunk header now names item 0
+    resp = httpx.post(url, json=request, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == first
+    after = server.metrics()
+    assert delta(before, after, "mmserve_mm_shm_stale_refs_total") == 1
+    assert delta(before, after, "mmserve_mm_ipc_payload_bytes_total") > 1_000_000  # the payload went
+    # the stale entry was forgotten: the next request writes the item into the ring again
+    again = httpx.post(url, json=request, timeout=120).json()["choices"][0]["message"]["content"]
+    assert again == first
+    assert delta(after, server.metrics(), "mmserve_mm_shm_stale_refs_total") == 0
 
 
 def test_nothing_left_in_dev_shm_after_sigkill_and_a_new_start(tiny_model_dir: Path, log_dir: Path) -> None:

@@ -69,6 +69,6 @@ def test_a_shared_store_serves_every_process_that_opens_it(tmp_path: Path) -> No
 
 
 def test_settings_pick_the_store(tmp_path: Path) -> None:
-    assert not media_ids_for(Settings()).shared
+    assert isinstance(media_ids_for(Settings()), LocalMediaIds)
     shared = media_ids_for(Settings(mm_uuid_store=str(tmp_path / "ids.sqlite")))
-    assert shared.shared
+    assert isinstance(shared, SharedMediaIds)
