@@ -7,8 +7,10 @@ the same prompt length, on one server, in one run.
 Each load: ``--requests`` streamed requests of 16 tokens at concurrency 16, keep-alive connections, every
 prompt's text numbered (no two equal). Before the loads every image is sent once with its uuid, so
 100 % of the image requests hit every cache. Per load (median over ``--rounds`` rounds, the three loads
-interleaved within each): requests/s, TTFT p50, the API's CPU time per request (the API process and its
-preprocessing processes, from /proc), and the request body's size. Draws ``--chart``.
+interleaved within each): requests/s, TTFT p50, CPU time per request of the API (its process and its
+preprocessing processes), the engine and the worker (from /proc), and the request body's size. Text-only
+prompts start with the same filler (a shared prefix, as each image is for one request in eight). Draws
+``--chart``.
 """
 
 from __future__ import annotations
@@ -36,24 +38,36 @@ LOADS = ("media every time", "uuid only", "text only")
 TICKS_PER_S = 100  # os.sysconf("SC_CLK_TCK") on Linux
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and of its children titled ``mmserve: preprocess``."""
-    pids = [pid]
+def cpu_by_role(pid: int) -> dict[str, float]:
+    """User + system CPU seconds of ``serve``'s processes by role: ``api`` (the ``serve`` process, which
+    is API process 0, and its preprocessing processes), ``engine`` and ``worker``."""
+    roles = {"api": _cpu_s(pid), "engine": 0.0, "worker": 0.0}
     for child in Path("/proc").glob("[0-9]*"):
         try:
-            if (child / "cmdline").read_bytes().startswith(b"mmserve: preprocess") and _parent(child) == pid:
-                pids.append(int(child.name))
-        except OSError:
+            title = (child / "cmdline").read_bytes().split(b"\0")[0].decode()
+            if not title.startswith("mmserve: ") or not _descends(child, pid):
+                continue
+            role = {"preprocess": "api"}.get(title.removeprefix("mmserve: "), title.removeprefix("mmserve: "))
+            if role in roles:
+                roles[role] += _cpu_s(int(child.name))
+        except (OSError, ValueError):
             continue
-    total = 0.0
-    for p in pids:
-        fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
-        total += (int(fields[11]) + int(fields[12])) / TICKS_PER_S
-    return total
+    return roles
 
 
-def _parent(proc: Path) -> int:
-    return int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S
+
+
+def _descends(proc: Path, ancestor: int) -> bool:
+    while True:
+        parent = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+        if parent == ancestor:
+            return True
+        if parent <= 1:
+            return False
+        proc = Path(f"/proc/{parent}")
 
 
 class Bodies:
@@ -67,8 +81,8 @@ class Bodies:
         self.serial += 1
         text = f"Request {self.serial}: what does this picture show?"
         uuid = f"image-{i % NUM_IMAGES}"
-        if load == "text only":
-            return json.dumps(chat_body(self.model, text + self.filler, None, MAX_TOKENS)).encode()
+        if load == "text only":  # the filler first, shared by every prompt, as an image is by 1 in 8
+            return json.dumps(chat_body(self.model, self.filler + text, None, MAX_TOKENS)).encode()
         body = chat_body(self.model, text, self.images[i % NUM_IMAGES], MAX_TOKENS)
         part = body["messages"][0]["content"][0]  # type: ignore[index]
         part["uuid"] = uuid
@@ -91,21 +105,24 @@ def filler_for(base_url: str, model: str, image: str) -> int:
     text = "Request 1: what does this picture show?"
     with_image = prompt_tokens(base_url, chat_body(model, text, image, MAX_TOKENS))
     base = prompt_tokens(base_url, chat_body(model, text, None, MAX_TOKENS))
-    per_word = prompt_tokens(base_url, chat_body(model, text + " a" * 100, None, MAX_TOKENS)) - base
+    per_word = prompt_tokens(base_url, chat_body(model, " a" * 100 + text, None, MAX_TOKENS)) - base
     return round((with_image - base) * 100 / per_word)
 
 
 def run_load(base_url: str, pid: int, bodies: list[bytes]) -> dict[str, float]:
-    before = cpu_s(pid)
+    before = cpu_by_role(pid)
     wall_s, answers = asyncio.run(send(base_url, iter((b, False) for b in bodies), CONCURRENCY, 600.0))
-    api_cpu_s = cpu_s(pid) - before
+    after = cpu_by_role(pid)
     result = Result(wall_s, answers, MAX_TOKENS)
     if result.failures() != "0":
         raise RuntimeError(f"failed requests: {result.failures()}")
+    cpu_ms = {role: 1e3 * (after[role] - before[role]) / len(bodies) for role in after}
     return {
         "req/s": result.req_per_s,
         "TTFT p50 ms": result.ttft_ms(50) or 0.0,
-        "API CPU ms/req": 1e3 * api_cpu_s / len(bodies),
+        "API CPU ms/req": cpu_ms["api"],
+        "engine CPU ms/req": cpu_ms["engine"],
+        "worker CPU ms/req": cpu_ms["worker"],
         "request KB": statistics.mean(len(b) for b in bodies) / 1e3,
     }
 
@@ -145,11 +162,12 @@ def main() -> None:
     print(f"\n{machine()}, revision {revision}, {date.today()}")
     print(f"\n{args.requests} requests per load, concurrency {CONCURRENCY}, {MAX_TOKENS} tokens, median of "
           f"{args.rounds} rounds:")  # fmt: skip
-    print("| load | req/s | TTFT p50 | API CPU per request | request body |")
+    print("| load | req/s | TTFT p50 | CPU per request: API / engine / worker | request body |")
     print("|---|---|---|---|---|")
     for load, row in table.items():
+        cpu = " / ".join(f"{row[f'{role} CPU ms/req']:.2f}" for role in ("API", "engine", "worker"))
         print(
-            f"| {load} | {row['req/s']:.1f} | {row['TTFT p50 ms']:.0f} ms | {row['API CPU ms/req']:.2f} ms "
+            f"| {load} | {row['req/s']:.1f} | {row['TTFT p50 ms']:.0f} ms | {cpu} ms "
             f"| {row['request KB']:.1f} KB |"
         )
     media, uuid, text = (table[load] for load in LOADS)
