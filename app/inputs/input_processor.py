@@ -47,6 +47,7 @@ from app.inputs.media_ids import (
     MediaBinding,
     MediaIds,
     binding_key,
+    media_uuid_unknown,
 )
 from app.inputs.preprocess.pool import PreprocessPool
 from app.inputs.processor_cache import ProcessorCache
@@ -127,15 +128,6 @@ def normalise_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], list[
                 media.append(MediaPart(kind, part.url, param, part.uuid))
         rendered.append({"role": message.role, "content": parts})
     return rendered, media
-
-
-def media_uuid_unknown(uuid: str | None, param: str, detail: str) -> InvalidRequestError:
-    named = f"The media id {uuid!r}" if uuid is not None else "This media id"
-    return InvalidRequestError(
-        f"{named} names no media this server holds{detail}. Send the media again with the uuid.",
-        param=param,
-        code="media_uuid_unknown",
-    )
 
 
 async def gather_or_cancel(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
@@ -319,6 +311,8 @@ class InputProcessor:
 
     async def resolve(self, prepared: PreparedRequest) -> None:
         """Makes every item's layout known and its tensors available unless the engine holds it."""
+        for media in prepared.items:
+            media.borrowed = False  # decided again: resolve may run again for the request
         misses = [item for item in prepared.items if not self._lookup(item)]
         for media in misses:
             if media.uuid_only:  # no bytes to process: another API process's partition, or a 400

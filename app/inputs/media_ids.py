@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from app.errors import InvalidRequestError
 from wire.hashing import framed_digest
 from workers.families.processing import ItemLayout
 
@@ -61,6 +62,16 @@ BindingKey = tuple[str, str, str]  # (tenant, salt or "", uuid)
 
 def binding_key(scope: CacheScope, uuid: str) -> BindingKey:
     return (scope.tenant, scope.salt or "", uuid)
+
+
+def media_uuid_unknown(uuid: str | None, param: str, detail: str) -> InvalidRequestError:
+    """The 400 for a media id that names nothing this server holds (``detail`` says why, if known)."""
+    named = f"The media id {uuid!r}" if uuid is not None else "This media id"
+    return InvalidRequestError(
+        f"{named} names no media this server holds{detail}. Send the media again with the uuid.",
+        param=param,
+        code="media_uuid_unknown",
+    )
 
 
 class MediaIds(Protocol):
