@@ -222,15 +222,23 @@ def image_url(seed: int) -> str:
 
 
 def chat(
-    client: httpx.Client, base_url: str, seed: int | None, *, stream: bool = False, model: str = MODEL_NAME
+    client: httpx.Client,
+    base_url: str,
+    seed: int | None,
+    *,
+    stream: bool = False,
+    model: str = MODEL_NAME,
+    named: bool = False,
+    media: bool = True,
 ) -> int:
-    """One greedy chat completion of 16 tokens (with the image of ``seed`` when given); its status."""
+    """One greedy chat completion of 16 tokens (with the image of ``seed`` when given; ``named``: with
+    its media id, the media left out unless ``media``); its status."""
     content: Any = "Say something."
     if seed is not None:
-        content = [
-            {"type": "image_url", "image_url": {"url": image_url(seed)}},
-            {"type": "text", "text": "What?"},
-        ]
+        part: dict[str, Any] = {"type": "image_url", "image_url": {"url": image_url(seed)} if media else None}
+        if named:
+            part["uuid"] = f"image-{seed}"
+        content = [part, {"type": "text", "text": "What?"}]
     body = greedy_body([{"role": "user", "content": content}], 16, model=model, stream=stream)
     with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as resp:
         for _ in resp.iter_bytes():
@@ -240,13 +248,14 @@ def chat(
 
 def every_kind_of_request(server_url: str, proxy_url: str | None) -> Counter[int]:
     """One of each request a panel needs, in an order that makes every cache miss and then hit: the
-    answers' statuses (8 of 200 with a proxy, else 7, the reset's included; one 404 and one 400)."""
+    answers' statuses (9 of 200 with a proxy, else 8, the reset's included; one 404 and one 400)."""
     statuses: Counter[int] = Counter()
     with httpx.Client(timeout=120) as client:
         statuses[chat(client, server_url, None)] += 1  # text only
         statuses[chat(client, server_url, 1)] += 1  # a new image: every cache misses
         statuses[chat(client, server_url, 1, stream=True)] += 1  # again: every cache hits
-        statuses[chat(client, server_url, 2)] += 1
+        statuses[chat(client, server_url, 2, named=True)] += 1  # binds its media id
+        statuses[chat(client, server_url, 2, named=True, media=False)] += 1  # the media id alone
         statuses[chat(client, server_url, None, model="no-such-model")] += 1  # 404
         bad = {"model": MODEL_NAME, "messages": [{"role": "user", "content": [_BAD_IMAGE]}]}
         statuses[client.post(f"{server_url}/v1/chat/completions", json=bad).status_code] += 1  # 400
@@ -277,18 +286,25 @@ _new_seeds = itertools.count(10_000)
 
 def steady_traffic(base_url: str, seconds: float, *, concurrency: int = 3, mix: Mix = Mix()) -> Counter[int]:
     """``concurrency`` clients sending ``mix`` back to back for ``seconds`` (half of them streamed);
-    the answers' statuses."""
+    the answers' statuses. A media id sent alone after ``/reset_mm_cache`` is a 400 until its media is
+    sent again (the dashboard's unknown media ids)."""
     statuses: Counter[int] = Counter()
     lock = threading.Lock()
     deadline = time.monotonic() + seconds
 
     def client_loop(index: int) -> None:
         rng = random.Random(index)
+        named: set[int] = set()  # pool images this client sent with their media id
         with httpx.Client(timeout=120) as client:
             while time.monotonic() < deadline:
                 kind = rng.choices(("text", "repeated", "new"), (mix.text, mix.repeated, mix.new))[0]
                 seed = {"text": None, "repeated": rng.choice(mix.pool), "new": next(_new_seeds)}[kind]
-                status = chat(client, base_url, seed, stream=rng.random() < 0.5)
+                # a pool image goes with its media id; once sent so, half the time by its id alone
+                media = seed not in named or rng.random() < 0.5
+                if kind == "repeated" and seed is not None:
+                    named.add(seed)
+                stream = rng.random() < 0.5
+                status = chat(client, base_url, seed, stream=stream, named=kind == "repeated", media=media)
                 with lock:
                     statuses[status] += 1
 
