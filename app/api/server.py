@@ -3,6 +3,7 @@ images, the HF processor and the caches; nothing runs at import time."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,6 +34,11 @@ from app.settings import Settings
 from workers.families import load_processing
 
 log = logging.getLogger("mmserve.api")
+
+
+def _log_pool_failure(start: asyncio.Future[None]) -> None:
+    if not start.cancelled() and start.exception() is not None:
+        log.error("%s", start.exception())
 
 
 def create_app(
@@ -68,11 +74,18 @@ def create_app(
         inputs = InputProcessor(settings, family, processor_cache, engine, metrics, media, pool, media_ids)
         chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics)
         app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, drain)
+        pool_start: asyncio.Future[None] | None = None
         try:
-            await pool.start()
             await engine.start()
+            # The preprocessing processes load the family in the background (seconds, on cores the
+            # worker's start needs too): /health waits for the engine and its worker only, and a cache
+            # miss that comes before a process is loaded waits for one.
+            pool_start = asyncio.ensure_future(pool.start())
+            pool_start.add_done_callback(_log_pool_failure)
             yield
         finally:
+            if pool_start is not None:
+                pool_start.cancel()
             await engine.close(shutdown_engine=shutdown_engine_on_exit)
             await http.aclose()
             await pool.close()

@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 2.0
+# Until the engine answers ready (starting, or restarted), Hello goes out this often: the API is ready
+# within a tenth of a second of its engine and worker, not up to a heartbeat later.
+HELLO_UNTIL_READY_S = 0.1
 HEARTBEAT_TIMEOUT_S = 10.0
 # Outputs of a request released this many releases ago still count as late, not unknown: far more than
 # are ever in flight at once.
@@ -276,7 +279,7 @@ class EngineClient:
     async def _heartbeat_loop(self) -> None:
         while True:
             self._send(Hello())
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(HEARTBEAT_S if self.is_ready else HELLO_UNTIL_READY_S)
 
     async def _watch_connection(self, monitor: zmq.asyncio.Socket) -> None:
         """The engine process died (or closed its socket): its requests and its receiver cache are gone.

@@ -229,6 +229,9 @@ def test_pool_processes_are_titled_and_end_with_the_server(tiny_model_dir: Path,
     with serving(tiny_model_dir, log_dir, *COMMON) as server:
         assert server.process.proc is not None
         root = server.process.proc.pid
+        # an image processed: the pool, which loads in the background, has loaded (and titled itself)
+        resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body(0, [F]), timeout=120)
+        assert resp.status_code == 200, resp.text
         pool = [pid for pid in descendants(root) if process_title(pid) == "mmserve: preprocess"]
         assert len(pool) == 1
     assert not any(alive(pid) for pid in pool)

@@ -316,11 +316,23 @@ def test_close_stops_every_process(loop, pools) -> None:
 
 @pytest.mark.slow
 def test_start_fails_when_the_family_does_not_load(loop, tmp_path: Path) -> None:
+    """The API serves while its pool loads: a call made meanwhile, and every call after, gets the
+    failure as a 500 naming it."""
     pool = PreprocessPool(str(tmp_path / "no-such-model"), 1)
-    with pytest.raises(RuntimeError, match="could not load"):
-        run(loop, pool.start())
+
+    async def call_during_start() -> BaseException | None:
+        start = asyncio.ensure_future(pool.start())
+        await asyncio.sleep(0)  # the processes are spawned, not yet loaded
+        waiting = asyncio.ensure_future(pool.process(IMAGES[0], {}, PARAM))
+        results = await asyncio.gather(start, waiting, return_exceptions=True)
+        with pytest.raises(RuntimeError, match="could not load"):
+            raise results[0]  # type: ignore[misc]
+        return results[1]  # type: ignore[return-value]
+
+    during = run(loop, call_during_start())
+    assert isinstance(during, InternalError) and "could not load" in during.message
     assert pool.pids == []
-    with pytest.raises(EngineUnavailableError):
+    with pytest.raises(InternalError, match="could not load"):
         run(loop, pool.process(IMAGES[0], {}, PARAM))
 
 

@@ -251,6 +251,7 @@ class PreprocessPool:
         self._video = video
         self._api_pid = os.getpid()
         self._started = self._closed = False
+        self._failed: str | None = None  # why start failed: calls get it as their 500
         self._processes: list[_PoolProcess] = []  # loading, idle or busy; a dead one leaves at once
         self._idle: deque[_PoolProcess] = deque()
         self._busy: set[_PoolProcess] = set()
@@ -268,14 +269,18 @@ class PreprocessPool:
         return [process.pid for process in self._processes]
 
     async def start(self) -> None:
-        """Called once before serving: returns when every process has loaded the family."""
+        """Called once, when the API starts serving (it need not wait: calls made before the processes
+        loaded the family wait for them): returns when every process has loaded it. If one could not,
+        the pool closes, and every call then fails with a 500 naming the cause."""
         if not self._num_processes:
             return
         processes = [self._spawn() for _ in range(self._num_processes)]
         loads = await asyncio.gather(*(p.wait_loaded() for p in processes), return_exceptions=True)
         if any(isinstance(load, BaseException) for load in loads) or not all(p.attached for p in processes):
+            self._failed = f"The preprocessing processes could not load {self.model} (see the server log)."
+            self._fail_waiting(lambda: InternalError(self._failed or PROCESS_DIED))
             await self.close()
-            raise RuntimeError(f"preprocess processes could not load {self.model} (see their log)")
+            raise RuntimeError(self._failed)
         self._started = True
         self._idle.extend(processes)
         self._dispatch()
@@ -285,6 +290,8 @@ class PreprocessPool:
     ) -> ProcessedItem:
         """One cache miss: decode + the family's processor off the event loop, with the request errors
         the family raises in this process. Calls made before ``start`` wait for it."""
+        if self._failed is not None:
+            raise InternalError(self._failed)
         if self._closed:
             raise EngineUnavailableError(SHUTTING_DOWN, code="server_shutting_down")
         if not self._num_processes:
