@@ -114,6 +114,7 @@ def child_main(model: str, api_pid: int, conn: Connection, video: VideoRules | N
     if os.getppid() != api_pid:  # the API process died before prctl
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the pool while starting
     setproctitle.setproctitle("mmserve: preprocess")
     # one image at a time per process: a second OpenMP thread would only spin on a core the worker needs
     torch.set_num_threads(1)

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -82,12 +83,17 @@ class _PoolProcess:
         self.process = ctx.Process(
             target=child_main, args=(model, api_pid, child_end, video), name="mmserve-preprocess", daemon=True
         )
+        # SIGINT blocked while the child starts: it inherits the mask, so a Ctrl-C to the process group
+        # during its imports (the API serves meanwhile) stays pending until child_main ignores it, and
+        # here it is delivered, not lost, once unblocked
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             self.process.start()
         except BaseException:
             self.conn.close()
             raise
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             child_end.close()
         assert self.process.pid is not None
         self.pid = self.process.pid
