@@ -1,135 +1,15 @@
-"""KVCacheManager: exact block ids, sharing through the prefix cache, eviction order, image-aware
-hashes, and a seeded soak that simulates the K/V each block holds to prove every prefix hit is right."""
+"""KVCacheManager: exact block ids, sharing through the prefix cache, eviction order, and a seeded soak
+that simulates the K/V each block holds to prove every prefix hit is right (what a block's hash covers:
+test_kv_block_hashing.py)."""
 
 from __future__ import annotations
 
 import random
-from collections import Counter
-from dataclasses import dataclass, field
 
 import pytest
 
-from engine.kv_cache_manager import KVCacheManager, block_extra_keys, hash_block
-from wire.protocol import MMFeature
-
-IMG = 99  # placeholder token id
-
-
-@dataclass
-class Req:
-    req_id: str
-    prompt_token_ids: list[int]
-    mm_features: list[MMFeature] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    cache_salt: str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-
-def image(mm_hash: str, offset: int, num_tokens: int) -> MMFeature:
-    return MMFeature(mm_hash=mm_hash, offset=offset, num_tokens=num_tokens)
-
-
-def check(m: KVCacheManager) -> None:
-    pool = m._pool
-    refs = Counter(b for table in m._tables.values() for b in table)
-    for table in m._tables.values():
-        assert len(set(table)) == len(table)  # K1: no table holds a block twice
-    for b in range(m.num_blocks):
-        assert pool.ref_count(b) == refs[b]  # K1
-        assert (pool.ref_count(b) == 0) == (b in pool._free)  # P1
-    assert len(pool._free) == m.num_free_blocks
-    assert m.num_free_blocks + pool.num_used_blocks == m.num_blocks  # P6
-    assert m.usage == (pool.num_used_blocks / m.num_blocks if m.num_blocks else 0.0)
-    hashed = {b: h for b, h in enumerate(pool._hash_of) if h is not None}
-    assert {h: b for b, h in hashed.items()} == pool._block_of  # P3
-    assert len(hashed) == len(pool._block_of)
-    for req_id, table in m._tables.items():
-        n = m._num_cached_blocks[req_id]
-        assert n <= len(table)  # K3
-        if m.enable_prefix_caching:
-            assert n <= len(m._block_hashes[req_id])
-    if not m.enable_prefix_caching:  # K4
-        assert not pool._block_of and not any(m._block_hashes.values())
-
-
-def snapshot(m: KVCacheManager) -> object:
-    pool = m._pool
-    return (
-        list(pool._free),
-        list(pool._ref_counts),
-        list(pool._hash_of),
-        dict(pool._block_of),
-        {r: list(t) for r, t in m._tables.items()},
-        {r: list(h) for r, h in m._block_hashes.items()},
-        dict(m._num_cached_blocks),
-    )
-
-
-def admit(m: KVCacheManager, req: Req, num_new_tokens: int | None = None) -> list[int] | None:
-    """What the scheduler does for a waiting request; then the step computes the tokens."""
-    computed, num_hit = m.get_computed_blocks(req)
-    req.num_computed_tokens = num_hit
-    n = req.num_tokens - num_hit if num_new_tokens is None else num_new_tokens
-    assert m.can_allocate(req, n, computed)
-    new = m.allocate_slots(req, n, computed)
-    assert new is not None
-    req.num_computed_tokens += n
-    check(m)
-    return new
-
-
-def grow(m: KVCacheManager, req: Req, num_new_tokens: int) -> list[int] | None:
-    can = m.can_allocate(req, num_new_tokens)
-    new = m.allocate_slots(req, num_new_tokens)
-    assert can == (new is not None)
-    if new is not None:
-        req.num_computed_tokens += num_new_tokens
-    check(m)
-    return new
-
-
-# ---------------------------------------------------------------- hashing
-
-
-def test_hash_block_separates_every_field() -> None:
-    base = hash_block(None, [1, 2, 3], ())
-    assert len(base) == 32 and base == hash_block(None, [1, 2, 3], ())
-    variants = [
-        hash_block(base, [1, 2, 3], ()),
-        hash_block(None, [1, 2], ()),
-        hash_block(None, [1, 2, 3, 0], ()),
-        hash_block(None, [3, 2, 1], ()),
-        hash_block(None, [1, 2, 3], (("a", 0),)),
-        hash_block(None, [1, 2, 3], (("a", 1),)),
-        hash_block(None, [1, 2, 3], (("a", -1),)),
-        hash_block(None, [1, 2, 3], (("b", 0),)),
-        hash_block(None, [1, 2, 3], (("a", 0), ("b", 0))),
-        hash_block(None, [1, 2, 3], (("b", 0), ("a", 0))),
-        hash_block(None, [1, 2, 3], (("ab", 0),)),
-        hash_block(b"", [1, 2, 3], ()),  # an empty parent is not "no parent"
-        hash_block(None, [1, 2, 3], (), cache_salt="s"),  # a salted first block
-        hash_block(None, [1, 2, 3], (), cache_salt="t"),
-        hash_block(None, [1, 2, 3], (), cache_salt=""),
-    ]
-    assert len({base, *variants}) == len(variants) + 1
-
-
-def test_block_extra_keys_overlap_and_relative_offsets() -> None:
-    feats = [image("a", 2, 3), image("b", 5, 10), image("c", 20, 0)]
-    assert block_extra_keys(feats, 0, 4) == (("a", 2),)
-    assert block_extra_keys(feats, 4, 8) == (("a", -2), ("b", 1))
-    assert block_extra_keys(feats, 8, 12) == (("b", -3),)
-    assert block_extra_keys(feats, 15, 20) == ()  # b ends at 15; c has no tokens
-    assert block_extra_keys(feats, 0, 2) == ()  # a starts at the block end
-
+from engine.kv_cache_manager import KVCacheManager
+from tests.unit.kv_cache_support import IMG, Req, admit, check, grow, image, snapshot
 
 # ---------------------------------------------------------------- allocation
 
@@ -203,14 +83,6 @@ def test_same_prompt_shares_full_blocks_only() -> None:
     assert (computed, num_hit) == ([0, 1], 8)  # block 2 holds 2 tokens: never shared
     assert admit(m, b) == [0, 1, 3]
     assert m._pool.ref_count(0) == m._pool.ref_count(1) == 2 and m._pool.ref_count(3) == 1
-
-
-def test_requests_of_other_salts_share_no_block() -> None:
-    m = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
-    admit(m, Req("a", list(range(10)), cache_salt="one"))
-    assert m.get_computed_blocks(Req("b", list(range(10)), cache_salt="one")) == (m.block_ids("a")[:2], 8)
-    for salt in ("two", None):
-        assert m.get_computed_blocks(Req("c", list(range(10)), cache_salt=salt)) == ([], 0)
 
 
 def test_hit_leaves_at_least_one_token_to_compute() -> None:
@@ -381,32 +253,6 @@ def test_cached_free_computed_blocks_count_against_the_free_pool() -> None:
     assert m.allocate_slots(b, 2, computed) == [0, 1, 3]
     assert m.num_free_blocks == 0
     check(m)
-
-
-# ---------------------------------------------------------------- images
-
-
-def test_different_image_behind_same_placeholders_never_hits() -> None:
-    m = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
-    prompt = [1, 2, 3, 4, 5, 6] + [IMG] * 8 + [7, 8, 9]  # image at [6, 14)
-    admit(m, Req("a", prompt, [image("cat", 6, 8)]))
-    # the text block before the image hits; block 1 holds text and the image's start: no hit
-    assert m.get_computed_blocks(Req("b", prompt, [image("dog", 6, 8)])) == (m.block_ids("a")[:1], 4)
-    assert m.get_computed_blocks(Req("c", prompt, [image("cat", 6, 8)])) == (m.block_ids("a")[:4], 16)
-
-
-def test_same_image_at_another_offset_never_hits_image_blocks() -> None:
-    m = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
-    a = Req("a", [1, 2, 3, 4] + [IMG] * 8 + [5, 6], [image("cat", 4, 8)])
-    admit(m, a)
-    # same tokens, but the image starts one token later (the first placeholder is text here)
-    b = Req("b", [1, 2, 3, 4] + [IMG] * 8 + [5, 6], [image("cat", 5, 7)])
-    assert m.get_computed_blocks(b) == (m.block_ids("a")[:1], 4)
-    # the same image placed at 8: its blocks hash by their offset into the image, unlike a's
-    c = Req("c", [1, 2, 3, 4, 0, 0, 0, 0] + [IMG] * 8 + [5], [image("cat", 8, 8)])
-    admit(m, c)
-    d = Req("d", [1, 2, 3, 4] + [IMG] * 8 + [5, 6], [image("cat", 4, 8)])
-    assert m.get_computed_blocks(d) == (m.block_ids("a")[:3], 12)
 
 
 # ---------------------------------------------------------------- randomised
