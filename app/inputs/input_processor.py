@@ -333,9 +333,13 @@ class InputProcessor:
         it is sent as a borrowed key, which the engine serves or reports missing (``send_payloads``: a
         400). Without its layout (how many placeholders, which grid) it cannot be placed: a 400 now."""
         if media.bound_layout is None:
-            self.metrics.uuid_lookups.labels(result="unknown").inc()
-            raise media_uuid_unknown(None, media.param, " any more: no cache holds its item")
+            raise self._uuid_evicted(media)
         media.borrowed, media.layout = True, media.bound_layout
+
+    def _uuid_evicted(self, media: MediaInput) -> InvalidRequestError:
+        """The 400 for a media id whose item no cache holds any more, counted."""
+        self.metrics.uuid_lookups.labels(result="unknown").inc()
+        return media_uuid_unknown(None, media.param, " any more: no cache holds its item")
 
     def count_uuid_hits(self, prepared: PreparedRequest) -> None:
         """Called once the engine accepted the request: each media id sent alone was served."""
@@ -444,8 +448,7 @@ class InputProcessor:
         for media in prepared.items:
             if media.mm_hash in mm_hashes:
                 if media.borrowed:
-                    self.metrics.uuid_lookups.labels(result="unknown").inc()
-                    raise media_uuid_unknown(None, media.param, " any more: no cache holds its item")
+                    raise self._uuid_evicted(media)
                 media.payload_only = True
 
     # -- stage 7 ----------------------------------------------------------------------------------
