@@ -116,11 +116,59 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         tiny_model_dir,
         tmp_path_factory.mktemp("serve"),
         "--max-model-len",
-        "2048",
+        "4096",
         "--fetch-timeout-s",
         "2",
         "--allow-private-media-urls",
     )
+    try:
+        yield srv
+    finally:
+        srv.process.interrupt()
+
+
+# Every multimodal cache off: what each request must answer when nothing is reused
+# (tests/e2e/test_caches.py, tests/e2e/test_shm_serving.py).
+UNCACHED = ("--mm-processor-cache-gb", "0", "--mm-ipc-cache-gb", "0", "--encoder-cache-tokens", "0")
+# Prefill steps of 640 tokens that never split an image (tests/e2e/test_kv_cache.py).
+WHOLE_IMAGES = ("--disable-chunked-mm-input", "--max-num-batched-tokens", "640")
+
+
+@pytest.fixture(scope="session")
+def uncached_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny LLaVA with every multimodal cache off, in steps that take whole images only; shared by
+    the modules that compare against it (they measure its counters as differences)."""
+    folder = tmp_path_factory.mktemp("uncached")
+    srv = start_serve(tiny_model_dir, folder, "--max-model-len", "2048", *UNCACHED, *WHOLE_IMAGES)
+    try:
+        yield srv
+    finally:
+        srv.process.interrupt()
+
+
+@pytest.fixture(scope="session")
+def narrow_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny LLaVA with small limits: one running request and one waiting place
+    (tests/e2e/test_backpressure.py), and an encoder budget of 100 tokens, below its 576-token image
+    (tests/e2e/test_budgets.py)."""
+    flags = ("--max-num-seqs", "1", "--max-waiting-requests", "1", "--encoder-compute-budget-tokens", "100")
+    srv = start_serve(tiny_model_dir, tmp_path_factory.mktemp("narrow"), *flags)
+    try:
+        yield srv
+    finally:
+        srv.process.interrupt()
+
+
+API_KEY = "sk-mmserve-e2e"  # the key of guarded_server
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="session")
+def guarded_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The tiny LLaVA behind ``--api-key API_KEY`` with a 1 MB body cap
+    (tests/e2e/test_api_key_and_body_cap.py); the LM behind the proxy of tests/e2e/test_proxy_serving.py."""
+    flags = ("--api-key", API_KEY, "--max-request-body-mb", "1")
+    srv = start_serve(tiny_model_dir, tmp_path_factory.mktemp("guarded"), *flags)
     try:
         yield srv
     finally:

@@ -5,27 +5,15 @@ size is declared or streamed; the server keeps serving."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.e2e.conftest import greedy_body, make_image, user_message
-from tests.e2e.server import Server, serving
+from tests.e2e.conftest import API_KEY, AUTH, greedy_body, make_image, user_message
+from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
-
-KEY = "sk-mmserve-e2e"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-@pytest.fixture(scope="module")
-def guarded_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serving(
-        tiny_model_dir, tmp_path_factory.mktemp("guarded"), "--api-key", KEY, "--max-request-body-mb", "1"
-    ) as srv:
-        yield srv
 
 
 def test_guarded_routes_need_the_key(guarded_server: Server) -> None:
@@ -43,7 +31,7 @@ def test_guarded_routes_need_the_key(guarded_server: Server) -> None:
 
 
 def test_openai_sdk_with_and_without_the_key(guarded_server: Server) -> None:
-    good = openai.OpenAI(base_url=f"{guarded_server.base_url}/v1", api_key=KEY)
+    good = openai.OpenAI(base_url=f"{guarded_server.base_url}/v1", api_key=API_KEY)
     assert [m.id for m in good.models.list()] == ["tiny-llava"]
     bad = openai.OpenAI(base_url=f"{guarded_server.base_url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

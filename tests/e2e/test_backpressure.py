@@ -6,29 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.e2e.conftest import greedy_body, user_message
-from tests.e2e.server import Server, serving
+from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def narrow_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serving(
-        tiny_model_dir,
-        tmp_path_factory.mktemp("narrow"),
-        "--max-num-seqs",
-        "1",
-        "--max-waiting-requests",
-        "1",
-    ) as srv:
-        yield srv
 
 
 def test_a_burst_gets_429_and_accepted_requests_all_finish(narrow_server: Server) -> None:

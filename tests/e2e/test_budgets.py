@@ -34,14 +34,6 @@ def small_step_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFac
         yield srv
 
 
-@pytest.fixture(scope="module")
-def small_budget_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serving(
-        tiny_model_dir, tmp_path_factory.mktemp("small-budget"), "--encoder-compute-budget-tokens", "100"
-    ) as srv:
-        yield srv
-
-
 def post(server: Server, body: dict) -> httpx.Response:
     return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
 
@@ -78,16 +70,14 @@ def test_too_many_images_are_refused_before_anything_is_fetched(
     )
 
 
-def test_explicit_budget_below_the_largest_image_is_honoured(
-    small_budget_server: Server, oracle: Oracle
-) -> None:
-    log = small_budget_server.process.log()
+def test_explicit_budget_below_the_largest_image_is_honoured(narrow_server: Server, oracle: Oracle) -> None:
+    log = narrow_server.process.log()
     assert "--encoder-compute-budget-tokens 100 is below this model's largest image (576 tokens)" in log
-    resp = post(small_budget_server, greedy_body([user_message("Too big.", make_image(902))], 4))
+    resp = post(narrow_server, greedy_body([user_message("Too big.", make_image(902))], 4))
     assert resp.status_code == 400
     error = resp.json()["error"]
     assert error["code"] == "mm_item_too_large"
     assert "--encoder-compute-budget-tokens" in error["message"] and "576" in error["message"]
     text = "Text still works."
-    response = greedy_request(small_budget_server, text, [])
+    response = greedy_request(narrow_server, text, [])
     assert_matches_oracle(response, oracle, text, [])

@@ -134,23 +134,11 @@ def test_two_turn_conversation_reuses_kv_and_skips_the_encoder(chunked_server: S
     assert delta(before, after, "mmserve_encoder_runs_total") == 0
 
 
-def test_disabled_chunked_mm_input_equals_generate(
-    tiny_model_dir: Path, tmp_path: Path, oracle: Oracle
-) -> None:
-    server = start_serve(
-        tiny_model_dir,
-        tmp_path,
-        "--disable-chunked-mm-input",
-        "--max-num-batched-tokens",
-        "640",
-        "--max-model-len",
-        "2048",
-    )
-    try:
-        text, images = "Whole images only.", [make_image(707), make_image(708)]
-        assert_matches_oracle(greedy_request(server, text, images), oracle, text, images)
-    finally:
-        server.process.interrupt()
+def test_disabled_chunked_mm_input_equals_generate(uncached_server: Server, oracle: Oracle) -> None:
+    """The session's uncached server takes whole images only (WHOLE_IMAGES): two images, 1,152 tokens,
+    in steps of 640."""
+    text, images = "Whole images only.", [make_image(707), make_image(708)]
+    assert_matches_oracle(greedy_request(uncached_server, text, images), oracle, text, images)
 
 
 def test_incompatible_settings_fail_at_startup(tiny_model_dir: Path) -> None:

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,14 +20,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import greedy_body, make_image, user_message
-from tests.e2e.server import Server, ServerProcess, delta, free_port, serve_args, start_proxy, wait_healthy
+from tests.e2e.conftest import API_KEY, AUTH, greedy_body, make_image, user_message
+from tests.e2e.server import Server, delta, free_port, serving, start_proxy
 
 pytestmark = pytest.mark.slow
 
-KEY = "sk-mmserve-proxy-e2e"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-SERVE_FLAGS = ("--api-key", KEY, "--max-model-len", "2048")
+SERVE_FLAGS = ("--api-key", API_KEY)  # the LM is the session's guarded_server, with this key
 MAX_TOKENS = 8
 RUNNING = "mmserve_num_requests_running"
 
@@ -39,37 +36,14 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def instances(tiny_model_dir: Path, log_dir: Path) -> Iterator[tuple[Server, Server]]:
-    """Two ``mmserve serve`` (encoder, LM), started and stopped together so their start-ups overlap."""
-    pair: list[Server] = []
-    try:
-        for _ in range(2):
-            port = free_port()
-            args = serve_args(tiny_model_dir, port, SERVE_FLAGS)
-            pair.append(Server(ServerProcess(args, log_dir / f"serve-{port}.log").start(), port))
-        for srv in pair:
-            wait_healthy(srv.base_url, srv.process)
-        yield pair[0], pair[1]
-    finally:
-        procs = [srv.process.proc for srv in pair if srv.process.proc is not None]
-        for proc in procs:  # Ctrl-C to both first, then wait for each
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
-        for srv, proc in zip(pair, procs, strict=True):
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                srv.process.kill()
+def encoder(tiny_model_dir: Path, log_dir: Path) -> Iterator[Server]:
+    with serving(tiny_model_dir, log_dir, *SERVE_FLAGS) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
-def encoder(instances: tuple[Server, Server]) -> Server:
-    return instances[0]
-
-
-@pytest.fixture(scope="module")
-def lm(instances: tuple[Server, Server]) -> Server:
-    return instances[1]
+def lm(guarded_server: Server) -> Server:
+    return guarded_server
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ process and items above an explicit budget get a 400 naming the part, and the se
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from tests.e2e.parity import (
     greedy_request,
 )
 from tests.e2e.server import Server, delta, serving
-from tests.e2e.video_oracle import Case, body, expected_answers
+from tests.e2e.video_oracle import Case, Expected, body, expected_answers
 from tests.video_clips import make_clip
 
 pytestmark = pytest.mark.slow
@@ -156,34 +157,42 @@ def test_a_video_above_the_explicit_budget_is_refused_at_once(tiny_pool_server: 
     assert tiny_pool_server.metrics()["mmserve_num_requests_waiting"] == 0
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+PREEMPTED_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+
+
+@functools.cache
+def preempted_case(family: str, i: int) -> Case:
+    height = 224 if family == "qwen3_vl" else 280  # patch 16 / 14: about the same placeholder counts
+    clip = make_clip(width=320, height=height, fps=8, num_frames=8, seed=20 + i)
+    return Case(f"Preempt the clip {i}.", (clip,), {"num_frames": 8})
+
+
+@pytest.fixture(scope="module")
+def preempted_expected(
+    tiny_model: Callable[[str], Path], family_oracle: Callable[[str], Oracle]
+) -> dict[tuple[str, int], Expected]:
+    """Every family's answers to the three clips (two batched reference calls for all of them)."""
+    cases = {(f, i): (f, preempted_case(f, i)) for f in PREEMPTED_FAMILIES for i in range(3)}
+    return expected_answers(cases, tiny_model, family_oracle)
+
+
+@pytest.mark.parametrize("family", PREEMPTED_FAMILIES)
 def test_preempted_video_requests_resume_exactly(
     family: str,
     tiny_pool_server: Server,
     family_server: Callable[..., Server],
-    tiny_model: Callable[[str], Path],
+    preempted_expected: dict[tuple[str, int], Expected],
     family_oracle: Callable[[str], Oracle],
 ) -> None:
     """Three clips of 4 frame groups (340-460 prompt tokens each, with 32 outputs) on a 1,024-token KV
     pool: two fit at once, the third preempts; each answer equals ``generate``'s."""
     server = tiny_pool_server if family == "qwen3_vl" else family_server(family, *POOL_FLAGS)
-    height = 224 if family == "qwen3_vl" else 280  # patch 16 / 14: about the same placeholder counts
-    cases = {
-        i: (
-            family,
-            Case(
-                f"Preempt the clip {i}.",
-                (make_clip(width=320, height=height, fps=8, num_frames=8, seed=20 + i),),
-                {"num_frames": 8},
-            ),
-        )
-        for i in range(3)
-    }
-    expected = expected_answers(cases, tiny_model, family_oracle)
+    cases = [preempted_case(family, i) for i in range(3)]
     before = server.metrics()
-    responses = concurrent_bodies(server, [body(case, family) for _, case in cases.values()])
+    responses = concurrent_bodies(server, [body(case, family) for case in cases])
     after = server.metrics()
     assert delta(before, after, "mmserve_num_preemptions_total") > 0
     tokenizer = family_oracle(family).processor.tokenizer
     for i, response in enumerate(responses):
-        assert_matches_greedy(response, tokenizer, expected[i].ids, expected[i].logprobs)
+        want = preempted_expected[family, i]
+        assert_matches_greedy(response, tokenizer, want.ids, want.logprobs)

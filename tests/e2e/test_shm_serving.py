@@ -1,7 +1,8 @@
 """The shared-memory object store (``--mm-processor-cache-type shm``) against the lru caches and no caches
 at all, on real processes: the same greedy answers for a request sequence that forces evictions, with
-one and with two API processes; nothing left in /dev/shm after a stop or a SIGKILL of the whole group;
-a stale reference re-sent with its payload."""
+one and with two API processes; nothing left in /dev/shm after a stop or a SIGKILL of the whole group,
+and no preprocessing process after a stop; a stale reference re-sent with its payload; a slow image
+holds back no cache hit."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import base64
 import io
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +24,10 @@ from tests.e2e.server import Server, alive, delta, descendants, process_title, s
 pytestmark = pytest.mark.slow
 
 DEV_SHM = Path("/dev/shm")
+PREPROCESS = "mmserve: preprocess"
 # A LLaVA item (1x3x336x336 float32) is 1.35 MB: a 4 MiB ring or cache holds three of them.
 SMALL = ("--mm-processor-cache-gb", "0.004", "--mm-ipc-cache-gb", "0.004")
 SHM = ("--mm-processor-cache-type", "shm", "--mm-shm-cache-max-object-size-mb", "2")
-OFF = ("--mm-processor-cache-gb", "0", "--mm-ipc-cache-gb", "0", "--encoder-cache-tokens", "0")
 COMMON = ("--max-model-len", "2048", "--mm-preprocess-processes", "1")
 
 IMAGES = [make_image(300 + i, (320 + 16 * i, 240)) for i in range(6)]
@@ -73,10 +75,23 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_model_dir: Path, log_dir: Path) -> list[str]:
-    """Every cache off: what each request must answer."""
-    with serving(tiny_model_dir, log_dir, *COMMON, *OFF) as server:
-        return asyncio.run(run_sequence(server, concurrency=1))
+def baseline(uncached_server: Server) -> list[str]:
+    """Every cache off (the session's uncached server, COMMON's flags): what each request must answer."""
+    return asyncio.run(run_sequence(uncached_server, concurrency=1))
+
+
+@contextmanager
+def sequence_server(
+    request: pytest.FixtureRequest, tiny_model_dir: Path, log_dir: Path, flags: tuple[str, ...], api: int
+) -> Iterator[tuple[Server, bool]]:
+    """The server a case runs on, and whether it stops when the block ends: one API process with the
+    ring is the module's ``shm_server`` (the tests below use it too; the SIGKILL test's second start
+    checks that such a server removes its ring when it stops)."""
+    if flags == SMALL + SHM and api == 1:
+        yield request.getfixturevalue("shm_server"), False
+        return
+    with serving(tiny_model_dir, log_dir, *COMMON, *flags, "--api-server-count", str(api)) as server:
+        yield server, True
 
 
 @pytest.mark.parametrize(
@@ -85,14 +100,24 @@ def baseline(tiny_model_dir: Path, log_dir: Path) -> list[str]:
     ids=["lru-1api", "shm-1api", "lru-2api", "shm-2api"],
 )
 def test_same_answers_as_without_caches(
-    tiny_model_dir: Path, log_dir: Path, baseline: list[str], flags: tuple[str, ...], api_servers: int
+    request: pytest.FixtureRequest,
+    tiny_model_dir: Path,
+    log_dir: Path,
+    baseline: list[str],
+    flags: tuple[str, ...],
+    api_servers: int,
 ) -> None:
     before = mmserve_shm_entries()
-    with serving(tiny_model_dir, log_dir, *COMMON, *flags, "--api-server-count", str(api_servers)) as server:
+    with sequence_server(request, tiny_model_dir, log_dir, flags, api_servers) as (server, stops):
         start = server.metrics()
         assert asyncio.run(run_sequence(server, concurrency=1)) == baseline
         assert asyncio.run(run_sequence(server, concurrency=4)) == baseline
         metrics = server.metrics()
+        assert server.process.proc is not None
+        # images were processed: each API process's pool, which loads in the background, has loaded
+        # (and titled itself)
+        pool = [pid for pid in descendants(server.process.proc.pid) if process_title(pid) == PREPROCESS]
+    assert len(pool) == api_servers  # COMMON: one preprocessing process per API process
     assert len(set(baseline)) >= 6  # the requests really differ
     assert delta(start, metrics, "mmserve_mm_ipc_cache_resends_total") == 0
     assert delta(start, metrics, "mmserve_mm_shm_stale_refs_total") == 0
@@ -100,7 +125,9 @@ def test_same_answers_as_without_caches(
     if "shm" in flags:
         assert metrics["mmserve_mm_shm_bytes_total"] > 0
         assert metrics["mmserve_mm_ipc_cache_hits_total"] > 0  # items crossed as references
-    assert mmserve_shm_entries() <= before  # the rings were removed at the stop
+    if stops:
+        assert mmserve_shm_entries() <= before  # the rings were removed at the stop
+        assert not any(alive(pid) for pid in pool)  # and the pool processes ended with the server
 
 
 def ring_files(root_pid: int) -> list[Path]:
@@ -183,13 +210,6 @@ def test_nothing_left_in_dev_shm_after_sigkill_and_a_new_start(tiny_model_dir: P
     assert set(os.listdir(DEV_SHM)) <= everything_before
 
 
-@pytest.fixture(scope="module")
-def slow_image_server(tiny_model_dir: Path, log_dir: Path) -> Iterator[Server]:
-    flags = ("--max-model-len", "4096", "--mm-preprocess-processes", "1")
-    with serving(tiny_model_dir, log_dir, *flags) as server:
-        yield server
-
-
 def jpeg_part(image: Any) -> dict[str, Any]:
     buf = io.BytesIO()
     image.save(buf, format="JPEG", quality=85)
@@ -197,7 +217,7 @@ def jpeg_part(image: Any) -> dict[str, Any]:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def test_a_slow_image_does_not_hold_back_cache_hits(slow_image_server: Server) -> None:
+def test_a_slow_image_does_not_hold_back_cache_hits(server: Server) -> None:
     """Six large photos keep the pool's only process busy for a second or more; requests whose image
     is cached are answered meanwhile (a hit never waits for the pool, nor for the event loop)."""
     hit = body(1, [C])
@@ -205,7 +225,7 @@ def test_a_slow_image_does_not_hold_back_cache_hits(slow_image_server: Server) -
     slow = greedy_body([{"role": "user", "content": [*photos, {"type": "text", "text": "Hi"}]}], 4)
 
     async def run() -> tuple[list[bool], int]:
-        async with httpx.AsyncClient(base_url=slow_image_server.base_url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
             assert (await client.post("/v1/chat/completions", json=hit)).status_code == 200  # now cached
             slow_task = asyncio.ensure_future(client.post("/v1/chat/completions", json=slow))
             await asyncio.sleep(0.3)  # the slow request is being received and processed
@@ -225,32 +245,20 @@ def test_a_slow_image_does_not_hold_back_cache_hits(slow_image_server: Server) -
     assert all(done_before_slow), done_before_slow
 
 
-def test_pool_processes_are_titled_and_end_with_the_server(tiny_model_dir: Path, log_dir: Path) -> None:
-    with serving(tiny_model_dir, log_dir, *COMMON) as server:
-        assert server.process.proc is not None
-        root = server.process.proc.pid
-        # an image processed: the pool, which loads in the background, has loaded (and titled itself)
-        resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body(0, [F]), timeout=120)
-        assert resp.status_code == 200, resp.text
-        pool = [pid for pid in descendants(root) if process_title(pid) == "mmserve: preprocess"]
-        assert len(pool) == 1
-    assert not any(alive(pid) for pid in pool)
-
-
-def test_concurrent_misses_of_one_image_share_one_processor_run(slow_image_server: Server) -> None:
+def test_concurrent_misses_of_one_image_share_one_processor_run(server: Server) -> None:
     image = make_image(777, (640, 480))
 
     async def run() -> list[str]:
-        async with httpx.AsyncClient(base_url=slow_image_server.base_url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
             resps = await asyncio.gather(
                 *(client.post("/v1/chat/completions", json=body(7, [image])) for _ in range(4))
             )
         assert all(r.status_code == 200 for r in resps), [r.text for r in resps]
         return [r.json()["choices"][0]["message"]["content"] for r in resps]
 
-    before = slow_image_server.metrics()
+    before = server.metrics()
     answers = asyncio.run(run())
-    after = slow_image_server.metrics()
+    after = server.metrics()
     assert len(set(answers)) == 1
     assert delta(before, after, "mmserve_mm_processor_seconds_count") == 1
     assert delta(before, after, "mmserve_mm_items_total") == 4
