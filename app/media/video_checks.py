@@ -262,8 +262,10 @@ def _matroska_track(data: bytes) -> TrackHeader | None:
             if tracks_id != _TRACKS:
                 continue
             for entry_id, entry_start, entry_end in _elements(data, tracks_start, tracks_end):
+                if entry_id != _TRACK_ENTRY:
+                    continue  # e.g. a CRC-32 (FFmpeg writes one), whose payload is no element
                 entry = {e: (s, t) for e, s, t in _elements(data, entry_start, entry_end)}
-                if entry_id == _TRACK_ENTRY and _uint(data, entry.get(_TRACK_TYPE)) == 1:
+                if _uint(data, entry.get(_TRACK_TYPE)) == 1:
                     return _matroska_video(data, entry.get(_VIDEO))
     return None
 

@@ -25,7 +25,15 @@ from app.media.video import (
     decode_frames_with_stats,
     probe_video,
 )
-from app.media.video_checks import ContainerFamily, TrackHeader, read_track_header, sniff_container
+from app.media.video_checks import (
+    _SEGMENT,
+    _TRACKS,
+    ContainerFamily,
+    TrackHeader,
+    _elements,
+    read_track_header,
+    sniff_container,
+)
 from app.media.video_frames import SEEK_MIN_SKIPPED_FRAMES
 from tests import video_clips as clips
 
@@ -33,6 +41,7 @@ PARAM = "messages[0].content[1].video_url.url"
 LIMITS = VideoLimits()
 MP4 = "mov,mp4,m4a,3gp,3g2,mj2"
 MATROSKA = "matroska,webm"
+_CRC32 = 0xBF  # the EBML CRC-32 element
 REFUSAL_BUDGET_S = 2.0
 VIDEO_CODES = {
     "invalid_video",
@@ -147,6 +156,18 @@ def test_the_container_header_is_read_before_ffmpeg(
     data = make()
     assert sniff_container(data, param=PARAM) is family
     assert read_track_header(data, family) == header
+
+
+def test_a_matroska_crc_whose_bytes_are_no_element_does_not_hide_the_track() -> None:
+    """FFmpeg writes a CRC-32 first in Tracks; its 4 payload bytes are a checksum, not elements (all
+    zeros cannot even start one)."""
+    data = bytearray(clips.make_clip(container="matroska", rotation_degrees=180))
+    ((_, start, end),) = [e for e in _elements(bytes(data), 0, len(data)) if e[0] == _SEGMENT]
+    ((_, tracks_start, tracks_end),) = [e for e in _elements(bytes(data), start, end) if e[0] == _TRACKS]
+    crc_id, crc_start, crc_end = _elements(bytes(data), tracks_start, tracks_end)[0]
+    assert (crc_id, crc_end - crc_start) == (_CRC32, 4)
+    data[crc_start:crc_end] = bytes(4)
+    assert read_track_header(bytes(data), ContainerFamily.MATROSKA) == TrackHeader(64, 48, True)
 
 
 # -- decode equals a sequential decode ----------------------------------------------------------------
