@@ -132,14 +132,18 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 UNCACHED = ("--mm-processor-cache-gb", "0", "--mm-ipc-cache-gb", "0", "--encoder-cache-tokens", "0")
 # Prefill steps of 640 tokens that never split an image (tests/e2e/test_kv_cache.py).
 WHOLE_IMAGES = ("--disable-chunked-mm-input", "--max-num-batched-tokens", "640")
+# Media by URL only from a name that never resolves: nothing is fetched (tests/e2e/test_openapi_fuzz.py).
+NO_FETCH = ("--allowed-media-domains", "fuzz.invalid", "--fetch-timeout-s", "2")
 
 
 @pytest.fixture(scope="session")
 def uncached_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """The tiny LLaVA with every multimodal cache off, in steps that take whole images only; shared by
-    the modules that compare against it (they measure its counters as differences)."""
+    """The tiny LLaVA with every multimodal cache off, in steps that take whole images only, fetching
+    nothing; shared by the modules that compare against it (they measure its counters as differences)
+    and by the fuzzer (whose POST /reset_mm_cache finds no cache to disturb)."""
     folder = tmp_path_factory.mktemp("uncached")
-    srv = start_serve(tiny_model_dir, folder, "--max-model-len", "2048", *UNCACHED, *WHOLE_IMAGES)
+    flags = ("--max-model-len", "2048", *UNCACHED, *WHOLE_IMAGES, *NO_FETCH)
+    srv = start_serve(tiny_model_dir, folder, *flags)
     try:
         yield srv
     finally:

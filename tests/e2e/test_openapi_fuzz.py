@@ -4,11 +4,12 @@ Every route gets schemathesis' boundary cases (its coverage phase) and a bounded
 cases, valid and invalid. Schemathesis' pytest plugin does not run under pytest 9 (``_nodeid``), so
 the cases come from its Python API and each operation is one hypothesis test here.
 
-The server is this module's own (a POST /reset_mm_cache from the fuzzer must not disturb the cache
-tests that share the session server). Nothing leaves the machine: every generated image URL that is
-not a ``data:`` URL is replaced with a small PNG ``data:`` URL before it is sent, and the server is
-started with ``--allowed-media-domains fuzz.invalid`` (a name that never resolves), so a URL that
-slipped through would still be refused before any lookup. Requests are kept small (at most
+The server is the session's uncached one (a POST /reset_mm_cache from the fuzzer must not disturb
+the cache tests that share the session's default server; that one has no cache to reset). Nothing
+leaves the machine: every generated image URL that is not a ``data:`` URL is replaced with a small PNG
+``data:`` URL before it is sent, and the server is started with ``--allowed-media-domains
+fuzz.invalid`` (a name that never resolves), so a URL that slipped through would still be refused
+before any lookup. Requests are kept small (at most
 ``MAX_TOKENS`` tokens) and name the served model, so that valid ones reach the engine.
 """
 
@@ -16,8 +17,6 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,7 +27,7 @@ from PIL import Image
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from tests.e2e.server import Server, serving
+from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -47,11 +46,8 @@ SAFE_IMAGE_URL = _png_data_url()
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    log_dir = tmp_path_factory.mktemp("fuzz")
-    flags = ["--max-model-len", "2048", "--fetch-timeout-s", "2", "--allowed-media-domains", "fuzz.invalid"]
-    with serving(tiny_model_dir, log_dir, *flags) as server:
-        yield server
+def fuzz_server(uncached_server: Server) -> Server:
+    return uncached_server
 
 
 @pytest.fixture(scope="module")
