@@ -158,11 +158,12 @@ def test_a_video_above_the_explicit_budget_is_refused_at_once(tiny_pool_server: 
 
 
 PREEMPTED_FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+PREEMPTED_TOKENS = 64
 
 
 @functools.cache
 def preempted_case(family: str, i: int) -> Case:
-    height = 224 if family == "qwen3_vl" else 280  # patch 16 / 14: about the same placeholder counts
+    height = 320 if family == "qwen3_vl" else 280  # patch 16 / 14: 400 and 440 placeholders
     clip = make_clip(width=320, height=height, fps=8, num_frames=8, seed=20 + i)
     return Case(f"Preempt the clip {i}.", (clip,), {"num_frames": 8})
 
@@ -173,7 +174,7 @@ def preempted_expected(
 ) -> dict[tuple[str, int], Expected]:
     """Every family's answers to the three clips (two batched reference calls for all of them)."""
     cases = {(f, i): (f, preempted_case(f, i)) for f in PREEMPTED_FAMILIES for i in range(3)}
-    return expected_answers(cases, tiny_model, family_oracle)
+    return expected_answers(cases, tiny_model, family_oracle, max_new_tokens=PREEMPTED_TOKENS)
 
 
 @pytest.mark.parametrize("family", PREEMPTED_FAMILIES)
@@ -184,15 +185,17 @@ def test_preempted_video_requests_resume_exactly(
     preempted_expected: dict[tuple[str, int], Expected],
     family_oracle: Callable[[str], Oracle],
 ) -> None:
-    """Three clips of 4 frame groups (340-460 prompt tokens each, with 32 outputs) on a 1,024-token KV
-    pool: two fit at once, the third preempts; each answer equals ``generate``'s."""
+    """Three clips of 4 frame groups (about 460 prompt tokens each, with 64 outputs) on a 1,024-token KV
+    pool: no two fit to their end at once, so whichever two run together, one is preempted; each answer
+    equals ``generate``'s."""
     server = tiny_pool_server if family == "qwen3_vl" else family_server(family, *POOL_FLAGS)
     cases = [preempted_case(family, i) for i in range(3)]
     before = server.metrics()
-    responses = concurrent_bodies(server, [body(case, family) for case in cases])
+    responses = concurrent_bodies(server, [body(case, family, n=PREEMPTED_TOKENS) for case in cases])
     after = server.metrics()
     assert delta(before, after, "mmserve_num_preemptions_total") > 0
     tokenizer = family_oracle(family).processor.tokenizer
     for i, response in enumerate(responses):
         want = preempted_expected[family, i]
+        assert response["usage"]["prompt_tokens"] == want.num_prompt_tokens
         assert_matches_greedy(response, tokenizer, want.ids, want.logprobs)

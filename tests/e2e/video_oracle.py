@@ -75,6 +75,7 @@ def expected_answers(
     cases: Mapping[K, tuple[str, Case]],
     tiny_model: Callable[[str], Path],
     family_oracle: Callable[[str], Oracle],
+    max_new_tokens: int = NUM_TOKENS,
 ) -> dict[K, Expected]:
     """Each (family, case)'s answer: HF's ``sample_frames`` picks each clip's frames (one batched
     reference call), HF's processor makes the model inputs from them (a second), ``generate`` answers."""
@@ -119,6 +120,6 @@ def expected_answers(
         reference = answer(result)
         assert not isinstance(reference, str), reference
         inputs = reference["inputs"]
-        ids, logprobs = family_oracle(family).greedy_inputs(inputs, NUM_TOKENS)
+        ids, logprobs = family_oracle(family).greedy_inputs(inputs, max_new_tokens)
         results[key] = Expected(int(inputs["input_ids"].shape[1]), ids, logprobs)
     return results
