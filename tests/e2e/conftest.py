@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from tests.e2e.server import Server, start_serve, stop_all
+from tests.e2e.server import Server, serving, start_serve, stop_all
 from workers.families import family_for, load_processing
 
 
@@ -112,7 +112,7 @@ def oracle(tiny_model_dir: Path) -> Oracle:
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One ``mmserve serve`` with every cache on, shared by the e2e tests that only send requests. It may
     fetch from loopback (``image_http_server``); tests/e2e/test_media_policy.py checks the default policy."""
-    srv = start_serve(
+    with serving(
         tiny_model_dir,
         tmp_path_factory.mktemp("serve"),
         "--max-model-len",
@@ -120,11 +120,8 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         "--fetch-timeout-s",
         "2",
         "--allow-private-media-urls",
-    )
-    try:
+    ) as srv:
         yield srv
-    finally:
-        srv.process.interrupt()
 
 
 # Every multimodal cache off: what each request must answer when nothing is reused
@@ -143,11 +140,8 @@ def uncached_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     and by the fuzzer (whose POST /reset_mm_cache finds no cache to disturb)."""
     folder = tmp_path_factory.mktemp("uncached")
     flags = ("--max-model-len", "2048", *UNCACHED, *WHOLE_IMAGES, *NO_FETCH)
-    srv = start_serve(tiny_model_dir, folder, *flags)
-    try:
+    with serving(tiny_model_dir, folder, *flags) as srv:
         yield srv
-    finally:
-        srv.process.interrupt()
 
 
 @pytest.fixture(scope="session")
@@ -156,11 +150,8 @@ def narrow_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     (tests/e2e/test_backpressure.py), and an encoder budget of 100 tokens, below its 576-token image
     (tests/e2e/test_budgets.py)."""
     flags = ("--max-num-seqs", "1", "--max-waiting-requests", "1", "--encoder-compute-budget-tokens", "100")
-    srv = start_serve(tiny_model_dir, tmp_path_factory.mktemp("narrow"), *flags)
-    try:
+    with serving(tiny_model_dir, tmp_path_factory.mktemp("narrow"), *flags) as srv:
         yield srv
-    finally:
-        srv.process.interrupt()
 
 
 API_KEY = "sk-mmserve-e2e"  # the key of guarded_server
@@ -172,11 +163,8 @@ def guarded_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     """The tiny LLaVA behind ``--api-key API_KEY`` with a 1 MB body cap
     (tests/e2e/test_api_key_and_body_cap.py); the LM behind the proxy of tests/e2e/test_proxy_serving.py."""
     flags = ("--api-key", API_KEY, "--max-request-body-mb", "1")
-    srv = start_serve(tiny_model_dir, tmp_path_factory.mktemp("guarded"), *flags)
-    try:
+    with serving(tiny_model_dir, tmp_path_factory.mktemp("guarded"), *flags) as srv:
         yield srv
-    finally:
-        srv.process.interrupt()
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import pytest
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.parity import NUM_TOKENS, assert_matches_oracle, concurrent_greedy_requests, greedy_request
-from tests.e2e.server import REPO, Server, delta, start_serve
+from tests.e2e.server import REPO, Server, delta, serving
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ CHUNK = 100  # < 576 image tokens: chunk boundaries fall inside image ranges
 
 @pytest.fixture(scope="module")
 def chunked_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_serve(
+    with serving(
         tiny_model_dir,
         tmp_path_factory.mktemp("chunked"),
         "--max-model-len",
@@ -36,17 +36,14 @@ def chunked_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
         "1200",
         "--block-size",
         str(BLOCK),
-    )
-    try:
+    ) as srv:
         yield srv
-    finally:
-        srv.process.interrupt()
 
 
 @pytest.fixture(scope="module")
 def tiny_pool_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A KV pool of 1024 tokens: two one-image requests (~600 prompt tokens each) cannot both fit."""
-    srv = start_serve(
+    with serving(
         tiny_model_dir,
         tmp_path_factory.mktemp("tinypool"),
         "--max-model-len",
@@ -61,11 +58,8 @@ def tiny_pool_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
         str(BLOCK),
         "--max-num-seqs",
         "32",
-    )
-    try:
+    ) as srv:
         yield srv
-    finally:
-        srv.process.interrupt()
 
 
 def cached_tokens(response: dict[str, Any]) -> int:
