@@ -76,7 +76,8 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def baseline(uncached_server: Server) -> list[str]:
-    """Every cache off (the session's uncached server, COMMON's flags): what each request must answer."""
+    """Every cache off (the session's uncached server: 2,048 tokens and one preprocessing process, as
+    COMMON): what each request must answer."""
     return asyncio.run(run_sequence(uncached_server, concurrency=1))
 
 
