@@ -83,17 +83,23 @@ def image_parts(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return list(by_url.values())
 
 
+# The request fields the content hash the LM instance looks an output up by depends on, besides the
+# part itself (docs/architecture.md, "Cache salts and media ids"): the processor options and the salt.
+HASHED_REQUEST_FIELDS = ("mm_processor_kwargs", "cache_salt")
+
+
 def encoder_body(body: Mapping[str, Any], part: Mapping[str, Any]) -> dict[str, Any]:
     """The encoder request for one image part. It keeps the original ``model`` and
-    ``mm_processor_kwargs``, which go into the content hash the LM instance looks the output up by;
+    ``HASHED_REQUEST_FIELDS``, which go into the content hash the LM instance looks the output up by;
     the text does not, so a bare user turn with the one image is enough."""
     request: dict[str, Any] = {
         "model": body.get("model"),
         "messages": [{"role": "user", "content": [dict(part)]}],
         "max_tokens": ENCODER_MAX_TOKENS,
     }
-    if body.get("mm_processor_kwargs") is not None:
-        request["mm_processor_kwargs"] = body["mm_processor_kwargs"]
+    for field in HASHED_REQUEST_FIELDS:
+        if body.get(field) is not None:
+            request[field] = body[field]
     return request
 
 

@@ -2,7 +2,8 @@
 and saves it; the LM instance loads it by mm_hash instead of encoding. The answer equals a single
 server's, token for token, for one and two images, on LLaVA and on Qwen3-VL (whose outputs carry
 deepstack levels); the LM instance's encoder never runs for what the encoder instance produced.
-An LM-only instance (no vision tower) answers an image nobody encoded with a clear 503."""
+An LM-only instance (no vision tower) answers an image nobody encoded with a clear 503; a salted
+request is encoded under its salt."""
 
 from __future__ import annotations
 
@@ -87,6 +88,16 @@ def test_through_the_proxy_the_answer_is_a_single_servers(split: Split, seeds: t
     assert delta(lm_before, lm_after, "mmserve_encoder_runs_total") == 0, "the LM instance encoded"
     assert delta(lm_before, lm_after, "mmserve_ec_loads_total") == len(seeds)
     assert delta(lm_before, lm_after, "mmserve_ec_load_failures_total") == 0
+
+
+def test_a_salted_request_is_encoded_under_its_salt(split: Split) -> None:
+    """The encoder instance encodes under the request's ``cache_salt``, so the LM-only instance (no
+    vision tower) finds that salt's output; the same image under another salt is encoded again."""
+    for salt in ("tenant-a", "tenant-b"):
+        payload = body(split, "Salted?", 807, cache_salt=salt)
+        enc_before = split.encoder.metrics()
+        assert answer(split.proxy_lm_only, payload) == answer(split.single, payload)
+        assert delta(enc_before, split.encoder.metrics(), "mmserve_encoder_runs_total") == 1
 
 
 def test_streamed_through_the_proxy(split: Split) -> None:

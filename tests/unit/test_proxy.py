@@ -76,6 +76,8 @@ def test_encoder_body_keeps_what_the_content_hash_depends_on() -> None:
     kwargs = {"size": {"shortest_edge": 336}}
     with_kwargs = encoder_body({**original, "mm_processor_kwargs": kwargs}, image("u1"))
     assert with_kwargs["mm_processor_kwargs"] == kwargs and "stream" not in with_kwargs
+    salted = encoder_body({**original, "cache_salt": "tenant-a"}, image("u1"))
+    assert salted["cache_salt"] == "tenant-a"  # the salt is in the mm_hash the LM looks up
 
 
 def test_round_robin_cycles_in_order_and_drops_trailing_slashes() -> None:
