@@ -109,10 +109,9 @@ import json, sys, threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 import httpx
-from tests.e2e.conftest import make_image, png_bytes
 from tests.e2e.server import serving
 
-body, hits = png_bytes(make_image(73)), []
+body, hits = Path(sys.argv[4]).read_bytes(), []
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args): pass
     def do_GET(self):
@@ -152,7 +151,17 @@ def test_a_private_address_in_a_network_namespace(tiny_model_dir: Path, tmp_path
     if prefix is None:
         pytest.skip("cannot create a network namespace here (unshare -n / ip addr add not permitted)")
     setup = f'ip link set lo up && ip addr add {PRIVATE_ADDRESS}/32 dev lo && exec "$@"'
-    argv = [sys.executable, "-c", NETNS_SCRIPT, str(tiny_model_dir), str(tmp_path), PRIVATE_ADDRESS]
+    image = tmp_path / "img.png"
+    image.write_bytes(png_bytes(make_image(73)))  # made here: the script imports no torch
+    argv = [
+        sys.executable,
+        "-c",
+        NETNS_SCRIPT,
+        str(tiny_model_dir),
+        str(tmp_path),
+        PRIVATE_ADDRESS,
+        str(image),
+    ]
     proc = subprocess.run(
         [*prefix, "sh", "-c", setup, "sh", *argv], cwd=REPO, capture_output=True, text=True, timeout=400
     )
