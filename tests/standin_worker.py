@@ -4,7 +4,7 @@
     in process   EngineCore ──send(SchedulerOutput, frames), wait(step id)──▶ StandinWorker (an Executor)
     over ZeroMQ  WorkerClient (ROUTER) ──[SchedulerOutput, frames...]──▶ serve(): DEALER, StandinWorker
                               ◀──[WorkerReady | RunnerOutput | WorkerError]──
-                 serve() runs in a thread (``serving``) or as ``python -m tests.standin_worker ADDR``
+                 serve() (tests/standin_worker_process.py) runs in a thread (``serving``) or as a process
 
 A step runs as in ``ModelRunner.execute`` (workers/model_runner.py), in its order, bytes for tensors:
 drops (unknown ids ignored); additions, checked first; ``ec_meta`` loads from ``ec_store``; "encoding"
@@ -39,18 +39,15 @@ Options (keyword arguments; "steps" are step ids):
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import msgspec
-import zmq
 
 from engine.executor import WorkerFailed, WorkerLost
 from wire.ec_store import ECRole, ECStore, ECStoreError
@@ -70,9 +67,6 @@ from wire.protocol import (
     TokenLogprobs,
     WorkerError,
     WorkerReady,
-    WorkerShutdown,
-    decode_worker_inbound,
-    encode,
 )
 from wire.shm_ring import ShmRingReader
 
@@ -447,70 +441,3 @@ class StandinWorker:
             for i in range(sampling.num_top_logprobs)
         ]
         return TokenLogprobs(Logprob(token, SAMPLED_LOGPROB), top)
-
-
-# ---------------------------------------------------------------------- over ZeroMQ
-
-
-def serve(worker: StandinWorker, addr: str, stop: threading.Event) -> None:
-    """``workers/worker_main.py``'s loop around ``worker``: a DEALER connects to ``addr``, says
-    ``worker.ready`` and answers each step, until ``WorkerShutdown``, ``stop``, or a ``lose_steps``
-    step (the socket closes unanswered, so the engine sees the connection drop)."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(addr)
-        sock.send(encode(worker.ready))
-        while not stop.is_set():
-            if not sock.poll(20):
-                continue
-            parts = sock.recv_multipart(copy=False)
-            try:
-                msg = decode_worker_inbound(parts[0].buffer)
-            except msgspec.MsgspecError as exc:
-                sock.send(encode(WorkerError(UNDECODABLE_STEP_ID, str(exc))))
-                continue
-            if isinstance(msg, WorkerShutdown):
-                return
-            reply: RunnerOutput | WorkerError | None
-            try:
-                reply = worker.handle(msg, [part.buffer for part in parts[1:]])
-            except Exception as exc:  # as the worker does: answered, and serving goes on
-                worker.errors.append(f"step {msg.step_id}: {type(exc).__name__}: {exc}")
-                reply = WorkerError(msg.step_id, f"{type(exc).__name__}: {exc}")
-            if worker.dead:
-                return
-            if reply is not None:
-                sock.send(encode(reply))
-    finally:
-        sock.close(linger=0)
-        ctx.term()
-        worker.close()
-
-
-@contextlib.contextmanager
-def serving(worker: StandinWorker, addr: str) -> Iterator[StandinWorker]:
-    """``serve`` in a thread for the duration of the block; yields ``worker``."""
-    stop = threading.Event()
-    thread = threading.Thread(target=serve, args=(worker, addr, stop), daemon=True)
-    thread.start()
-    try:
-        yield worker
-    finally:
-        stop.set()
-        thread.join(5)
-
-
-def main() -> None:
-    """``python -m tests.standin_worker ADDR [--drop-replies STEP ...]``: the stand-in as a process of its
-    own (for tests that SIGKILL it)."""
-    parser = argparse.ArgumentParser(description="the tests' stand-in worker")
-    parser.add_argument("addr")
-    parser.add_argument("--drop-replies", type=int, nargs="*", default=[], metavar="STEP")
-    args = parser.parse_args()
-    serve(StandinWorker(drop_replies=args.drop_replies), args.addr, threading.Event())
-
-
-if __name__ == "__main__":
-    main()

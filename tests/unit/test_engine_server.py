@@ -15,7 +15,8 @@ import zmq
 from engine.config import EngineConfig, SchedulerOptions
 from engine.engine_main import EngineServer
 from tests.api_peer import ApiPeer, tokens
-from tests.standin_worker import StandinWorker, serving
+from tests.standin_worker import StandinWorker
+from tests.standin_worker_process import serving
 from wire.protocol import (
     AddRequest,
     SamplingParams,

@@ -17,7 +17,8 @@ import zmq
 
 from engine.executor import WorkerFailed, WorkerLost
 from engine.worker_client import WorkerClient
-from tests.standin_worker import StandinWorker, serving
+from tests.standin_worker import StandinWorker
+from tests.standin_worker_process import serving
 from wire.protocol import RunnerOutput, SchedulerOutput, WorkerReady, encode
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,7 +157,7 @@ def test_a_sigkilled_worker_process_is_lost_at_once(client: tuple[WorkerClient, 
     c.step_timeout_s = 60.0
     # the stand-in in a process of its own, which never answers step 1
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.standin_worker", addr, "--drop-replies", "1"],
+        [sys.executable, "-m", "tests.standin_worker_process", addr, "--drop-replies", "1"],
         cwd=REPO,
         stdout=subprocess.PIPE,
         text=True,
