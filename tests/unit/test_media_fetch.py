@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import shutil
-import socket
 import ssl
 import subprocess
 import threading
@@ -23,56 +22,16 @@ import pytest
 from app.api.schemas import ChatMessageParam
 from app.errors import MediaError
 from app.inputs.input_processor import InputProcessor
-from app.media.fetch import MediaFetcher, RequestImageBudget
-from app.media.kinds import MediaKind
+from app.media.fetch import MediaFetcher
 from app.media.url_policy import IPAddress, MediaPolicy
-from app.media.urls import load_media_bytes
 from app.metrics import ApiMetrics
 from app.settings import Settings
+from tests.unit.fetch_support import BODY, PARAM, FakeDNS, Recorder, no_dns
 from tests.unit.input_support import prepare_only_family
 
-PARAM = "messages[0].content[0].image_url.url"
-BODY = b"\x89PNG not really, the fetcher does not decode"
 PUBLIC = "93.184.215.14"
 PRIVATE_POLICY = MediaPolicy(allow_private_addresses=True)
 DEFAULT_POLICY = MediaPolicy()
-
-
-class FakeDNS:
-    """``answers[host]``: the addresses of each lookup in turn (the last one repeats)."""
-
-    def __init__(self, **answers: list[str] | list[list[str]]) -> None:
-        self.answers = {host.replace("_", "."): a for host, a in answers.items()}
-        self.calls: list[str] = []
-
-    async def __call__(self, host: str, port: int) -> list[IPAddress]:
-        self.calls.append(host)
-        if host not in self.answers:
-            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-        answers = self.answers[host]
-        if answers and isinstance(answers[0], list):
-            answer = answers[min(self.calls.count(host), len(answers)) - 1]
-        else:
-            answer = answers
-        return [ipaddress.ip_address(a) for a in answer]
-
-
-def no_dns() -> FakeDNS:
-    return FakeDNS()
-
-
-class Recorder:
-    """A MockTransport handler that records requests; ``routes[path]`` answers, anything else fails."""
-
-    def __init__(self, routes: dict[str, Callable[[httpx.Request], httpx.Response]] | None = None) -> None:
-        self.routes = routes or {}
-        self.requests: list[httpx.Request] = []
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.requests.append(request)
-        if request.url.path not in self.routes:
-            pytest.fail(f"unexpected connection: {request.method} {request.url}")
-        return self.routes[request.url.path](request)
 
 
 def redirect(location: str, status: int = 302) -> Callable[[httpx.Request], httpx.Response]:
@@ -414,45 +373,6 @@ def test_a_slow_resolver_counts_against_the_timeout() -> None:
 async def _fetch_with(policy: MediaPolicy, resolver: Any, url: str) -> bytes:
     async with httpx.AsyncClient(transport=httpx.MockTransport(Recorder()), trust_env=False) as client:
         return await MediaFetcher(policy, client, resolver).fetch_http(url, param=PARAM)
-
-
-# -- file:// --------------------------------------------------------------------------------------
-
-
-def load_file(url: str, policy: MediaPolicy, budget: RequestImageBudget | None = None) -> bytes:
-    async def main() -> bytes:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(Recorder())) as client:
-            fetcher = MediaFetcher(policy, client, no_dns())
-            return await load_media_bytes(
-                url, kind=MediaKind.IMAGE, fetcher=fetcher, param=PARAM, budget=budget
-            )
-
-    return asyncio.run(main())
-
-
-def test_file_urls_inside_the_allowed_folder(tmp_path: Path) -> None:
-    root = tmp_path / "images"
-    root.mkdir()
-    (root / "a.png").write_bytes(BODY)
-    (tmp_path / "secret.png").write_bytes(BODY)
-    (root / "escape.png").symlink_to(tmp_path / "secret.png")
-    policy = MediaPolicy(local_media_root=root.resolve())
-    budget = RequestImageBudget(10_000)
-    assert load_file(f"file://{root}/a.png", policy, budget) == BODY and budget.num_bytes == len(BODY)
-
-    def code(url: str, policy: MediaPolicy) -> str | None:
-        with pytest.raises(MediaError) as info:
-            load_file(url, policy)
-        return info.value.code
-
-    assert code(f"file://{root}/../secret.png", policy) == "image_url_forbidden"
-    assert code(f"file://{root}/escape.png", policy) == "image_url_forbidden"
-    assert code(f"file://{tmp_path}/secret.png", policy) == "image_url_forbidden"
-    assert code(f"file://{root}/a.png", MediaPolicy()) == "image_url_forbidden"
-    small = MediaPolicy(local_media_root=root.resolve(), max_image_bytes=len(BODY) - 1)
-    assert code(f"file://{root}/a.png", small) == "image_too_large"
-    (root / "empty.png").write_bytes(b"")
-    assert code(f"file://{root}/empty.png", policy) == "invalid_image"
 
 
 # -- the request-wide cap -------------------------------------------------------------------------
