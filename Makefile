@@ -35,8 +35,10 @@ model: $(MODEL)/config.json
 serve: setup model
 	$(VENV)/bin/mmserve serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
+# two pytest-xdist workers: the tests on the session's shared servers in one, every other module beside
+# them (tests/conftest.py)
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"

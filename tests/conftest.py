@@ -1,4 +1,5 @@
-"""Fixtures shared by every test tier."""
+"""Fixtures shared by every test tier, and how `make test` splits the tiers between two pytest-xdist
+workers (``--dist loadgroup``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,32 @@ from pathlib import Path
 import pytest
 
 from workers.families.tiny import build_tiny_model
+
+# The session's shared servers (tests/e2e/conftest.py). Every test that uses one runs in one xdist worker,
+# in collection order, so each server starts once per run and the worker holds them all, as a run without
+# xdist does; every other module is a group of its own, run whole by the other worker (or after).
+SESSION_SERVERS = frozenset({"server", "uncached_server", "narrow_server", "guarded_server", "family_server"})
+SESSION_GROUP = "session-servers"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        uses_session_server = SESSION_SERVERS & set(getattr(item, "fixturenames", ()))
+        group = SESSION_GROUP if uses_session_server else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """In an xdist worker under ``--dist loadgroup``, refuse to run if the groups were lost (xdist writes
+    them into the node ids): both workers would then start every shared server, more than this machine's
+    memory holds."""
+    if getattr(session.config.option, "loadgroup", False):
+        lost = [item.nodeid for item in session.items if "@" not in item.nodeid.rpartition("::")[2]]
+        if lost:
+            raise pytest.UsageError(f"pytest-xdist did not group {lost[0]} (and {len(lost) - 1} more)")
 
 
 @pytest.fixture(scope="session")

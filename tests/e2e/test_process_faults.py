@@ -23,8 +23,12 @@ pytestmark = pytest.mark.slow
 HEALTH_DEADLINE_S = 2.0
 
 
-def shm_entries() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def shm_entries(pids: list[int]) -> set[str]:
+    """The /dev/shm entries these processes own (``mmserve.<pid>.*``), and every ``sem.*`` (a named
+    semaphore carries no owner; the product creates none). Other tests may run beside this one."""
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    owners = tuple(f"mmserve.{pid}." for pid in pids)
+    return {name for name in names if name.startswith(owners) or name.startswith("sem.")}
 
 
 def answer(server: Server, body: dict[str, Any]) -> str:
@@ -118,7 +122,7 @@ def test_sigkill_fails_in_flight_then_the_server_recovers(server: Server, role: 
 
 
 def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path) -> None:
-    shm_before = shm_entries()
+    shm_before = shm_entries([])  # sem.* only: no process of this server exists yet
     drained = start_serve(tiny_model_dir, tmp_path, "--shutdown-timeout", "60")
     assert drained.process.proc is not None
     proc = drained.process.proc
@@ -141,7 +145,8 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path)
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in children if alive(pid)], "no orphan processes"
-    assert shm_entries() <= shm_before, f"leaked shared memory: {shm_entries() - shm_before}"
+    leaked = shm_entries([proc.pid, *children]) - shm_before
+    assert not leaked, f"leaked shared memory: {leaked}"
 
 
 def test_sigterm_cuts_off_what_outlives_the_shutdown_timeout(tiny_model_dir: Path, tmp_path: Path) -> None:

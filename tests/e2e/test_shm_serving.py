@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,8 +46,14 @@ SEQUENCE: list[list[Any]] = [
 ]
 
 
-def mmserve_shm_entries() -> set[str]:
-    return {path.name for path in DEV_SHM.glob("mmserve.*")}
+def owned_shm_entries(pids: list[int]) -> set[str]:
+    """The /dev/shm entries of these processes (``mmserve.<pid>.*``): other tests may run beside these."""
+    return {path.name for pid in pids for path in DEV_SHM.glob(f"mmserve.{pid}.*")}
+
+
+def sems() -> set[str]:
+    """Named semaphores (``sem.*``, no owner in the name): the product creates none."""
+    return {path.name for path in DEV_SHM.glob("sem.*")}
 
 
 def body(index: int, images: list[Any]) -> dict[str, Any]:
@@ -108,7 +113,6 @@ def test_same_answers_as_without_caches(
     flags: tuple[str, ...],
     api_servers: int,
 ) -> None:
-    before = mmserve_shm_entries()
     with sequence_server(request, tiny_model_dir, log_dir, flags, api_servers) as (server, stops):
         start = server.metrics()
         assert asyncio.run(run_sequence(server, concurrency=1)) == baseline
@@ -117,7 +121,8 @@ def test_same_answers_as_without_caches(
         assert server.process.proc is not None
         # images were processed: each API process's pool, which loads in the background, has loaded
         # (and titled itself)
-        pool = [pid for pid in descendants(server.process.proc.pid) if process_title(pid) == PREPROCESS]
+        pids = [server.process.proc.pid, *descendants(server.process.proc.pid)]
+        pool = [pid for pid in pids if process_title(pid) == PREPROCESS]
     assert len(pool) == api_servers  # COMMON: one preprocessing process per API process
     assert len(set(baseline)) >= 6  # the requests really differ
     assert delta(start, metrics, "mmserve_mm_ipc_cache_resends_total") == 0
@@ -127,7 +132,7 @@ def test_same_answers_as_without_caches(
         assert metrics["mmserve_mm_shm_bytes_total"] > 0
         assert metrics["mmserve_mm_ipc_cache_hits_total"] > 0  # items crossed as references
     if stops:
-        assert mmserve_shm_entries() <= before  # the rings were removed at the stop
+        assert not owned_shm_entries(pids)  # the rings were removed at the stop
         assert not any(alive(pid) for pid in pool)  # and the pool processes ended with the server
 
 
@@ -194,21 +199,23 @@ def test_a_stale_reference_is_resent_with_its_payload(shm_server: Server) -> Non
 
 
 def test_nothing_left_in_dev_shm_after_sigkill_and_a_new_start(tiny_model_dir: Path, log_dir: Path) -> None:
-    before = mmserve_shm_entries()
-    everything_before = set(os.listdir(DEV_SHM))  # no multiprocessing semaphore (sem.*) either
+    sems_before = sems()
     server = start_serve(tiny_model_dir, log_dir, *COMMON, *SMALL, *SHM, "--api-server-count", "2")
     try:
         httpx.post(f"{server.base_url}/v1/chat/completions", json=body(0, [B]), timeout=120)
         assert server.process.proc is not None
-        left = mmserve_shm_entries() - before
+        crashed = [server.process.proc.pid, *descendants(server.process.proc.pid)]
+        left = owned_shm_entries(crashed)
         assert len(ring_files(server.process.proc.pid)) == 2  # one ring per API process
     finally:
         server.process.kill()  # SIGKILL to the whole group: nobody cleans up
-    assert left and left <= mmserve_shm_entries()  # the crash left its rings behind
-    with serving(tiny_model_dir, log_dir, *COMMON, *SMALL, *SHM):
-        assert not left & mmserve_shm_entries()  # the new start removed them
-    assert mmserve_shm_entries() <= before
-    assert set(os.listdir(DEV_SHM)) <= everything_before
+    assert left and left <= owned_shm_entries(crashed)  # the crash left its rings behind
+    with serving(tiny_model_dir, log_dir, *COMMON, *SMALL, *SHM) as restarted:
+        assert not owned_shm_entries(crashed)  # the new start removed them
+        assert restarted.process.proc is not None
+        pids = [restarted.process.proc.pid, *descendants(restarted.process.proc.pid)]
+    assert not owned_shm_entries(pids)
+    assert sems() <= sems_before
 
 
 def jpeg_part(image: Any) -> dict[str, Any]:
