@@ -25,7 +25,7 @@ MAX_TOKENS = 8
 
 @dataclass
 class Split:
-    single: Server  # an ordinary server (the session's for the family): the reference answer
+    single: Server  # an ordinary server with the defaults: the reference answer
     encoder: Server
     lm: Server
     lm_only: Server  # --language-model-only: no vision tower at all
@@ -38,9 +38,10 @@ class Split:
 def split(
     request: pytest.FixtureRequest,
     tiny_model: Callable[[str], Path],
-    family_server: Callable[[str], Server],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Split]:
+    """The module's own servers, no session server: so the module runs whole in whichever pytest-xdist
+    worker is free, beside the one that holds the session's servers (tests/conftest.py)."""
     family = request.param
     model_dir = tiny_model(family)
     store = tmp_path_factory.mktemp(f"ec-{family}")
@@ -52,11 +53,11 @@ def split(
         (*ec, "--ec-role", "producer", "--encoder-only"),
         (*ec, "--ec-role", "consumer"),
         (*ec, "--ec-role", "consumer", "--language-model-only"),
+        (),
     )
     proxies: list[Server] = []
     try:
-        encoder, lm, lm_only = servers
-        single = family_server(family)
+        encoder, lm, lm_only, single = servers
         proxies.append(start_proxy(logs, encoder.base_url, lm.base_url))
         proxies.append(start_proxy(logs, encoder.base_url, lm_only.base_url))
         yield Split(single, encoder, lm, lm_only, proxies[0], proxies[1], model_dir.name)
