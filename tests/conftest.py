@@ -10,9 +10,12 @@ import pytest
 
 from workers.families.tiny import build_tiny_model
 
-# The session's shared servers (tests/e2e/conftest.py). Every test that uses one runs in one xdist worker,
-# in collection order, so each server starts once per run and the worker holds them all, as a run without
-# xdist does; every other module is a group of its own, run whole by the other worker (or after).
+# The session's shared servers (tests/e2e/conftest.py). Every test that uses a fixture of one of these
+# names (a module's own ``server`` too) runs in one xdist worker, in collection order, so each shared
+# server starts once per run and one worker holds them all, as a run without xdist does (about 18 GiB at
+# the end). Every other module is a group of its own, run whole by whichever worker is free. Moving more
+# work out of the shared-server group would let the other worker's last groups (xdist runs those with
+# the most tests first, so the heavy e2e modules of a few tests come last) overlap that peak.
 SESSION_SERVERS = frozenset({"server", "uncached_server", "narrow_server", "guarded_server", "family_server"})
 SESSION_GROUP = "session-servers"
 
