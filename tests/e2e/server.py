@@ -39,6 +39,21 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+DEV_SHM = Path("/dev/shm")
+
+
+def owned_shm_entries(pids: list[int]) -> set[str]:
+    """The /dev/shm entries named for these processes (``mmserve.<pid>.*``, the product's naming): a
+    test counts only its own servers' entries, since another pytest-xdist worker's tests may run beside
+    it."""
+    return {path.name for pid in pids for path in DEV_SHM.glob(f"mmserve.{pid}.*")}
+
+
+def named_semaphores() -> set[str]:
+    """Every ``sem.*`` in /dev/shm (a named semaphore carries no owner; the product creates none)."""
+    return {path.name for path in DEV_SHM.glob("sem.*")}
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]

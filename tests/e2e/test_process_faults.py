@@ -16,19 +16,20 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import greedy_body, make_image, user_message
-from tests.e2e.server import Server, alive, descendants, role_pid, serving, start_serve
+from tests.e2e.server import (
+    Server,
+    alive,
+    descendants,
+    named_semaphores,
+    owned_shm_entries,
+    role_pid,
+    serving,
+    start_serve,
+)
 
 pytestmark = pytest.mark.slow
 
 HEALTH_DEADLINE_S = 2.0
-
-
-def shm_entries(pids: list[int]) -> set[str]:
-    """The /dev/shm entries these processes own (``mmserve.<pid>.*``), and every ``sem.*`` (a named
-    semaphore carries no owner; the product creates none). Other tests may run beside this one."""
-    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
-    owners = tuple(f"mmserve.{pid}." for pid in pids)
-    return {name for name in names if name.startswith(owners) or name.startswith("sem.")}
 
 
 def answer(server: Server, body: dict[str, Any]) -> str:
@@ -122,7 +123,7 @@ def test_sigkill_fails_in_flight_then_the_server_recovers(server: Server, role: 
 
 
 def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path) -> None:
-    shm_before = shm_entries([])  # sem.* only: no process of this server exists yet
+    sems_before = named_semaphores()
     drained = start_serve(tiny_model_dir, tmp_path, "--shutdown-timeout", "60")
     assert drained.process.proc is not None
     proc = drained.process.proc
@@ -145,7 +146,7 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path)
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in children if alive(pid)], "no orphan processes"
-    leaked = shm_entries([proc.pid, *children]) - shm_before
+    leaked = owned_shm_entries([proc.pid, *children]) | (named_semaphores() - sems_before)
     assert not leaked, f"leaked shared memory: {leaked}"
 
 

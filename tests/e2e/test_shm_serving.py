@@ -18,11 +18,21 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import greedy_body, make_image, user_message
-from tests.e2e.server import Server, alive, delta, descendants, process_title, serving, start_serve
+from tests.e2e.server import (
+    DEV_SHM,
+    Server,
+    alive,
+    delta,
+    descendants,
+    named_semaphores,
+    owned_shm_entries,
+    process_title,
+    serving,
+    start_serve,
+)
 
 pytestmark = pytest.mark.slow
 
-DEV_SHM = Path("/dev/shm")
 PREPROCESS = "mmserve: preprocess"
 # A LLaVA item (1x3x336x336 float32) is 1.35 MB: a 4 MiB ring or cache holds three of them.
 SMALL = ("--mm-processor-cache-gb", "0.004", "--mm-ipc-cache-gb", "0.004")
@@ -44,16 +54,6 @@ SEQUENCE: list[list[Any]] = [
     [F],
     [A, E],
 ]
-
-
-def owned_shm_entries(pids: list[int]) -> set[str]:
-    """The /dev/shm entries of these processes (``mmserve.<pid>.*``): other tests may run beside these."""
-    return {path.name for pid in pids for path in DEV_SHM.glob(f"mmserve.{pid}.*")}
-
-
-def sems() -> set[str]:
-    """Named semaphores (``sem.*``, no owner in the name): the product creates none."""
-    return {path.name for path in DEV_SHM.glob("sem.*")}
 
 
 def body(index: int, images: list[Any]) -> dict[str, Any]:
@@ -199,7 +199,7 @@ def test_a_stale_reference_is_resent_with_its_payload(shm_server: Server) -> Non
 
 
 def test_nothing_left_in_dev_shm_after_sigkill_and_a_new_start(tiny_model_dir: Path, log_dir: Path) -> None:
-    sems_before = sems()
+    sems_before = named_semaphores()
     server = start_serve(tiny_model_dir, log_dir, *COMMON, *SMALL, *SHM, "--api-server-count", "2")
     try:
         httpx.post(f"{server.base_url}/v1/chat/completions", json=body(0, [B]), timeout=120)
@@ -215,7 +215,7 @@ def test_nothing_left_in_dev_shm_after_sigkill_and_a_new_start(tiny_model_dir: P
         assert restarted.process.proc is not None
         pids = [restarted.process.proc.pid, *descendants(restarted.process.proc.pid)]
     assert not owned_shm_entries(pids)
-    assert sems() <= sems_before
+    assert named_semaphores() <= sems_before
 
 
 def jpeg_part(image: Any) -> dict[str, Any]:
