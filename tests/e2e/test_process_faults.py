@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from app.inputs.engine_client import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S
 from tests.e2e.conftest import greedy_body, make_image, user_message
 from tests.e2e.server import (
     Server,
@@ -29,7 +30,11 @@ from tests.e2e.server import (
 
 pytestmark = pytest.mark.slow
 
-HEALTH_DEADLINE_S = 2.0
+# The soonest a missed heartbeat could turn /health 503 after a kill (the last EngineReady came at most
+# one heartbeat before it). Sooner means the loss was heard from the connection (the engine's
+# disconnect, or the engine's EngineDead for its worker), which is the behaviour under test; the worker's
+# other alarm, the step timeout, is minutes. A bound of wall time alone flaked under a busy machine.
+HEARD_AT_ONCE_S = HEARTBEAT_TIMEOUT_S - HEARTBEAT_S
 
 
 def answer(server: Server, body: dict[str, Any]) -> str:
@@ -94,17 +99,18 @@ LONG = greedy_body([user_message("Go on and on.", make_image(72))], max_tokens=1
 def test_sigkill_fails_in_flight_then_the_server_recovers(server: Server, role: str) -> None:
     assert server.process.proc is not None
     api_pid = server.process.proc.pid
+    seconds_until_health(server, 200, timeout_s=120)  # a restart an earlier case caused is over
     before = answer(server, SHORT)
     thread, events = started_stream(server, LONG)
 
     os.kill(role_pid(api_pid, role), signal.SIGKILL)
-    unhealthy_after = seconds_until_health(server, 503, timeout_s=10)
+    unhealthy_after = seconds_until_health(server, 503, timeout_s=30)
     thread.join(10)
     assert not thread.is_alive(), "the in-flight stream ended"
     errors = [e for e in events if isinstance(e, dict) and "error" in e]
     assert len(errors) == 1 and errors[0]["error"]["code"] in ("engine_unavailable", "worker_unavailable")
     assert "[DONE]" not in events
-    assert unhealthy_after <= HEALTH_DEADLINE_S, f"/health said 503 only after {unhealthy_after:.2f}s"
+    assert unhealthy_after < HEARD_AT_ONCE_S, f"/health said 503 only after {unhealthy_after:.2f}s"
 
     # while the dead part restarts, a request gets a clear 503 (or, if the restart was quick, an answer)
     during = httpx.post(f"{server.base_url}/v1/chat/completions", json=SHORT, timeout=120)
@@ -132,7 +138,7 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path)
     thread, events = started_stream(drained, body)
 
     proc.send_signal(signal.SIGTERM)
-    seconds_until_health(drained, 503, timeout_s=5)
+    seconds_until_health(drained, 503, timeout_s=15)
     refused = httpx.post(f"{drained.base_url}/v1/chat/completions", json=SHORT, timeout=30)
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "server_shutting_down"

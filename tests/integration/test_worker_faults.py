@@ -32,7 +32,9 @@ from workers.frames import tensor_to_frame
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-LOSS_DEADLINE_S = 5.0
+# Far below the step timeout (600 s): a loss noticed sooner was heard from the connection, even on a
+# machine busy with other tests.
+LOSS_DEADLINE_S = 15.0
 
 
 class Role:
@@ -140,7 +142,7 @@ def test_sigkilled_worker_fails_its_requests_and_a_new_worker_serves_a_fresh_epo
     start = time.monotonic()
     [refused] = api.outputs("meanwhile", 5)
     assert refused.error is not None and refused.error.code == "worker_unavailable"
-    assert refused.error.http_status == 503 and time.monotonic() - start < 1.0
+    assert refused.error.http_status == 503 and time.monotonic() - start < 5.0  # not queued for a worker
     assert engine.proc.poll() is None, engine.log()
 
     started.append(Role(worker_args, tmp_path / "worker-2.log"))

@@ -181,7 +181,8 @@ def test_a_sigkilled_worker_process_is_lost_at_once(client: tuple[WorkerClient, 
                     c.check()
                     time.sleep(0.01)
             elapsed = time.monotonic() - start
-        assert elapsed < 1.0, f"the loss was noticed after {elapsed:.2f}s"
+        # far below the 60 s step timeout: heard from the connection, even on a busy machine
+        assert elapsed < 5.0, f"the loss was noticed after {elapsed:.2f}s"
     finally:
         proc.kill()
         proc.wait(10)
