@@ -29,6 +29,7 @@ from tests.e2e.server import (
     process_title,
     serving,
     start_serve,
+    wait_api_processes,
 )
 
 pytestmark = pytest.mark.slow
@@ -97,6 +98,7 @@ def sequence_server(
         yield request.getfixturevalue("shm_server"), False
         return
     with serving(tiny_model_dir, log_dir, *COMMON, *flags, "--api-server-count", str(api)) as server:
+        wait_api_processes(server, api)  # /health answered by one of them says nothing of the others
         yield server, True
 
 
@@ -202,6 +204,7 @@ def test_nothing_left_in_dev_shm_after_sigkill_and_a_new_start(tiny_model_dir: P
     sems_before = named_semaphores()
     server = start_serve(tiny_model_dir, log_dir, *COMMON, *SMALL, *SHM, "--api-server-count", "2")
     try:
+        wait_api_processes(server, 2)
         httpx.post(f"{server.base_url}/v1/chat/completions", json=body(0, [B]), timeout=120)
         assert server.process.proc is not None
         crashed = [server.process.proc.pid, *descendants(server.process.proc.pid)]
