@@ -7,8 +7,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from workers.families.tiny import build_tiny_model
+
+# Another worker's tests share the CPU, so one example can take far longer than its work: no per-example
+# deadline and no "too slow" health check in any property test (a test's own @settings still wins).
+settings.register_profile("shared-cpu", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("shared-cpu")
 
 # The session's shared servers (tests/e2e/conftest.py). Every test that uses a fixture of one of these
 # names (a module's own ``server`` too) runs in one xdist worker, in collection order, so each shared

@@ -16,8 +16,15 @@ from pathlib import Path
 
 import httpx
 
+from app.inputs.engine_client import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S
+
 REPO = Path(__file__).resolve().parents[2]
 API_PROCESS_HEADER = "x-mmserve-api-process"
+# The soonest a missed heartbeat could turn /health 503 after a kill (the last EngineReady came at most
+# one heartbeat before it). Sooner means the loss was heard from the connection (the engine's
+# disconnect, or the engine's EngineDead for its worker), which is the behaviour under test; the worker's
+# other alarm, the step timeout, is minutes. A bound of wall time alone flaked under a busy machine.
+HEARD_AT_ONCE_S = HEARTBEAT_TIMEOUT_S - HEARTBEAT_S
 
 
 def free_port() -> int:
@@ -159,6 +166,19 @@ def wait_healthy(base_url: str, process: ServerProcess, timeout_s: float = 180.0
             pass
         time.sleep(0.2)
     raise TimeoutError(f"server not healthy after {timeout_s}s:\n{process.log()[-4000:]}")
+
+
+def seconds_until_health(base_url: str, status: int, timeout_s: float) -> float:
+    """Seconds until ``/health`` answered ``status``; a call that fails or times out is retried."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=1.0).status_code == status:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"/health did not answer {status} within {timeout_s}s")
 
 
 def wait_api_processes(server: Server, count: int, timeout_s: float = 180.0) -> None:

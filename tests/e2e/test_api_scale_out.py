@@ -243,7 +243,8 @@ def test_sigterm_drains_both_api_processes(tiny_model_dir: Path, tmp_path: Path)
         streams: list[tuple[threading.Thread, dict[str, Any]]] = []
         while {record["process"] for _, record in streams} != {0, 1}:
             assert len(streams) < 12, "the kernel never gave a stream to both processes"
-            streams.append(stream_in_thread(drained, body(len(streams) % len(IMAGES), max_tokens=400)))
+            # long enough to outlast the refusals below on a busy machine (about 2 s alone)
+            streams.append(stream_in_thread(drained, body(len(streams) % len(IMAGES), max_tokens=1400)))
 
         proc.send_signal(signal.SIGTERM)  # to the main process only: it forwards it to the other
         refused_by: set[int] = set()

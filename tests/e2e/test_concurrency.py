@@ -68,6 +68,9 @@ def test_sixteen_concurrent_streams_are_batched(server: Server) -> None:
     assert batched_8_plus > 0, "some steps ran more than four requests together"
 
 
+CLIENT_GONE = 'mmserve_http_requests_total{route="/v1/chat/completions",status="499"}'
+
+
 def wait_until_idle(server: Server) -> dict[str, float]:
     """Metrics once the engine holds no request (running and waiting gauges at 0), or after 15 s."""
     deadline = time.monotonic() + 15
@@ -86,8 +89,13 @@ def test_client_gone_while_waiting_for_a_whole_answer_aborts_it(server: Server) 
     """A non-streamed request whose client gives up mid-generation: the engine drops it and releases
     its KV blocks and encoder references."""
     body = greedy_body([user_message("Take your time.", make_image(498))], max_tokens=1400)
+    gone = server.metrics().get(CLIENT_GONE, 0.0)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 30  # until the API noticed and gave up the request, however far it got
+    while server.metrics().get(CLIENT_GONE, 0.0) == gone:
+        assert time.monotonic() < deadline, "the API never answered the gone client 499"
+        time.sleep(0.1)
     metrics = wait_until_idle(server)
     assert metrics["mmserve_num_requests_running"] == 0
     assert metrics["mmserve_kv_cache_usage_ratio"] == 0, "no block is held by a request any more"

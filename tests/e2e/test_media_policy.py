@@ -83,7 +83,7 @@ def test_loopback_urls_are_refused_at_once(
     url = url.format(port=image_http_server.rsplit(":", 1)[1])
     started = time.monotonic()
     error = assert_forbidden(chat(policy_server, url))
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 5.0  # no connection attempt waited on (the fetch timeout is 10 s)
     assert "--allow-private-media-urls" in error["message"]
     if url.startswith("http://127.0.0.1:"):  # the same URL is fetched where the flag is on
         assert chat(server, url).status_code == 200

@@ -35,6 +35,8 @@ REPO = Path(__file__).resolve().parents[2]
 # Far below the step timeout (600 s): a loss noticed sooner was heard from the connection, even on a
 # machine busy with other tests.
 LOSS_DEADLINE_S = 15.0
+# A held request outlasts what a drain test does meanwhile, even on a busy machine (about 2 s alone).
+HELD_TOKENS = 1500
 
 
 class Role:
@@ -168,7 +170,7 @@ def test_drain_refuses_new_requests_and_shutdown_waits_for_the_held_ones(
     engine = started[0]
     started.append(Role(worker_args, tmp_path / "worker.log"))
     assert api.wait_ready(180) is not None, engine.log() + started[-1].log()
-    long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=HELD_TOKENS, temperature=0.0, ignore_eos=True)
     api.submit("held", prompts["text"], long)
     api.outputs("held", 120, until_tokens=1)
 
@@ -180,7 +182,7 @@ def test_drain_refuses_new_requests_and_shutdown_waits_for_the_held_ones(
     assert (refused.error.code, refused.error.http_status) == ("server_shutting_down", 503)
     assert api.received["held"][-1].finish_reason is None and engine.proc.poll() is None  # still at it
     held = api.outputs("held", 120)
-    assert len(tokens(held)) == 500 and held[-1].finish_reason == "length" and held[-1].error is None
+    assert len(tokens(held)) == HELD_TOKENS and held[-1].finish_reason == "length" and held[-1].error is None
     assert engine.proc.wait(30) == 0, engine.log()
     assert started[-1].proc.wait(30) == 0
 
@@ -195,17 +197,20 @@ def test_sigterm_to_engine_and_worker_together_drains_like_compose_stop(
     worker = Role(worker_args, tmp_path / "worker.log")
     started.append(worker)
     assert api.wait_ready(180) is not None, engine.log() + worker.log()
-    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=HELD_TOKENS, temperature=0.0, ignore_eos=True)
     api.submit("held", prompts["text"], long)
     api.outputs("held", 120, until_tokens=1)
 
     engine.proc.send_signal(signal.SIGTERM)
     worker.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30  # until the engine took the signal in
+    while "draining: new requests are refused" not in engine.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, engine.log()
+        time.sleep(0.05)
     api.submit("new", prompts["one"], greedy(hf_model))
     [refused] = api.outputs("new", 10)
     assert refused.error is not None and refused.error.code == "server_shutting_down"
     held = api.outputs("held", 120)
-    assert len(tokens(held)) == 400 and held[-1].finish_reason == "length" and held[-1].error is None
+    assert len(tokens(held)) == HELD_TOKENS and held[-1].finish_reason == "length" and held[-1].error is None
     assert engine.proc.wait(30) == 0, engine.log()
     assert worker.proc.wait(30) == 0, worker.log()

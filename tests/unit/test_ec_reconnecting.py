@@ -5,12 +5,12 @@ per interval, not one connection attempt per item), and uses the store again onc
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 
 from wire.ec_store import ECConfig, ECRole, ECStore, ECStoreError, open_store
+from wire.ec_store import reconnecting as module
 from wire.ec_store.reconnecting import ReconnectingStore
 from wire.ec_store.shared_storage import SharedStorageStore
 
@@ -34,8 +34,26 @@ def reconnecting(folder: Path, retry_after_s: float = RETRY_AFTER_S) -> tuple[Re
     return ReconnectingStore(config, retry_after_s=retry_after_s, opener=opener), opener
 
 
-def wait_out(store: ReconnectingStore) -> None:
-    time.sleep(store.retry_after_s + 0.05)
+class Clock:
+    """The store's ``time.monotonic``: it moves only when a test waits an interval out, so "not within
+    the interval" holds however slowly the test runs."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(module, "time", clock)
+    return clock
+
+
+def wait_out(clock: Clock, store: ReconnectingStore) -> None:
+    clock.now += store.retry_after_s + 0.05
 
 
 def test_the_backend_is_opened_on_first_use_and_kept(tmp_path: Path) -> None:
@@ -47,7 +65,7 @@ def test_the_backend_is_opened_on_first_use_and_kept(tmp_path: Path) -> None:
     assert SharedStorageStore(tmp_path / "ec", max_bytes=0).get("k") == b"value"  # really in the folder
 
 
-def test_a_store_that_cannot_open_is_retried_only_after_the_interval(tmp_path: Path) -> None:
+def test_a_store_that_cannot_open_is_retried_only_after_the_interval(tmp_path: Path, clock: Clock) -> None:
     folder = tmp_path / "ec"
     folder.write_bytes(b"a file where the folder should be")
     store, opener = reconnecting(folder)
@@ -59,7 +77,7 @@ def test_a_store_that_cannot_open_is_retried_only_after_the_interval(tmp_path: P
             call()
     assert opener.num_opens == 1  # no attempt within the interval
 
-    wait_out(store)
+    wait_out(clock, store)
     with pytest.raises(ECStoreError, match="cannot create"):  # still broken: one more attempt
         store.get("k")
     assert opener.num_opens == 2
@@ -68,12 +86,14 @@ def test_a_store_that_cannot_open_is_retried_only_after_the_interval(tmp_path: P
     folder.mkdir()  # the store is back
     with pytest.raises(ECStoreError, match="down"):
         store.get("k")  # but the interval since the last failure has not passed
-    wait_out(store)
+    wait_out(clock, store)
     assert store.put("k", b"v") is True and store.get("k") == b"v"
     assert opener.num_opens == 3
 
 
-def test_a_failing_call_drops_the_backend_and_reopens_after_the_interval(tmp_path: Path) -> None:
+def test_a_failing_call_drops_the_backend_and_reopens_after_the_interval(
+    tmp_path: Path, clock: Clock
+) -> None:
     folder = tmp_path / "ec"
     store, opener = reconnecting(folder)
     store.put("k", b"v")
@@ -86,7 +106,7 @@ def test_a_failing_call_drops_the_backend_and_reopens_after_the_interval(tmp_pat
     assert opener.num_opens == 1
 
     folder.unlink()
-    wait_out(store)
+    wait_out(clock, store)
     assert store.get("k") is None  # reopened: an empty folder
     assert store.put("k", b"w") is True and store.get("k") == b"w"
     assert opener.num_opens == 2

@@ -137,7 +137,7 @@ def test_bombs_are_refused_from_the_header(name: str, no_decoding: list[str]) ->
         start = time.perf_counter()
         err = refusal(data)
         assert err.code == "image_too_large", (name, err)
-        assert time.perf_counter() - start < 0.5
+        assert time.perf_counter() - start < 5.0  # a loose bound: `no_decoding` proves nothing was decoded
     assert no_decoding == []
 
 

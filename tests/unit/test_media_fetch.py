@@ -95,7 +95,7 @@ def test_a_name_with_any_non_public_address_is_refused_before_connecting(answer:
     dns, network = FakeDNS(evil_test=answer), Recorder()
     started = time.monotonic()
     err = fetch_error("http://evil.test/x.png", dns, network)
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 5.0  # no connect attempt waited on
     assert err.code == "image_url_forbidden" and "--allow-private-media-urls" in err.message
     assert dns.calls == ["evil.test"] and network.requests == []
     for address in answer:
@@ -290,7 +290,7 @@ def test_the_default_policy_never_reaches_the_loopback_server(loopback_server: i
         f"http://127.0.0.2:{loopback_server}/img.png",
     ):
         assert fetch_error(url, dns).code == "image_url_forbidden"
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 5.0
     assert _Handler.seen == []
 
 
@@ -298,7 +298,7 @@ def test_an_endless_body_is_cut_off_at_the_byte_cap(loopback_server: int) -> Non
     policy = MediaPolicy(allow_private_addresses=True, max_image_bytes=256 * 1024, timeout_s=10)
     started = time.monotonic()
     err = fetch_error(f"http://127.0.0.2:{loopback_server}/forever", no_dns(), policy=policy)
-    assert err.code == "image_too_large" and time.monotonic() - started < 2.0
+    assert err.code == "image_too_large" and time.monotonic() - started < 5.0  # not the 10 s timeout
 
 
 def test_a_slow_drip_is_bounded_by_the_total_timeout(loopback_server: int) -> None:
@@ -306,7 +306,7 @@ def test_a_slow_drip_is_bounded_by_the_total_timeout(loopback_server: int) -> No
     started = time.monotonic()
     err = fetch_error(f"http://127.0.0.2:{loopback_server}/drip", no_dns(), policy=policy)
     assert err.code == "image_fetch_failed" and "timed out" in err.message
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 5.0  # the body never ends: only the total timeout ends it
 
 
 @pytest.fixture(scope="module")
@@ -360,14 +360,14 @@ def test_https_to_the_pinned_address_verifies_the_certificate_for_the_name(
 
 def test_a_slow_resolver_counts_against_the_timeout() -> None:
     async def slow(host: str, port: int) -> list[IPAddress]:
-        await asyncio.sleep(5)
+        await asyncio.sleep(30)
         return [ipaddress.ip_address(PUBLIC)]
 
     policy = MediaPolicy(timeout_s=0.2)
     started = time.monotonic()
     with pytest.raises(MediaError) as info:
         asyncio.run(_fetch_with(policy, slow, "http://slow.test/x"))
-    assert info.value.code == "image_fetch_failed" and time.monotonic() - started < 1.0
+    assert info.value.code == "image_fetch_failed" and time.monotonic() - started < 5.0  # not the 30 s answer
 
 
 async def _fetch_with(policy: MediaPolicy, resolver: Any, url: str) -> bytes:
@@ -424,4 +424,4 @@ def test_the_request_wide_cap_stops_concurrent_streams_as_soon_as_it_is_passed(
     started = time.monotonic()
     with pytest.raises(MediaError) as info:
         prepare(Settings(max_request_image_bytes=1 << 20), policy, url, url)
-    assert info.value.code == "request_images_too_large" and time.monotonic() - started < 2.0
+    assert info.value.code == "request_images_too_large" and time.monotonic() - started < 5.0
