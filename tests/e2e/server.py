@@ -69,6 +69,12 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+def cpu_ticks(pid: int) -> int:
+    """The CPU time ``pid`` has used, in clock ticks (user + system): it rises once the process works."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def process_title(pid: int) -> str:
     """The command line ``ps`` shows for ``pid`` (a role's process title, e.g. ``mmserve: engine``)."""
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,7 @@ from tests.e2e.server import (
     DEV_SHM,
     Server,
     alive,
+    cpu_ticks,
     delta,
     descendants,
     named_semaphores,
@@ -235,11 +237,18 @@ def test_a_slow_image_does_not_hold_back_cache_hits(server: Server) -> None:
     photos = [jpeg_part(make_image(900 + i, (3500, 3500))) for i in range(6)]
     slow = greedy_body([{"role": "user", "content": [*photos, {"type": "text", "text": "Hi"}]}], 4)
 
+    assert server.process.proc is not None
+    (pool,) = [pid for pid in descendants(server.process.proc.pid) if process_title(pid) == PREPROCESS]
+
     async def run() -> tuple[list[bool], int]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
             assert (await client.post("/v1/chat/completions", json=hit)).status_code == 200  # now cached
+            idle = cpu_ticks(pool)
             slow_task = asyncio.ensure_future(client.post("/v1/chat/completions", json=slow))
-            await asyncio.sleep(0.3)  # the slow request is being received and processed
+            deadline = time.monotonic() + 60  # until the pool works on the photos: all of it is still ahead
+            while cpu_ticks(pool) == idle and not slow_task.done():
+                assert time.monotonic() < deadline, "the pool never took the photos"
+                await asyncio.sleep(0.01)
 
             async def hit_done_before_slow() -> bool:
                 resp = await client.post("/v1/chat/completions", json=hit)

@@ -35,6 +35,7 @@ from app.errors import (
     ModelNotFoundError,
 )
 from app.inputs.preprocess.pool import PreprocessPool, output_name, read_output, write_output
+from tests.e2e.server import cpu_ticks
 from workers.families import load_processing
 from workers.families.processing import FamilyProcessor, ItemLayout, ProcessedItem
 
@@ -346,9 +347,9 @@ def test_killed_call_and_close_leave_no_shm_entry(loop, tiny_model_dir: Path) ->
 
     async def kill_mid_call() -> None:
         (pid,) = pool.pids
-        cpu_before = _cpu_ticks(pid)
+        cpu_before = cpu_ticks(pid)
         call = asyncio.ensure_future(pool.process(big, {}, PARAM))
-        while _cpu_ticks(pid) == cpu_before and not call.done():  # it has the call and works on it
+        while cpu_ticks(pid) == cpu_before and not call.done():  # it has the call and works on it
             await asyncio.sleep(0.002)
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(InternalError, match="died"):
@@ -452,11 +453,6 @@ def _children(pid: int) -> list[int]:
             if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
                 children.append(int(stat.parent.name))
     return children
-
-
-def _cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
 
 
 def _maps_a_semaphore(pid: int) -> bool:

@@ -87,7 +87,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
+def image_server() -> Iterator[str]:
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
     httpd.daemon_threads = True
     httpd.block_on_close = False
@@ -186,8 +186,8 @@ def test_data_url_over_the_byte_cap() -> None:
 # -- http(s) ---------------------------------------------------------------------------------------
 
 
-def test_http_fetch_returns_the_same_bytes_and_hash_as_the_data_url(server: str) -> None:
-    by_url = load(f"{server}/img.png")
+def test_http_fetch_returns_the_same_bytes_and_hash_as_the_data_url(image_server: str) -> None:
+    by_url = load(f"{image_server}/img.png")
     by_data_url = load(data_url(PNG))
     assert by_url == by_data_url == PNG
     digests = {
@@ -196,12 +196,12 @@ def test_http_fetch_returns_the_same_bytes_and_hash_as_the_data_url(server: str)
     assert len(digests) == 1
 
 
-def test_http_follows_redirects(server: str) -> None:
-    assert load(f"{server}/redirect") == PNG
+def test_http_follows_redirects(image_server: str) -> None:
+    assert load(f"{image_server}/redirect") == PNG
 
 
-def test_http_404_is_a_fetch_failure(server: str) -> None:
-    err = load_error(f"{server}/missing.png")
+def test_http_404_is_a_fetch_failure(image_server: str) -> None:
+    err = load_error(f"{image_server}/missing.png")
     assert err.code == "image_fetch_failed" and "404" in err.message
 
 
@@ -212,25 +212,25 @@ def test_closed_port_is_a_fetch_failure() -> None:
     assert load_error(f"http://127.0.0.1:{port}/img.png").code == "image_fetch_failed"
 
 
-def test_slow_server_times_out(server: str) -> None:
+def test_slow_server_times_out(image_server: str) -> None:
     started = time.monotonic()
-    assert load_error(f"{server}/slow", timeout_s=0.2).code == "image_fetch_failed"
+    assert load_error(f"{image_server}/slow", timeout_s=0.2).code == "image_fetch_failed"
     assert time.monotonic() - started < 5.0  # not the 10 s answer
 
 
-def test_slow_drip_is_bounded_by_the_total_timeout(server: str) -> None:
+def test_slow_drip_is_bounded_by_the_total_timeout(image_server: str) -> None:
     started = time.monotonic()
-    assert load_error(f"{server}/drip", timeout_s=0.3).code == "image_fetch_failed"
+    assert load_error(f"{image_server}/drip", timeout_s=0.3).code == "image_fetch_failed"
     assert time.monotonic() - started < 5.0  # not the 10 s body
 
 
 @pytest.mark.parametrize("path", ["/big", "/big-unannounced"])
-def test_too_large_response(server: str, path: str) -> None:
-    assert load_error(f"{server}{path}").code == "image_too_large"
+def test_too_large_response(image_server: str, path: str) -> None:
+    assert load_error(f"{image_server}{path}").code == "image_too_large"
 
 
-def test_empty_response(server: str) -> None:
-    assert load_error(f"{server}/empty").code == "invalid_image"
+def test_empty_response(image_server: str) -> None:
+    assert load_error(f"{image_server}/empty").code == "invalid_image"
 
 
 # -- decode ----------------------------------------------------------------------------------------
