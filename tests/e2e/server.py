@@ -85,7 +85,7 @@ def process_title(pid: int) -> str:
 
 def role_pid(root_pid: int, role: str) -> int:
     """The live process under ``root_pid`` titled ``mmserve: <role>``."""
-    found = [pid for pid in descendants(root_pid) if process_title(pid) == f"mmserve: {role}" and alive(pid)]
+    found = role_pids(root_pid, role)
     assert len(found) == 1, f"expected one {role} process under {root_pid}, found {found}"
     return found[0]
 

@@ -29,6 +29,7 @@ from tests.e2e.server import (
     named_semaphores,
     owned_shm_entries,
     process_title,
+    role_pid,
     serving,
     start_serve,
     wait_api_processes,
@@ -238,7 +239,7 @@ def test_a_slow_image_does_not_hold_back_cache_hits(server: Server) -> None:
     slow = greedy_body([{"role": "user", "content": [*photos, {"type": "text", "text": "Hi"}]}], 4)
 
     assert server.process.proc is not None
-    (pool,) = [pid for pid in descendants(server.process.proc.pid) if process_title(pid) == PREPROCESS]
+    pool = role_pid(server.process.proc.pid, "preprocess")
 
     async def run() -> tuple[list[bool], int]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:

@@ -32,6 +32,8 @@ def step(step_id: int) -> SchedulerOutput:
 # The step timeout of the tests of it: the stand-in's late answers (0.5 s, 0.6 s) miss it, and a busy
 # machine only makes them later.
 SHORT_TIMEOUT_S = 0.3
+# The step timeout an answered step meets even on a busy machine.
+ANSWERED_TIMEOUT_S = 5.0
 
 
 def output(step_id: int) -> RunnerOutput:
@@ -40,11 +42,11 @@ def output(step_id: int) -> RunnerOutput:
 
 @pytest.fixture(params=["ipc", "tcp"])
 def client(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[WorkerClient, str]]:
-    """A client bound on ipc:// or tcp://; yields (client, address). Its step timeout (5 s) is one an
-    answered step meets even on a busy machine; a test of the timeout sets ``SHORT_TIMEOUT_S``."""
+    """A client bound on ipc:// or tcp://; yields (client, address). Its step timeout is
+    ``ANSWERED_TIMEOUT_S``; a test of the timeout sets ``SHORT_TIMEOUT_S``."""
     ctx = zmq.Context()
     addr = f"ipc://{tmp_path}/worker.sock" if request.param == "ipc" else "tcp://127.0.0.1:*"
-    client = WorkerClient(ctx, addr, step_timeout_s=5.0)
+    client = WorkerClient(ctx, addr, step_timeout_s=ANSWERED_TIMEOUT_S)
     yield client, client.sock.getsockopt_string(zmq.LAST_ENDPOINT)
     client.shutdown()
     ctx.term()
@@ -68,7 +70,7 @@ def test_a_late_reply_is_discarded_by_step_id(client: tuple[WorkerClient, str]) 
         with pytest.raises(WorkerFailed, match="did not answer step 1") as failed:
             c.execute(step(1), [])
         assert not isinstance(failed.value, WorkerLost)
-        c.step_timeout_s = 5.0
+        c.step_timeout_s = ANSWERED_TIMEOUT_S
         assert c.execute(step(2), []) == output(2)  # step 1's answer came first and was dropped
         assert c.execute(step(3), []) == output(3)
         assert c.num_stale_replies == 1
@@ -81,7 +83,7 @@ def test_a_late_reply_arriving_while_idle_is_discarded(client: tuple[WorkerClien
         c.step_timeout_s = SHORT_TIMEOUT_S
         with pytest.raises(WorkerFailed):
             c.execute(step(1), [])
-        c.step_timeout_s = 5.0
+        c.step_timeout_s = ANSWERED_TIMEOUT_S
         deadline = time.monotonic() + 5
         while c.num_stale_replies == 0 and time.monotonic() < deadline:
             c.check()
@@ -98,7 +100,7 @@ def test_worker_errors_are_matched_by_step_id_too(client: tuple[WorkerClient, st
         c.step_timeout_s = SHORT_TIMEOUT_S
         with pytest.raises(WorkerFailed, match="did not answer"):
             c.execute(step(1), [])
-        c.step_timeout_s = 5.0
+        c.step_timeout_s = ANSWERED_TIMEOUT_S
         with pytest.raises(WorkerFailed, match="failed step 2: boom"):
             c.execute(step(2), [])
         assert c.num_stale_replies == 1
