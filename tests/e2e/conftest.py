@@ -17,7 +17,8 @@ import torch
 from transformers import GenerationConfig
 
 from tests.e2e.server import Server, serving, start_serve, stop_all
-from workers.families import family_for, load_processing
+from tests.stock_processor import stock_processor
+from workers.families import family_for
 
 
 def make_image(seed: int, size: tuple[int, int] = (320, 240)) -> PIL.Image.Image:
@@ -66,9 +67,10 @@ class Oracle:
 
     @classmethod
     def load(cls, model_dir: Path) -> Oracle:
-        """The checkpoint's own HF processor (the family's loader) and transformers model class."""
+        """transformers' own processor of the checkpoint (tests/stock_processor.py: the saved class, not
+        the product's processing) and its model class."""
         model = family_for(model_dir).model.hf_class.from_pretrained(model_dir, dtype=torch.float32)
-        return cls(load_processing(model_dir).hf_processor, model.eval())
+        return cls(stock_processor(model_dir), model.eval())
 
     def inputs(self, text: str, images: list[PIL.Image.Image]) -> Any:
         """The processor's full model inputs for one user turn (Qwen: with ``mm_token_type_ids``,

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from app.inputs.engine_client import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S
+from tests.e2e.metrics import Metrics, parse_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 API_PROCESS_HEADER = "x-mmserve-api-process"
@@ -155,7 +156,7 @@ class Server:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> Metrics:
         return parse_metrics(httpx.get(f"{self.base_url}/metrics").text)
 
 
@@ -287,21 +288,6 @@ def serving(model_dir: Path, log_dir: Path, *flags: str) -> Iterator[Server]:
         yield server
     finally:
         server.process.interrupt()
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text → {"name{labels}": value} (samples only)."""
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
-
-
-def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
-    """How much a metric sample grew between two ``Server.metrics()`` readings."""
-    return after.get(name, 0.0) - before.get(name, 0.0)
 
 
 def assert_ctrl_c_stops_all(server: Server, children: list[int], *, repeat_to: Sequence[int] = ()) -> None:

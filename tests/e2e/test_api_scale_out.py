@@ -20,14 +20,13 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import data_url, greedy_body, make_image, user_message
+from tests.e2e.metrics import Metrics, delta, parse_metrics
 from tests.e2e.server import (
     Server,
     alive,
     api_process,
     assert_ctrl_c_stops_all,
-    delta,
     descendants,
-    parse_metrics,
     role_pid,
     role_pids,
     serving,
@@ -58,11 +57,9 @@ def served(values: dict[str, float]) -> float:
     return sum(v for name, v in values.items() if name.startswith("mmserve_request_success_total"))
 
 
-def metrics_by_process(
-    server: Server, min_reads: int = 6, max_reads: int = 60
-) -> dict[int, list[dict[str, float]]]:
+def metrics_by_process(server: Server, min_reads: int = 6, max_reads: int = 60) -> dict[int, list[Metrics]]:
     """``/metrics`` read on new connections until each process answered at least once."""
-    readings: dict[int, list[dict[str, float]]] = defaultdict(list)
+    readings: dict[int, list[Metrics]] = defaultdict(list)
     for read in range(max_reads):
         resp = httpx.get(f"{server.base_url}/metrics", timeout=10)
         assert resp.status_code == 200
@@ -115,7 +112,7 @@ def test_two_processes_share_the_load_and_the_totals(server: Server) -> None:
     num_first_sightings = sum(len(p) for p in processes.values())
     for index, readings in metrics_by_process(server).items():
         for after in readings:
-            grew = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+            grew = {name: delta(before, after, name) for name in after}
             assert served(after) - served(before) == NUM_REQUESTS, f"process {index}"
             assert grew["mmserve_mm_items_total"] == NUM_REQUESTS, f"process {index}"
             assert grew["mmserve_mm_ipc_cache_queries_total"] == NUM_REQUESTS, f"process {index}"

@@ -21,7 +21,8 @@ import zmq
 
 from app.launch.cli import main
 from tests.e2e.conftest import greedy_body, make_image, user_message
-from tests.e2e.server import ServerProcess, free_port, parse_metrics, wait_healthy
+from tests.e2e.metrics import parse_metrics
+from tests.e2e.server import ServerProcess, free_port, wait_healthy
 from tests.e2e.zmq_relay import Relay
 from wire.curve import CurveKeys, secure_client, write_key_file
 from wire.protocol import (
@@ -85,9 +86,7 @@ class Topology:
     def bad_messages(self) -> dict[tuple[str, str], float]:
         metrics = parse_metrics(httpx.get(f"{self.base_url}/metrics").text)
         return {
-            (process, source): metrics.get(
-                f'mmserve_bad_messages_total{{process="{process}",source="{source}"}}', 0.0
-            )
+            (process, source): metrics[f'mmserve_bad_messages_total{{process="{process}",source="{source}"}}']
             for process, source in (
                 ("engine", "api"),
                 ("engine", "worker"),

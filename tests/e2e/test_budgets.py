@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
+from tests.e2e.metrics import delta
 from tests.e2e.parity import assert_matches_oracle, greedy_request
-from tests.e2e.server import Server, delta, serving
+from tests.e2e.server import Server, serving
 
 pytestmark = pytest.mark.slow
 

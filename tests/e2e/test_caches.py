@@ -6,7 +6,8 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import greedy_body, make_image, user_message
-from tests.e2e.server import Server, delta
+from tests.e2e.metrics import delta
+from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +63,7 @@ def test_repeated_image_hits_every_cache(server: Server) -> None:
     assert delta(middle, last, "mmserve_mm_ipc_payload_bytes_total") < 1024  # only the key crossed
     assert delta(middle, last, "mmserve_encoder_cache_hits_total") == 1
     assert delta(middle, last, "mmserve_encoder_runs_total") == 0
-    assert last.get("mmserve_mm_ipc_cache_resends_total", 0) == 0
+    assert last["mmserve_mm_ipc_cache_resends_total"] == 0
 
 
 def test_same_bytes_by_url_and_data_url_share_a_hash(server: Server, image_http_server: str) -> None:
@@ -109,7 +110,7 @@ def test_reset_empties_every_cache(server: Server) -> None:
     assert delta(before, after, "mmserve_mm_processor_cache_hits_total") == 0
     assert delta(before, after, "mmserve_mm_ipc_cache_hits_total") == 0
     assert delta(before, after, "mmserve_encoder_runs_total") == 1
-    assert after.get("mmserve_mm_ipc_cache_resends_total", 0) == 0
+    assert after["mmserve_mm_ipc_cache_resends_total"] == 0
     again = server.metrics()
     assert chat(server, [user_message("Reset?", image)]) == answer  # and they fill again
     assert delta(again, server.metrics(), "mmserve_mm_ipc_cache_hits_total") == 1

@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from tests.e2e.conftest import greedy_body, make_image, user_message
-from tests.e2e.server import REPO, Server, ServerProcess, delta, free_port, stop_all, wait_healthy
+from tests.e2e.metrics import delta
+from tests.e2e.server import REPO, Server, ServerProcess, free_port, stop_all, wait_healthy
 
 pytestmark = pytest.mark.slow
 

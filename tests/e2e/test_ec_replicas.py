@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import greedy_body, make_image, user_message
-from tests.e2e.server import Server, delta, serving
+from tests.e2e.metrics import delta
+from tests.e2e.server import Server, serving
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import greedy_body, make_image, user_message
-from tests.e2e.server import Server, delta, start_all, start_proxy, stop_all
+from tests.e2e.metrics import delta
+from tests.e2e.server import Server, start_all, start_proxy, stop_all
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,9 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
+from tests.e2e.metrics import delta
 from tests.e2e.parity import NUM_TOKENS, assert_matches_oracle, concurrent_greedy_requests, greedy_request
-from tests.e2e.server import REPO, Server, delta, serving
+from tests.e2e.server import REPO, Server, serving
 
 pytestmark = pytest.mark.slow
 

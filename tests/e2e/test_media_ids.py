@@ -15,7 +15,8 @@ import PIL.Image
 import pytest
 
 from tests.e2e.conftest import data_url, greedy_body, make_image
-from tests.e2e.server import Server, delta, serving
+from tests.e2e.metrics import delta
+from tests.e2e.server import Server, serving
 
 pytestmark = pytest.mark.slow
 

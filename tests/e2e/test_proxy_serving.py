@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import API_KEY, AUTH, greedy_body, make_image, user_message
-from tests.e2e.server import Server, delta, free_port, serving, start_proxy
+from tests.e2e.metrics import delta
+from tests.e2e.server import Server, free_port, serving, start_proxy
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +98,7 @@ def wait_idle(server: Server) -> dict[str, float]:
     """Metrics once the server's engine runs no request, or after 15 s."""
     deadline = time.monotonic() + 15
     metrics = server.metrics()
-    while metrics.get(RUNNING, 1) != 0 and time.monotonic() < deadline:
+    while metrics[RUNNING] != 0 and time.monotonic() < deadline:
         time.sleep(0.2)
         metrics = server.metrics()
     return metrics

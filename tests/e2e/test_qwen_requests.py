@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
+from tests.e2e.metrics import delta
 from tests.e2e.parity import (
     assert_matches_greedy,
     assert_matches_oracle,
@@ -22,7 +23,7 @@ from tests.e2e.parity import (
     concurrent_greedy_requests,
     greedy_request,
 )
-from tests.e2e.server import Server, delta, serving
+from tests.e2e.server import Server, serving
 from tests.e2e.video_oracle import Case, Expected, body, expected_answers
 from tests.video_clips import make_clip
 

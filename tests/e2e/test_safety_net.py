@@ -14,7 +14,8 @@ from fastapi.testclient import TestClient
 from app.api.server import create_app
 from app.settings import Settings
 from tests.e2e.conftest import make_image, user_message
-from tests.e2e.server import ServerProcess, parse_metrics
+from tests.e2e.metrics import parse_metrics
+from tests.e2e.server import ServerProcess
 from wire.protocol import ResetCaches
 
 pytestmark = pytest.mark.slow

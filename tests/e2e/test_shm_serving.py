@@ -19,12 +19,12 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import greedy_body, make_image, user_message
+from tests.e2e.metrics import delta
 from tests.e2e.server import (
     DEV_SHM,
     Server,
     alive,
     cpu_ticks,
-    delta,
     descendants,
     named_semaphores,
     owned_shm_entries,

@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import Oracle, make_image
+from tests.e2e.metrics import delta
 from tests.e2e.parity import assert_matches_greedy
-from tests.e2e.server import Server, delta
+from tests.e2e.server import Server
 from tests.e2e.video_oracle import Case, Expected, body, expected_answers
 from tests.video_clips import make_clip
 

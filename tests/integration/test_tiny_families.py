@@ -1,6 +1,7 @@
 """The tiny checkpoints of every family (workers/families/tiny.py): deterministic per seed, loadable by
 transformers' own classes with the family's real vision geometry, an image-only Qwen processor that
-equals the stock one, and greedy output that depends on the image (else cache bugs would hide)."""
+equals the stock one on a spread of sizes, and greedy output that depends on the image (else cache
+bugs would hide)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from transformers import (
     Qwen3VLProcessor,
 )
 
+from tests.stock_processor import saved_processor_class, stock_processor
 from workers.families.qwen_vl.hf_processor import ImageOnlyQwenVLProcessor
 from workers.families.tiny import TINY_FAMILIES, build_tiny_model
 
@@ -80,19 +82,32 @@ def varied_images() -> list[Image.Image]:
     return [*noise, *solid, circle, bar]
 
 
-def stock_processor(family: str, processor: ImageOnlyQwenVLProcessor) -> Any:
-    """The family's stock processor without its video half (which needs torchvision)."""
+def assert_same_model_inputs(ours: Any, stock: Any, prompt: str, images: list[Any], **kwargs: Any) -> None:
+    """Both processors make the same model inputs (every key, every tensor bit for bit)."""
+    mine = ours(text=[prompt], images=images, return_tensors="pt", **kwargs)
+    theirs = stock(text=[prompt], images=images, return_tensors="pt", **kwargs)
+    assert sorted(mine.keys()) == sorted(theirs.keys())
+    for key, value in theirs.items():
+        assert torch.equal(value, mine[key]), key
 
-    class WithoutVideo(HF_CLASSES[family][1]):
-        def check_argument_for_proper_class(self, name: str, argument: Any) -> Any:
-            return None if argument is None else super().check_argument_for_proper_class(name, argument)
 
-    return WithoutVideo(
-        image_processor=processor.image_processor,
-        tokenizer=processor.tokenizer,
-        video_processor=None,
-        chat_template=processor.chat_template,
+def noise(width: int, height: int) -> Image.Image:
+    return Image.fromarray(
+        np.random.default_rng(width * height).integers(0, 256, (height, width, 3), np.uint8)
     )
+
+
+# (width, height) and processor kwargs: sizes the resize rounds in every way, and the pixel bounds of a
+# request's mm_processor_kwargs (``size``: min and max pixels, in every family's spelling)
+BOUNDS = {"size": {"shortest_edge": 300 * 300, "longest_edge": 400 * 400}}
+SIZES = {
+    "tiny": ((1, 1), {}),
+    "odd": ((333, 227), {}),
+    "very wide": ((2000, 12), {}),
+    "very tall": ((15, 1500), {}),
+    "below min_pixels": ((64, 64), BOUNDS),
+    "above max_pixels": ((640, 480), BOUNDS),
+}
 
 
 def test_same_seed_same_files_other_seed_other_weights(family: str, family_dir: Path, tmp_path: Path) -> None:
@@ -161,7 +176,9 @@ def test_chat_template(family: str, processor: ImageOnlyQwenVLProcessor) -> None
     )
 
 
-def test_two_images_of_different_sizes(family: str, processor: ImageOnlyQwenVLProcessor) -> None:
+def test_two_images_of_different_sizes(
+    family: str, family_dir: Path, processor: ImageOnlyQwenVLProcessor
+) -> None:
     rng = np.random.default_rng(0)
     images = [
         Image.fromarray(rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)),
@@ -181,10 +198,47 @@ def test_two_images_of_different_sizes(family: str, processor: ImageOnlyQwenVLPr
     assert inputs["pixel_values"].shape[0] == sum(t * h * w for t, h, w in grids)
     assert inputs["mm_token_type_ids"][0].tolist() == [int(i == image_id) for i in ids]
 
-    stock = stock_processor(family, processor)(text=[prompt], images=images, return_tensors="pt")
-    assert sorted(stock.keys()) == sorted(inputs.keys())
-    for key, value in stock.items():
-        assert torch.equal(value, inputs[key]), key
+    assert_same_model_inputs(processor, stock_processor(family_dir), prompt, images)
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_image_only_processor_equals_the_stock_one(
+    family: str, family_dir: Path, processor: ImageOnlyQwenVLProcessor, size: str
+) -> None:
+    """The product's processor and transformers' saved class (tests/stock_processor.py) agree on every
+    family, on sizes the resize rounds differently, and with a request's min/max pixels."""
+    (width, height), kwargs = SIZES[size]
+    prompt = user_prompt(processor, 2, "Compare the two pictures.")
+    images = [noise(width, height), noise(height, width)]
+    assert_same_model_inputs(processor, stock_processor(family_dir), prompt, images, **kwargs)
+
+
+def test_a_processor_that_differs_from_the_stock_one_is_caught(family: str, family_dir: Path) -> None:
+    """The comparison above fails on a processor that resizes with another filter, or that expands an
+    image to one placeholder too many."""
+    stock = stock_processor(family_dir)
+    prompt = user_prompt(stock, 1, "What is this?")
+    bilinear = ImageOnlyQwenVLProcessor.from_pretrained(family_dir)
+    bilinear.image_processor.resample = Image.Resampling.BILINEAR
+    with pytest.raises(AssertionError, match="pixel_values"):
+        assert_same_model_inputs(bilinear, stock, prompt, [noise(333, 227)])
+
+    class OneTooMany(ImageOnlyQwenVLProcessor):
+        def replace_image_token(self, image_inputs: dict, image_idx: int, **kwargs: Any) -> str:
+            return super().replace_image_token(image_inputs, image_idx) + self.image_token
+
+    with pytest.raises(AssertionError, match="input_ids"):
+        assert_same_model_inputs(OneTooMany.from_pretrained(family_dir), stock, prompt, [noise(333, 227)])
+
+
+def test_the_oracles_processor_is_the_saved_class(family: str, family_dir: Path) -> None:
+    """The e2e oracle's processor (tests/e2e/conftest.py) is transformers' class that the checkpoint
+    names, with its own image processor and template: nothing of the product's."""
+    stock = stock_processor(family_dir)
+    assert isinstance(stock, saved_processor_class(family_dir)) and isinstance(stock, HF_CLASSES[family][1])
+    assert not isinstance(stock, ImageOnlyQwenVLProcessor)
+    assert type(stock.image_processor).__module__.startswith("transformers.")
+    assert stock.chat_template == (family_dir / "chat_template.jinja").read_text()
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from app.api.http_metrics import OTHER_ROUTE, HttpMetrics
 from app.api.request_guards import RequestGuards
 from app.metrics import CHAT_ROUTE, CHAT_STATUSES, ApiMetrics
-from tests.e2e.server import parse_metrics
+from tests.e2e.metrics import parse_metrics
 
 
 def _app(metrics: ApiMetrics) -> FastAPI:

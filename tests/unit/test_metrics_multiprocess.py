@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client import values as prometheus_values
 
 from app.metrics import BATCH_BUCKETS, MULTIPROC_DIR_ENV, ApiMetrics
-from tests.e2e.server import parse_metrics
+from tests.e2e.metrics import parse_metrics
 from wire.protocol import EngineStats
 
 REPO = Path(__file__).resolve().parents[2]

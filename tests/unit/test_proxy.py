@@ -18,7 +18,7 @@ from app.launch.cli import build_parser
 from app.proxy.cli import ProxyConfig, config_from_args
 from app.proxy.forward import RoundRobin, encoder_body, forwarded_headers, image_parts
 from app.proxy.server import create_proxy_app
-from tests.e2e.server import parse_metrics
+from tests.e2e.metrics import parse_metrics
 
 ENCODERS = ("http://enc-a", "http://enc-b")
 LM = "http://lm"
