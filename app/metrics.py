@@ -73,6 +73,7 @@ HISTOGRAM_BUCKETS = {
     EngineObservation.REQUESTS_PER_STEP: BATCH_BUCKETS,
     EngineObservation.BATCHED_TOKENS_PER_STEP: TOKEN_BUCKETS,
     EngineObservation.EC_LOAD_SECONDS: EC_BUCKETS,
+    EngineObservation.GRAMMAR_COMPILE_SECONDS: LATENCY_BUCKETS,
 }
 _SEPARATE = {*ENGINE_BAD_MESSAGES.values()} | {
     counter for _, _, members in ENGINE_LABELLED_COUNTERS.values() for counter in members.values()

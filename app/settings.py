@@ -183,6 +183,18 @@ class Settings(BaseSettings):
         gt=0,
         description="A step the worker does not answer within this many seconds fails its requests (500).",
     )
+    structured_output_cache_mb: float = Field(
+        256.0,
+        ge=0,
+        description="Compiled grammars of structured outputs the engine keeps for requests that repeat "
+        "a constraint, in MiB; 0 compiles every request's anew.",
+    )
+    structured_output_compile_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="A request waits this long for its grammar to compile, then gets a 400 (the server "
+        "serves on meanwhile).",
+    )
     max_waiting_requests: int | None = Field(
         1024,
         ge=1,

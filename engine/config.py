@@ -26,6 +26,15 @@ class SchedulerOptions:
 
 
 @dataclass(frozen=True)
+class StructuredOutputOptions:
+    """The grammar compiler's knobs (engine/structured/compiler.py)."""
+
+    model_dir: str  # the tokenizer whose vocabulary grammars are compiled over (loaded on first use)
+    cache_bytes: int  # compiled grammars kept, by their size
+    compile_timeout_s: float  # a request waits this long for its grammar, then gets a 400
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     engine_addr: str  # the engine binds it; API processes connect (DEALER -> ROUTER)
     worker_addr: str  # the engine binds it; the worker connects
@@ -35,3 +44,4 @@ class EngineConfig:
     ec: ECConfig | None  # the encoder-cache connector (None: none)
     step_timeout_s: float  # a step unanswered this long fails its requests (500)
     curve: CurveKeys | None  # CURVE on tcp:// binds (wire/curve.py); None: no keys
+    structured_outputs: StructuredOutputOptions

@@ -28,6 +28,9 @@ from engine.receiver_cache import ReceiverCachePartitions
 from engine.request import MMItem, Request
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
 from engine.stats import EngineMetrics
+from engine.structured.backend import CompileError
+from engine.structured.compiler import GrammarCompiler, Ticket
+from engine.structured.grammar import RequestGrammar, stack_rows
 from wire.bad_messages import BadMessage, BadMessageLog
 from wire.metric_names import EngineCounter
 from wire.protocol import (
@@ -37,6 +40,7 @@ from wire.protocol import (
     EngineStats,
     ErrorInfo,
     FinishReason,
+    GrammarBitmask,
     MMFeature,
     NewRequestData,
     RequestOutput,
@@ -89,10 +93,12 @@ class EngineCore:
         encode_only: bool = False,
         vocab_size: int = 0,
         bad_messages: BadMessageLog | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """``connector``: the encoder-cache connector (None: none configured); ``encode_only``: the
         worker has no language model (``--encoder-only``); ``vocab_size``: the worker's (0: unknown),
-        a bound on prompt token ids; ``bad_messages``: the engine process's log of them."""
+        a bound on prompt token ids; ``bad_messages``: the engine process's log of them; ``grammars``:
+        the engine process's grammar compiler (None: constrained requests are refused)."""
         self.epoch = uuid.uuid4().hex
         self.scheduler: Scheduler | EncodeOnlyScheduler
         if encode_only:
@@ -108,6 +114,8 @@ class EngineCore:
         self.draining = False  # set by drain(): new requests are refused, held ones run on
         self.vocab_size = vocab_size
         self.bad_messages = bad_messages if bad_messages is not None else BadMessageLog(log)
+        self.grammars = grammars
+        self.grammar_tickets: dict[str, Ticket] = {}  # requests waiting for their grammar
 
     # ------------------------------------------------------------------ inbox
 
@@ -175,6 +183,12 @@ class EngineCore:
         )
         if error is not None:
             return self._reject(client, msg.req_id, error.message, error.code, http_status=error.http_status)
+        if msg.constraint is not None and (
+            self.grammars is None or not isinstance(self.scheduler, Scheduler)
+        ):
+            return self._reject(
+                client, msg.req_id, "This instance does not generate text.", "invalid_request"
+            )
         mm_items = {f.mm_hash: item for f, item in zip(msg.mm_features, items, strict=True) if item}
         self.scheduler.add_request(
             Request(
@@ -186,9 +200,51 @@ class EngineCore:
                 mm_items=mm_items,
                 cache_salt=msg.cache_salt,
                 encoder_only_hashes=encoder_only,
+                awaits_grammar=msg.constraint is not None,
             )
         )
+        if msg.constraint is not None:
+            assert self.grammars is not None
+            self.grammar_tickets[msg.req_id] = self.grammars.request(msg.constraint, self.vocab_size)
+            return self.resolve_grammars()  # a cache hit is ready at once
         return {}
+
+    def resolve_grammars(self) -> Outputs:
+        """Called after every inbox turn and step, and when a compile ends: requests whose grammar is
+        ready may be scheduled from now on; those whose compile failed or overran its time end with its
+        error. Cheap when nothing waits."""
+        outputs: Outputs = defaultdict(list)
+        for req_id, ticket in list(self.grammar_tickets.items()):
+            request = self.scheduler.requests.get(req_id)
+            if request is None or not request.awaits_grammar:  # ended meanwhile (aborted)
+                del self.grammar_tickets[req_id]
+                continue
+            assert self.grammars is not None and isinstance(self.scheduler, Scheduler)
+            try:
+                compiled = self.grammars.poll(ticket)
+            except CompileError as exc:
+                del self.grammar_tickets[req_id]
+                self.scheduler.abort(req_id)
+                error = ErrorInfo(message=str(exc), code=exc.code, http_status=exc.http_status)
+                outputs[request.client].append(
+                    RequestOutput(req_id, finish_reason=FinishReason.ABORT, error=error)
+                )
+                continue
+            if compiled is None:
+                continue
+            del self.grammar_tickets[req_id]
+            self.scheduler.grammar_ready(
+                request, self.grammars.matcher(ticket, list(request.sampling.eos_token_ids))
+            )
+            if request.is_finished:  # a grammar that allows nothing but the empty answer
+                outputs[request.client].append(
+                    RequestOutput(
+                        req_id,
+                        finish_reason=request.finish_reason,
+                        num_prompt_tokens=request.num_prompt_tokens,
+                    )
+                )
+        return dict(outputs)
 
     def _stale_shm_refs(self, features: Sequence[MMFeature]) -> list[str]:
         """Shared-memory references whose chunk header does not match (a stale or corrupt reference,
@@ -239,6 +295,7 @@ class EngineCore:
     def fail_all(self, error: ErrorInfo) -> Outputs:
         """Ends every request held, running or waiting, with ``error``: the worker is gone. The core
         is not used for steps afterwards (its caches describe the lost worker)."""
+        self.grammar_tickets.clear()
         outputs: Outputs = defaultdict(list)
         for request in list(self.scheduler.requests.values()):
             self.scheduler.abort(request.req_id)
@@ -251,7 +308,13 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
+        """Whether a step could run now."""
         return self.scheduler.has_work
+
+    @property
+    def holds_requests(self) -> bool:
+        """Whether any request is held, waiting for its grammar included."""
+        return bool(self.scheduler.requests)
 
     def step(self) -> Outputs:
         """One engine step: ``launch`` then ``finish``. Raises ``WorkerLost``."""
@@ -268,7 +331,7 @@ class EngineCore:
             launched.outputs[request.client].append(_unavailable_output(request.req_id))
         if plan.is_empty and not (plan.free_mm_hashes or plan.finished_req_ids or plan.preempted_req_ids):
             return launched
-        sched, frames = to_scheduler_output(plan, self.scheduler.kv_cache)
+        sched, frames = to_scheduler_output(plan, self.scheduler.kv_cache, self._sampling_grammars(plan))
         try:
             self.executor.send(sched, frames)
         except WorkerLost:
@@ -314,13 +377,26 @@ class EngineCore:
                 RequestOutput(
                     req_id=req_id,
                     new_token_ids=token_ids,
-                    logprobs=[entry] if entry is not None else None,
+                    logprobs=[entry] if entry is not None and token_ids else None,
                     finish_reason=request.finish_reason,
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
+                    error=request.error,
                 )
             )
         return dict(outputs)
+
+    def _sampling_grammars(self, plan: StepPlan) -> list[tuple[str, RequestGrammar]]:
+        """The constrained requests that sample in the step (it computes their last known token)."""
+        found = []
+        for req_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is None or request.grammar is None:
+                continue
+            if request.num_computed_tokens + num_tokens >= request.num_tokens:
+                assert isinstance(request.grammar, RequestGrammar)
+                found.append((req_id, request.grammar))
+        return found
 
     def _fail_step(self, plan: StepPlan, exc: WorkerFailed) -> Outputs:
         log.error("step %d failed: %s", plan.step_id, exc)
@@ -338,7 +414,7 @@ class EngineCore:
         return dict(outputs)
 
     def stats(self) -> EngineStats:
-        return self.metrics.snapshot(self.scheduler, self.connector)
+        return self.metrics.snapshot(self.scheduler, self.connector, self.grammars)
 
 
 ENCODER_OUTPUT_UNAVAILABLE = ErrorInfo(
@@ -365,8 +441,11 @@ def check_runner_output(plan: StepPlan, output: RunnerOutput) -> None:
         raise BadMessage("negative token id", f"step {plan.step_id}")
 
 
-def to_scheduler_output(plan: StepPlan, kv_cache: KVCacheManager) -> tuple[SchedulerOutput, list[memoryview]]:
-    """The wire form of a plan and its tensor frames (numbered from 1: frame 0 is the message)."""
+def to_scheduler_output(
+    plan: StepPlan, kv_cache: KVCacheManager, grammars: Sequence[tuple[str, RequestGrammar]] = ()
+) -> tuple[SchedulerOutput, list[memoryview]]:
+    """The wire form of a plan and its tensor frames (numbered from 1: frame 0 is the message);
+    ``grammars``: the constrained requests that sample in the step, whose bitmask rows go with it."""
     frames: list[memoryview] = []
     encoder_inputs = []
     for mm_hash, item in plan.encoder_items:
@@ -407,5 +486,18 @@ def to_scheduler_output(plan: StepPlan, kv_cache: KVCacheManager) -> tuple[Sched
         new_block_ids=new_block_ids,
         preempted_req_ids=plan.preempted_req_ids,
         ec_meta=plan.ec_meta,
+        grammar_bitmask=_bitmask(grammars, frames),
     )
     return sched, frames
+
+
+def _bitmask(
+    grammars: Sequence[tuple[str, RequestGrammar]], frames: list[memoryview]
+) -> GrammarBitmask | None:
+    """The step's grammar bitmask (one row per constrained request that samples), appended to ``frames``."""
+    if not grammars:
+        return None
+    rows = stack_rows([grammar for _, grammar in grammars])
+    frames.append(memoryview(rows.tobytes()))  # a few words per request
+    ref = TensorRef(str(rows.dtype), tuple(rows.shape), len(frames))
+    return GrammarBitmask([req_id for req_id, _ in grammars], ref)

@@ -14,7 +14,9 @@ The engine serves only while it has a worker (docs/architecture.md, "Engine step
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import time
 from collections.abc import Sequence
@@ -27,6 +29,7 @@ from engine.core import EngineCore, Launched, Outputs
 from engine.ec_connector import ECConnectorScheduler
 from engine.executor import WorkerLost
 from engine.scheduler import SchedulerConfig
+from engine.structured.compiler import GrammarCompiler
 from engine.worker_client import WorkerClient
 from wire.bad_messages import BadMessage, BadMessageLog
 from wire.curve import CurveServer, uses_curve
@@ -75,9 +78,15 @@ class EngineServer:
         self.worker = WorkerClient(
             ctx, config.worker_addr, config.step_timeout_s, self.bad_messages, curve=worker_curve
         )
+        # a compile thread ends by writing a byte here, which wakes the loop's poll
+        self._grammar_wake_read, self._grammar_wake_write = os.pipe()
+        os.set_blocking(self._grammar_wake_read, False)
+        os.set_blocking(self._grammar_wake_write, False)
+        self.grammars = GrammarCompiler(config.structured_outputs, wake=self._wake_for_grammar)
         self._poller = zmq.Poller()
         for sock in (self.api_sock, self.worker.sock, self.worker.monitor):
             self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._grammar_wake_read, zmq.POLLIN)
         self._core: EngineCore | None = None  # built once a worker says how large its KV pool is
         self._launched: Launched | None = None  # the step in flight on the worker
         self.clients: dict[bytes, float] = {}  # identity -> last time it sent anything
@@ -111,6 +120,13 @@ class EngineServer:
             events = dict(self._poller.poll(0 if self.has_requests else IDLE_POLL_MS))
             if self.api_sock in events:
                 self._drain_inbox()
+            if self._grammar_wake_read in events:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._grammar_wake_read, 4096)
+            if self._core is not None and self._core.grammar_tickets:
+                resolved = self._core.resolve_grammars()
+                self._stats_dirty |= bool(resolved)
+                self._publish(resolved, with_stats=False)
             if not self.running:
                 break
             try:
@@ -146,7 +162,7 @@ class EngineServer:
         self.worker.check()
         if self._core.has_work:
             self._launch(self._core)
-        elif self._stop_when_idle:
+        elif self._stop_when_idle and not self._core.holds_requests:
             log.info("drained: stopping")
             self.running = False
         elif self._stats_dirty:  # e.g. an abort emptied the engine: gauges must say so
@@ -185,6 +201,7 @@ class EngineServer:
             encode_only=not ready.has_language_model,
             vocab_size=ready.vocab_size,
             bad_messages=self.bad_messages,
+            grammars=self.grammars,
         )
         if self.draining:
             self._core.drain()
@@ -306,6 +323,11 @@ class EngineServer:
         for client in targets:
             self._send(client, EngineOutputs(outputs=outputs.get(client, []), stats=stats))
 
+    def _wake_for_grammar(self) -> None:
+        """From a compile thread, when a compile ended."""
+        with contextlib.suppress(BlockingIOError):  # the pipe is full: the loop is awake anyway
+            os.write(self._grammar_wake_write, b"g")
+
     def _send(self, client: bytes, msg: EngineOutputs | EngineReady | EngineDead) -> None:
         try:
             self.api_sock.send_multipart([client, encode(msg)], flags=zmq.NOBLOCK)
@@ -316,6 +338,9 @@ class EngineServer:
         for client in self.clients:
             self._send(client, EngineDead(reason))
         self.worker.shutdown()
+        self.grammars.close()
+        os.close(self._grammar_wake_read)
+        os.close(self._grammar_wake_write)
         self.api_sock.close(linger=100)
         if self._ec_store is not None:
             self._ec_store.close()

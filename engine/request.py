@@ -4,8 +4,22 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from wire.protocol import FinishReason, MMFeature, SamplingParams, ShmItemRef
+from wire.protocol import ErrorInfo, FinishReason, MMFeature, SamplingParams, ShmItemRef
+
+
+class OutputGrammar(Protocol):
+    """A constrained request's matcher as the scheduler sees it (engine/structured/grammar.py)."""
+
+    @property
+    def is_complete(self) -> bool:
+        """Nothing more may be generated: the request ends with ``stop``."""
+        ...
+
+    def accept(self, token_id: int) -> bool:
+        """Advances past a sampled token; False if the grammar does not allow it."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,11 @@ class Request:
     sent_to_worker: bool = False
     # mm_hash -> whether the encoder-cache connector's store held the item when first asked
     ec_in_store: dict[str, bool] = field(default_factory=dict)
+    # structured output: True from admission until its grammar is compiled (it waits in the queue
+    # without being scheduled); then ``grammar`` masks and follows every token it samples
+    awaits_grammar: bool = False
+    grammar: OutputGrammar | None = None
+    error: ErrorInfo | None = None  # why it ended, when that is an error found while it ran
     # mm_hash -> end of its last placement: an image may appear several times in one prompt, and its
     # encoder output is needed until the last of them is computed
     mm_last_end: dict[str, int] = field(init=False)

@@ -25,8 +25,15 @@ from engine.config import SchedulerOptions
 from engine.ec_connector import ECConnectorScheduler
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import MMItem, Request, RequestStatus
-from wire.protocol import ECConnectorMeta, FinishReason, RunnerOutput
+from engine.request import MMItem, OutputGrammar, Request, RequestStatus
+from wire.protocol import ECConnectorMeta, ErrorInfo, FinishReason, RunnerOutput
+
+# The worker sampled a token the request's grammar refused: it masks with the grammar, so this is a bug
+GRAMMAR_BROKEN = ErrorInfo(
+    message="internal error: a sampled token broke the request's grammar",
+    code="internal_error",
+    http_status=500,
+)
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,7 @@ class Scheduler:
         self._preempted_req_ids: list[str] = []  # likewise, their block tables
         self._resend_free_mm_hashes: list[str] = []  # a failed step's frees, sent again
         self._unavailable: list[Request] = []  # found unservable while scheduling this step
+        self.num_awaiting_grammar = 0  # waiting requests whose grammar is still compiling
 
     # ------------------------------------------------------------------ admission
 
@@ -132,10 +140,23 @@ class Scheduler:
         until it finishes: an eviction would leave nothing to encode them from."""
         self.requests[request.req_id] = request
         self.waiting.append(request)
+        if request.awaits_grammar:
+            self.num_awaiting_grammar += 1
         for mm_hash in request.encoder_only_hashes:
             held = self.encoder_cache.lookup(mm_hash, request.req_id)
             assert held, f"encoder-only item {mm_hash} is not in the encoder cache"
             request.encoder_hashes_in_use.add(mm_hash)
+
+    def grammar_ready(self, request: Request, grammar: OutputGrammar) -> None:
+        """Called when a waiting request's grammar is compiled: it may be scheduled from now on (it kept
+        its place in the queue). A grammar complete before any token ends the request at once."""
+        assert request.awaits_grammar, f"{request.req_id} was not waiting for a grammar"
+        request.awaits_grammar = False
+        request.grammar = grammar
+        self.num_awaiting_grammar -= 1
+        if grammar.is_complete:
+            self.waiting.remove(request)
+            self._finish(request, FinishReason.STOP)
 
     def holds_encoder_output(self, mm_hash: str) -> bool:
         """Whether the encoder cache holds ``mm_hash``'s output (in use or freeable)."""
@@ -152,7 +173,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step could run: a request waiting for its grammar makes none."""
+        return bool(self.running) or len(self.waiting) > self.num_awaiting_grammar
 
     @property
     def num_running(self) -> int:
@@ -201,12 +223,13 @@ class Scheduler:
         resumed_requests: list[Request] = []
         # No admissions in a step that had to preempt: the freed blocks go to the running requests first.
         while (
-            self.waiting
+            len(self.waiting) > self.num_awaiting_grammar
             and token_budget > 0
             and len(self.running) < self.config.max_num_seqs
             and not preempted_now
         ):
-            request = self.waiting[0]
+            # the first in line that is not waiting for its grammar (those keep their places)
+            request = next(r for r in self.waiting if not r.awaits_grammar)
             computed_blocks, num_computed = self.kv_cache.get_computed_blocks(request)
             request.num_computed_tokens = num_computed  # the prefix-cache hits, if it starts now
             wanted = min(request.num_tokens - num_computed, token_budget)
@@ -215,7 +238,7 @@ class Scheduler:
                 num_tokens, encoder_budget = self._fit(request, wanted, encoder_budget, encoder_items)
             if self._unavailable and self._unavailable[-1] is request:
                 request.num_computed_tokens = 0
-                self.waiting.popleft()  # it ends below; the next in line may run
+                self.waiting.remove(request)  # it ends below; the next in line may run
                 continue
             if num_tokens == 0:
                 # Head of line waits (for blocks, or for room to encode its first image); keep FCFS.
@@ -223,7 +246,7 @@ class Scheduler:
                 break
             blocks = self.kv_cache.allocate_slots(request, num_tokens, computed_blocks)
             assert blocks is not None, "can_allocate promised room"
-            self.waiting.popleft()
+            self.waiting.remove(request)
             if request.status is RequestStatus.PREEMPTED:
                 resumed_requests.append(request)
             elif not request.sent_to_worker:
@@ -363,6 +386,11 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
+            if request.grammar is not None and not request.grammar.accept(token_id):
+                request.error = GRAMMAR_BROKEN
+                self._finish(request, FinishReason.ABORT)
+                result.finished.append(request)
+                continue
             request.output_token_ids.append(token_id)
             result.new_token_ids[req_id] = [token_id]
             reason = self._stop_reason(request, token_id)
@@ -395,6 +423,8 @@ class Scheduler:
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.sampling
         num_output = len(request.output_token_ids)
+        if request.grammar is not None and request.grammar.is_complete:
+            return FinishReason.STOP  # before min_tokens or ignore_eos: the grammar allows nothing more
         if num_output >= params.min_tokens:
             if not params.ignore_eos and token_id in params.eos_token_ids:
                 return FinishReason.STOP
@@ -408,6 +438,9 @@ class Scheduler:
         """Releases everything the request held; its worker state is dropped in the next step."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if request.awaits_grammar:
+            request.awaits_grammar = False
+            self.num_awaiting_grammar -= 1
         if request in self.running:
             self.running.remove(request)
         self.encoder_cache.release_all(request.req_id)

@@ -9,6 +9,7 @@ from collections import defaultdict
 from engine.ec_connector import ECConnectorScheduler
 from engine.encode_scheduler import EncodeOnlyScheduler
 from engine.scheduler import Scheduler, StepPlan
+from engine.structured.compiler import GrammarCompiler
 from wire.metric_names import EngineCounter, EngineGauge, EngineObservation
 from wire.protocol import EngineStats, RunnerOutput
 
@@ -49,11 +50,26 @@ class EngineMetrics:
             self._observations[EngineObservation.EC_LOAD_SECONDS] += ec.load_seconds
 
     def snapshot(
-        self, scheduler: Scheduler | EncodeOnlyScheduler, connector: ECConnectorScheduler | None = None
+        self,
+        scheduler: Scheduler | EncodeOnlyScheduler,
+        connector: ECConnectorScheduler | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> EngineStats:
         """Current figures; drains the observations made since the previous snapshot."""
         encoder_cache = scheduler.encoder_cache
         counters: dict[str, float] = {str(name): value for name, value in self._counters.items()}
+        gauges: dict[str, float] = {}
+        if grammars is not None:  # the engine process's compiler: its counts span worker restarts
+            stats = grammars.stats
+            counters[EngineCounter.GRAMMAR_CACHE_HITS] = stats.num_hits
+            counters[EngineCounter.GRAMMAR_CACHE_MISSES] = stats.num_misses
+            counters[EngineCounter.GRAMMAR_COMPILE_FAILURES] = stats.num_failures
+            counters[EngineCounter.GRAMMAR_COMPILE_TIMEOUTS] = stats.num_timeouts
+            self._observations[EngineObservation.GRAMMAR_COMPILE_SECONDS] += stats.compile_seconds
+            stats.compile_seconds = []
+            gauges[EngineGauge.GRAMMAR_CACHE_BYTES] = float(grammars.cache_bytes)
+        if isinstance(scheduler, Scheduler):
+            gauges[EngineGauge.REQUESTS_AWAITING_GRAMMAR] = float(scheduler.num_awaiting_grammar)
         if connector is not None:
             counters[EngineCounter.EC_LOOKUPS] = connector.num_lookups
             counters[EngineCounter.EC_LOOKUP_HITS] = connector.num_lookup_hits
@@ -65,7 +81,7 @@ class EngineMetrics:
         counters[EngineCounter.PREFIX_CACHE_QUERIES] = kv_cache.num_prefix_queries_tokens
         counters[EngineCounter.PREFIX_CACHE_HITS] = kv_cache.num_prefix_hits_tokens
         counters[EngineCounter.PREEMPTIONS] = scheduler.num_preemptions
-        gauges: dict[str, float] = {
+        gauges |= {
             EngineGauge.ENCODER_CACHE_USAGE: float(encoder_cache.num_used_tokens),
             EngineGauge.ENCODER_CACHE_CAPACITY: float(encoder_cache.capacity_tokens),
             EngineGauge.REQUESTS_RUNNING: float(scheduler.num_running),

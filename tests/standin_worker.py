@@ -16,7 +16,9 @@ the last known token. A contradiction raises ``StepError``, as in the worker; st
 
 Tokens: ``next_token(req_id, token_ids)``, by default the last token + 1 modulo ``vocab_size`` (a prompt
 ending in 19 goes on 20, 21, ... whatever the batch, step or preemption); no min_tokens masking (the
-scheduler's stop rules are under test). Logprobs, when asked: the sampled token at ``SAMPLED_LOGPROB``;
+scheduler's stop rules are under test). A constrained request (a row of the step's grammar bitmask) takes
+the first token its row allows from that one on, cyclically; a row for a request that does not sample, or
+one that allows nothing, is a ``StepError``. Logprobs, when asked: the sampled token at ``SAMPLED_LOGPROB``;
 top k: the sampled token and the ids after it, each 1.0 lower.
 
 Failures: over ZeroMQ each is a ``WorkerError`` reply and serving goes on (as workers/worker_main.py).
@@ -246,8 +248,12 @@ class StandinWorker:
             to_sample = self._advance_chunks(sched.num_scheduled_tokens)
         elif any(sched.num_scheduled_tokens.values()):
             raise StepError("tokens scheduled on an encoder-only worker (it has no language model)")
+        allowed = self._grammar_rows(sched, frames, {req.req_id for req in to_sample})
         for req in to_sample:
-            req.token_ids.append(self.next_token(req.req_id, req.token_ids) % self.vocab_size)
+            token = self.next_token(req.req_id, req.token_ids) % self.vocab_size
+            if req.req_id in allowed:
+                token = _first_allowed(allowed[req.req_id], token, self.vocab_size, req.req_id)
+            req.token_ids.append(token)
         return RunnerOutput(
             step_id=sched.step_id,
             req_ids=[req.req_id for req in to_sample],
@@ -433,6 +439,28 @@ class StandinWorker:
             req.num_computed_tokens = end
         return [req for req, end in chunks if end == len(req.token_ids)]
 
+    def _grammar_rows(
+        self, sched: SchedulerOutput, frames: Sequence[Buffer], sampling: set[str]
+    ) -> dict[str, list[int]]:
+        """Each constrained request's bitmask row (int32 words as unsigned ints), checked as the worker
+        checks them (workers/runner_requests.py, ``grammar_rows``)."""
+        bitmask = sched.grammar_bitmask
+        if bitmask is None:
+            return {}
+        ref, req_ids = bitmask.bitmask, bitmask.req_ids
+        if ref.dtype != "int32" or tuple(ref.shape) != (len(req_ids), -(-self.vocab_size // 32)):
+            raise StepError(
+                f"grammar bitmask {ref.dtype}{list(ref.shape)} does not fit {len(req_ids)} requests"
+            )
+        if not set(req_ids) <= sampling:
+            raise StepError(
+                f"grammar bitmask rows for requests that do not sample: {set(req_ids) - sampling}"
+            )
+        self._check_frame("grammar bitmask", ref, frames)
+        words = memoryview(frames[ref.frame - 1]).cast("B").cast("I")
+        num_words = ref.shape[1]
+        return {req_id: list(words[i * num_words : (i + 1) * num_words]) for i, req_id in enumerate(req_ids)}
+
     def _logprobs(self, sampling: SamplingParams, token: int) -> TokenLogprobs | None:
         if sampling.num_top_logprobs is None:
             return None
@@ -441,3 +469,12 @@ class StandinWorker:
             for i in range(sampling.num_top_logprobs)
         ]
         return TokenLogprobs(Logprob(token, SAMPLED_LOGPROB), top)
+
+
+def _first_allowed(words: Sequence[int], start: int, vocab_size: int, req_id: str) -> int:
+    """The first token from ``start`` on (cyclically) whose bit is set in the bitmask row ``words``."""
+    for offset in range(vocab_size):
+        token = (start + offset) % vocab_size
+        if words[token // 32] >> (token % 32) & 1:
+            return token
+    raise StepError(f"request {req_id!r}: its grammar allows no token")

@@ -98,6 +98,22 @@ class EngineCounter(_Named):
         "worker_bad_messages_total",
         "Messages the worker received from the engine that did not decode or that it could not take.",
     )
+    GRAMMAR_CACHE_HITS = (
+        "structured_output_cache_hits_total",
+        "Constrained requests whose grammar was already compiled (compiled-grammar cache hits).",
+    )
+    GRAMMAR_CACHE_MISSES = (
+        "structured_output_cache_misses_total",
+        "Constrained requests that waited for a compile (their own, or one already running).",
+    )
+    GRAMMAR_COMPILE_FAILURES = (
+        "structured_output_compile_failures_total",
+        "Constraints that could not be compiled (invalid, or past the compile timeout); each a 400.",
+    )
+    GRAMMAR_COMPILE_TIMEOUTS = (
+        "structured_output_compile_timeouts_total",
+        "Requests that stopped waiting for their grammar at --structured-output-compile-timeout-s.",
+    )
 
 
 class EngineGauge(_Named):
@@ -111,6 +127,11 @@ class EngineGauge(_Named):
     REQUESTS_RUNNING = "num_requests_running", "Requests running in the engine."
     REQUESTS_WAITING = "num_requests_waiting", "Requests waiting in the engine (preempted ones included)."
     KV_CACHE_USAGE = "kv_cache_usage_ratio", "Share of KV-cache blocks in use by running requests."
+    GRAMMAR_CACHE_BYTES = "structured_output_cache_bytes", "Bytes of compiled grammars the engine keeps."
+    REQUESTS_AWAITING_GRAMMAR = (
+        "num_requests_awaiting_grammar",
+        "Requests waiting for their grammar to compile (counted among the waiting requests too).",
+    )
 
 
 class EngineObservation(_Named):
@@ -121,3 +142,7 @@ class EngineObservation(_Named):
     REQUESTS_PER_STEP = "num_requests_per_step", "Requests batched together in one engine step."
     BATCHED_TOKENS_PER_STEP = "num_batched_tokens_per_step", "Tokens computed in one engine step."
     EC_LOAD_SECONDS = "ec_load_seconds", "Time to load one encoder output from the store."
+    GRAMMAR_COMPILE_SECONDS = (
+        "structured_output_compile_seconds",
+        "Time to compile one constraint into a grammar (off the step loop).",
+    )

@@ -84,6 +84,35 @@ class SamplingParams(msgspec.Struct, frozen=True):
     num_top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
 
+class ConstraintKind(enum.StrEnum):
+    """What a request's output must match (docs/api.md, "Structured outputs")."""
+
+    JSON_SCHEMA = "json_schema"  # spec: the schema, as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object; spec is empty
+    REGEX = "regex"  # spec: the regular expression
+    CHOICE = "choice"  # spec: a JSON list of the strings allowed, one of which is the whole output
+    GRAMMAR = "grammar"  # spec: an EBNF grammar as xgrammar reads it (GBNF), rule ``root`` first
+
+
+MAX_CONSTRAINT_CHARS = 65536  # a longer schema, regex or grammar is refused at the HTTP edge
+
+
+class Constraint(msgspec.Struct, frozen=True):
+    """A request's structured-output constraint, as the engine compiles it into a grammar
+    (engine/structured/). Two requests with equal constraints share one compiled grammar."""
+
+    kind: ConstraintKind
+    spec: Annotated[str, Meta(max_length=MAX_CONSTRAINT_CHARS)] = ""
+    # JSON kinds: whitespace between elements is free but bounded (docs/api.md); False: none beyond the
+    # separators ", " and ": " (vLLM's disable_any_whitespace)
+    any_whitespace: bool = True
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What the compiled-grammar cache is keyed by."""
+        return (self.kind.value, self.spec, self.any_whitespace)
+
+
 class MMFeature(msgspec.Struct, frozen=True):
     """One multimodal item placed in a prompt.
 
@@ -140,6 +169,9 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     # the request's cache scope (``CacheScope.salt``, a digest): folded into its first KV block's hash,
     # so requests of different salts share no prefix-cache hit (their mm_hashes already differ)
     cache_salt: Annotated[str, Meta(max_length=128)] | None = None
+    # structured output: the request waits for its grammar (compiled off the step loop), then every
+    # token it samples is masked by it (docs/architecture.md, "Structured outputs")
+    constraint: Constraint | None = None
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
@@ -277,6 +309,15 @@ class ECConnectorMeta(msgspec.Struct, frozen=True):
     save_mm_hashes: list[str] = []
 
 
+class GrammarBitmask(msgspec.Struct, frozen=True):
+    """The tokens each constrained request may sample this step: row i (int32 words, bit j of word w set
+    = token 32 * w + j allowed, xgrammar's layout) is for ``req_ids[i]``, one row per constrained request
+    that samples in the step. The tensor is a frame of the step's message."""
+
+    req_ids: list[str]
+    bitmask: TensorRef
+
+
 class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
     """One step. ``num_scheduled_tokens`` maps every request that runs this step to how many of its
     tokens it computes; the worker samples for those whose step computes their last known token (the
@@ -297,6 +338,7 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
     new_block_ids: dict[str, list[int]] = {}
     preempted_req_ids: list[str] = []
     ec_meta: ECConnectorMeta | None = None  # None: no connector, or nothing to load or save
+    grammar_bitmask: GrammarBitmask | None = None  # None: no constrained request samples this step
 
 
 class WorkerShutdown(msgspec.Struct, frozen=True, tag="wshutdown"):

@@ -44,7 +44,7 @@ from workers.families import family_for
 from workers.frames import Buffer, tensor_from_frame, tensors_from_shm
 from workers.kv_pool import KVPool, kv_bytes_per_token, plan_num_kv_blocks
 from workers.paged_lm import PagedLanguageModel
-from workers.runner_requests import Pool, RequestState, StepError, check_additions, step_spans
+from workers.runner_requests import Pool, RequestState, StepError, check_additions, grammar_rows, step_spans
 from workers.sampler import SamplingRow, make_generator, sample
 from workers.step_embeddings import step_embeddings
 
@@ -170,7 +170,8 @@ class ModelRunner:
         encoded = time.perf_counter()
 
         if self.lm_forward is not None:
-            req_ids, sampled_token_ids, logprobs = self._run_lm(sched.num_scheduled_tokens)
+            allowed = grammar_rows(sched, frames, self.vocab_size)
+            req_ids, sampled_token_ids, logprobs = self._run_lm(sched.num_scheduled_tokens, allowed)
         elif any(sched.num_scheduled_tokens.values()):
             raise StepError("tokens scheduled on an encoder-only worker (it has no language model)")
         else:
@@ -259,11 +260,11 @@ class ModelRunner:
             table.extend(block_ids)
 
     def _run_lm(
-        self, num_scheduled_tokens: dict[str, int]
+        self, num_scheduled_tokens: dict[str, int], allowed: dict[str, torch.Tensor]
     ) -> tuple[list[str], list[int], list[TokenLogprobs | None]]:
         """One forward over every scheduled token, then sampling for each request whose step computes
         its last known token (the end of its prompt, of its recomputed outputs after a resume, or the
-        token it sampled last)."""
+        token it sampled last); ``allowed``: the constrained ones' grammar bitmask rows."""
         if not num_scheduled_tokens:
             return [], [], []
         spans = step_spans(num_scheduled_tokens, self.requests, self.block_size)
@@ -280,12 +281,19 @@ class ModelRunner:
             if num_computed == len(req.token_ids):
                 req_ids.append(span.req_id)
                 logits_rows.append(len(token_ids) - 1)
-                sampling_rows.append(SamplingRow(req.sampling, req.num_output_tokens, req.generator))
+                row = SamplingRow(
+                    req.sampling, req.num_output_tokens, req.generator, allowed.get(span.req_id)
+                )
+                sampling_rows.append(row)
         embeds, deepstack = step_embeddings(
             self.embed_tokens, token_ids, spans, self.requests, self.encoder_store, self.device
         )
         assert self.lm_forward is not None  # (execute runs the LM only where there is one)
         logits = self.lm_forward(embeds, torch.cat(positions, dim=1), spans, logits_rows, deepstack)
+        if not set(allowed) <= set(req_ids):
+            raise StepError(
+                f"grammar bitmask rows for requests that do not sample: {sorted(set(allowed) - set(req_ids))}"
+            )
         # State changes only once the forward succeeded: a failed step leaves requests as they were.
         for span in spans:
             self.requests[span.req_id].num_computed_tokens += span.num_new_tokens

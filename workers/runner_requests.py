@@ -16,6 +16,7 @@ import torch
 from wire.protocol import MMFeature, NewRequestData, ResumedRequestData, SamplingParams, SchedulerOutput
 from workers.attention import SeqSpan
 from workers.families.model import RequestPositions
+from workers.frames import Buffer, tensor_from_frame
 
 # the family's positions of a prompt's tokens, from its items' placements
 PromptPositions = Callable[[Sequence[int], list[MMFeature]], RequestPositions]
@@ -172,3 +173,29 @@ def step_spans(
             )
         spans.append(SeqSpan(req_id, req.num_computed_tokens, num_new_tokens, req.block_ids))
     return spans
+
+
+def grammar_rows(
+    sched: SchedulerOutput, frames: Sequence[Buffer], vocab_size: int
+) -> dict[str, torch.Tensor]:
+    """Each constrained request's grammar bitmask row of the step (a view of the frame). ``StepError`` if
+    the bitmask does not fit: int32, one row per named request, ``ceil(vocab_size / 32)`` words."""
+    bitmask = sched.grammar_bitmask
+    if bitmask is None:
+        return {}
+    ref, req_ids = bitmask.bitmask, bitmask.req_ids
+    num_words = -(-vocab_size // 32)
+    if (
+        ref.dtype != "int32"
+        or tuple(ref.shape) != (len(req_ids), num_words)
+        or len(set(req_ids)) != len(req_ids)
+    ):
+        raise StepError(
+            f"grammar bitmask {ref.dtype}{list(ref.shape)} for {len(req_ids)} requests does not fit "
+            f"a vocabulary of {vocab_size}"
+        )
+    try:
+        rows = tensor_from_frame(ref, frames)
+    except ValueError as exc:
+        raise StepError(f"grammar bitmask: {exc}") from exc
+    return {req_id: rows[i] for i, req_id in enumerate(req_ids)}

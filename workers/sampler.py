@@ -2,8 +2,10 @@
 
 Order of operations on each row of logits (float32, [vocab]):
 1. logprobs, if asked, are ``log_softmax`` of the raw logits (before any masking or temperature);
-2. min_tokens: eos and stop token ids are masked while fewer than ``min_tokens`` outputs exist;
-3. temperature 0 -> argmax; else temperature, top-k, top-p, then an exponential race
+2. structured output: tokens the request's grammar does not allow are masked (its bitmask row from the
+   engine, applied with xgrammar's kernel for the device);
+3. min_tokens: eos and stop token ids are masked while fewer than ``min_tokens`` outputs exist;
+4. temperature 0 -> argmax; else temperature, top-k, top-p, then an exponential race
    ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn from the request's own generator, which samples
    exactly from ``probs`` and makes a seeded request's output independent of the batch it ran in.
 """
@@ -26,6 +28,7 @@ class SamplingRow:
     params: SamplingParams
     num_output_tokens: int  # outputs generated before this step
     generator: torch.Generator  # the request's own (seeded) or the worker-wide one
+    allowed: torch.Tensor | None = None  # its grammar's bitmask row (int32 words); None: unconstrained
 
 
 def make_generator(seed: int | None, device: torch.device, fallback: torch.Generator) -> torch.Generator:
@@ -47,6 +50,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
     logits = logits.clone()
+    _mask_grammars(logits, rows)
     _mask_min_tokens(logits, rows)
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, row in enumerate(rows) if row.params.temperature >= _GREEDY_TEMPERATURE]
@@ -64,6 +68,23 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
                     raw_logprobs[i], token_list[i], row.params.num_top_logprobs or 0
                 )
     return token_list, logprobs
+
+
+def _mask_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """-inf on every token a constrained row's grammar does not allow (token ids past its bitmask
+    included: the engine sizes it to the whole vocabulary)."""
+    constrained = [i for i, row in enumerate(rows) if row.allowed is not None]
+    if not constrained:
+        return
+    import xgrammar  # only a worker that gets a constrained request loads it
+
+    num_words = rows[constrained[0]].allowed.shape[0]  # type: ignore[union-attr]
+    bitmask = torch.full((len(rows), num_words), -1, dtype=torch.int32)
+    for i in constrained:
+        bitmask[i] = rows[i].allowed  # type: ignore[assignment]
+    xgrammar.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device), vocab_size=logits.shape[1], indices=constrained
+    )
 
 
 def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

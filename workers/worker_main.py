@@ -199,6 +199,8 @@ def _run_step(
     (tensor frames that do not match its encoder inputs, a step contradicting this worker's state)."""
     try:
         refs = [ref for item in msg.encoder_inputs for ref in item.tensors.values()]
+        if msg.grammar_bitmask is not None:
+            refs.append(msg.grammar_bitmask.bitmask)
         check_tensor_frames(refs, [f.buffer for f in frames])
         return runner.execute(msg, frames)
     except BadMessage as bad:

@@ -14,6 +14,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from app.api.constraints import RequestedConstraint, requested_constraint
 from app.api.detokenizer import IncrementalDetokenizer
 from app.api.error_handlers import sse_error_event
 from app.api.request_guards import request_tenant
@@ -39,9 +40,15 @@ CLIENT_CLOSED_REQUEST = 499
 DISCONNECT_POLL_S = 0.5
 
 
-def error_from_engine(info: ErrorInfo) -> MMServeError:
+# the engine's errors about a request's constraint (engine/structured/): 400s naming the field it came from
+CONSTRAINT_ERROR_CODES = frozenset({"invalid_constraint", "constraint_compile_timeout"})
+
+
+def error_from_engine(info: ErrorInfo, constraint_param: str | None = None) -> MMServeError:
     if info.code == "context_length_exceeded":
         return ContextLengthError(info.message)
+    if info.code in CONSTRAINT_ERROR_CODES:
+        return InvalidRequestError(info.message, code=info.code, param=constraint_param)
     if info.http_status == 429:
         return TooManyRequestsError(info.message, code=info.code)
     if info.http_status == 503:
@@ -74,13 +81,14 @@ class ChatService:
             raise EngineUnavailableError("The engine is not ready.")
         arrival = time.time()
         req_id = f"chatcmpl-{uuid.uuid4().hex}"
+        constraint = requested_constraint(body.response_format, body.structured_outputs)  # before any work
         scope = CacheScope.of(
             tenant=request_tenant(raw.scope),
             cache_salt=body.cache_salt,
             isolate_tenants=self.inputs.settings.tenant_cache_isolation,
         )
         prepared = await self.inputs.prepare(body.messages, body.mm_processor_kwargs or {}, scope)
-        queue, first = await self._submit(body, prepared, req_id)
+        queue, first = await self._submit(body, prepared, req_id, constraint)
         self.inputs.count_uuid_hits(prepared)
         self.metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
         gen = Generation(
@@ -136,7 +144,11 @@ class ChatService:
         )
 
     async def _submit(
-        self, body: ChatCompletionRequest, prepared: PreparedRequest, req_id: str
+        self,
+        body: ChatCompletionRequest,
+        prepared: PreparedRequest,
+        req_id: str,
+        constraint: RequestedConstraint | None = None,
     ) -> tuple[asyncio.Queue[RequestOutput | EngineGone], RequestOutput]:
         """Resolves, sends and waits for the first output; re-sends with payloads if the engine lacked an
         item the mirror claimed, or found an shm reference stale (the safety net, counted, normally never
@@ -147,7 +159,9 @@ class ChatService:
                 while queue is None:
                     await self.inputs.resolve(prepared)
                     sampling = self._sampling(body, len(prepared.prompt_token_ids))
-                    queue = self.inputs.submit(prepared, req_id, sampling)
+                    queue = self.inputs.submit(
+                        prepared, req_id, sampling, constraint.constraint if constraint is not None else None
+                    )
             finally:
                 self.inputs.release_pins(prepared)
             try:
@@ -162,7 +176,7 @@ class ChatService:
                 return queue, first
             self.engine.release(req_id, abort=False)
             if not first.error.missing_mm_hashes:
-                raise error_from_engine(first.error)
+                raise error_from_engine(first.error, constraint.param if constraint is not None else None)
             self.engine.forget(first.error.missing_mm_hashes)
             self.inputs.send_payloads(prepared, first.error.missing_mm_hashes)
         raise EngineUnavailableError("the engine kept missing multimodal items")

@@ -1,6 +1,7 @@
 """OpenAI chat-completions schemas, as vLLM accepts them: validated here, at the HTTP edge.
 
-Requests ignore unknown fields (vLLM only warns). Part lists are dispatched on ``type`` by hand, so a
+Requests ignore unknown fields (vLLM only warns); fields with a meaning mmserve does not implement are
+refused by name. Part lists are dispatched on ``type`` by hand, so a
 validation error's location names the real path (``messages[0].content[1].image_url.url``) instead of
 pydantic's union-member labels. Responses dump with plain ``model_dump_json()``: optional fields the
 OpenAI wire format sends as ``null`` stay, and a stream delta drops its unset ``role``/``content``.
@@ -24,6 +25,8 @@ from pydantic import (
     model_serializer,
 )
 from pydantic_core import PydanticCustomError
+
+from app.api.constraint_schemas import ResponseFormat, StructuredOutputs
 
 FinishReasonLiteral = Literal["stop", "length", "abort"]  # "abort" as in vLLM; the SDK's Literal lacks it
 # Integers that travel to the engine must fit its wire format and torch (a seed is a torch.long, as in vLLM).
@@ -188,6 +191,16 @@ class ChatCompletionRequest(_Request):
     mm_processor_kwargs: dict[str, Any] | None = None
     # vLLM's: requests with different salts share no cache hit of any kind (docs/api.md, "Cache salts")
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, strict=True)
+    # structured outputs (docs/api.md): OpenAI's response_format, or vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's earlier spellings, refused with a pointer rather than ignored
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
     @field_validator(
         "stream", "temperature", "top_p", "n", "logprobs", "frequency_penalty", "presence_penalty",
@@ -213,6 +226,20 @@ class ChatCompletionRequest(_Request):
         if value != default:
             raise ValueError(f"{info.field_name}={value} is not supported (only {default})")
         return value
+
+    @field_validator(
+        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+        "guided_whitespace_pattern",
+    )  # fmt: skip
+    @classmethod
+    def _renamed(cls, value: Any, info: ValidationInfo) -> None:
+        if value is not None:
+            new_name = {"guided_decoding_backend": None, "guided_whitespace_pattern": None}.get(
+                info.field_name or "", f"structured_outputs.{(info.field_name or '').removeprefix('guided_')}"
+            )
+            hint = f"use {new_name}" if new_name else "it is not supported"
+            raise ValueError(f"{info.field_name} is vLLM's earlier spelling: {hint}")
+        return None
 
     @field_validator("top_k")
     @classmethod

@@ -34,6 +34,7 @@ from wire.curve import CurveKeys, secure_client, uses_curve
 from wire.protocol import (
     Abort,
     AddRequest,
+    Constraint,
     EngineDead,
     EngineOutbound,
     EngineOutputs,
@@ -189,6 +190,7 @@ class EngineClient:
         sampling: SamplingParams,
         items: Sequence[OutgoingItem],
         cache_salt: str | None = None,
+        constraint: Constraint | None = None,
     ) -> asyncio.Queue[RequestOutput | EngineGone] | None:
         """Stage 7 of the request path, in one synchronous step (docs/architecture.md, "IPC mirror",
         rules 1-3): the mirror decides each item not in the shm ring (HIT: key only; STORE or UNCACHED:
@@ -232,6 +234,7 @@ class EngineClient:
                 mm_features=features,
                 evicted_mm_hashes=evicted,
                 cache_salt=cache_salt,
+                constraint=constraint,
             )
             queue = self._add_request(msg, frames)
             self.metrics.ipc_payload_bytes.inc(payload_bytes)

@@ -59,7 +59,7 @@ from app.media.urls import decode_data_url, is_data_url, load_media_bytes
 from app.metrics import ApiMetrics
 from app.settings import Settings
 from wire.hashing import mm_hash
-from wire.protocol import MMFeature, RequestOutput, SamplingParams
+from wire.protocol import Constraint, MMFeature, RequestOutput, SamplingParams
 from workers.families.processing import FamilyProcessor, ItemLayout, ProcessedItem
 
 T = TypeVar("T")
@@ -454,7 +454,11 @@ class InputProcessor:
     # -- stage 7 ----------------------------------------------------------------------------------
 
     def submit(
-        self, prepared: PreparedRequest, req_id: str, sampling: SamplingParams
+        self,
+        prepared: PreparedRequest,
+        req_id: str,
+        sampling: SamplingParams,
+        constraint: Constraint | None = None,
     ) -> asyncio.Queue[RequestOutput | EngineGone] | None:
         """Hands the request to ``EngineClient.send_request``, which decides what crosses the pipe and
         sends it in one synchronous step (no ``await``), and releases the mirror pins.
@@ -480,7 +484,12 @@ class InputProcessor:
             outgoing.append(OutgoingItem(placement, layout, media.item, media.pinned))
         try:
             queue = self.engine.send_request(
-                req_id, prepared.prompt_token_ids, sampling, outgoing, cache_salt=prepared.scope.salt
+                req_id,
+                prepared.prompt_token_ids,
+                sampling,
+                outgoing,
+                cache_salt=prepared.scope.salt,
+                constraint=constraint,
             )
         finally:
             for media in prepared.items:  # send_request released the pins, sent or not

@@ -29,7 +29,7 @@ ALL_ROLES = "api, engine, worker"
 # three roles, so a field read by any role is read by serve.
 GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("Model and HTTP", (
-        ("model", "api, worker; engine (JSON only)"),
+        ("model", "api, worker; engine (JSON, and the tokenizer for structured outputs)"),
         ("served_model_name", "api"),
         ("host", "api"),
         ("port", "api"),
@@ -64,6 +64,10 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("disable_chunked_mm_input", "engine"),
         ("max_waiting_requests", "engine"),
         ("step_timeout_s", "engine"),
+    )),
+    ("Structured outputs", (
+        ("structured_output_cache_mb", "engine"),
+        ("structured_output_compile_timeout_s", "engine"),
     )),
     ("Worker", (
         ("device", "worker"),
@@ -120,7 +124,8 @@ descriptions and defaults; `python -m app.launch.cli` is the same program as `mm
 - `mmserve serve` replaces the default `--engine-addr` and `--worker-addr` with private `ipc://` paths
   in a fresh temporary folder, so two servers never collide; an address given explicitly is used as is.
 - The engine reads only JSON files of the model folder (`config.json` and the processor settings), and
-  only when `--max-model-len` or an encoder budget is left to the model.
+  only when `--max-model-len` or an encoder budget is left to the model; and, once a request asks for
+  structured output, its tokenizer (the vocabulary grammars are compiled over).
 - `MMSERVE_MODEL_NAME` and `MMSERVE_BENCH_*` are read by the load-test scripts in bench/, not by
   mmserve (see [operations.md, "Load testing"](operations.md#load-testing)).
 """

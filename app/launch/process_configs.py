@@ -13,8 +13,8 @@ many of its fields; the proxy's shared flags default to the same fields (app/pro
 from __future__ import annotations
 
 from app.inputs.encoder_budgets import derive_encoder_budgets
-from app.settings import GIB, Settings
-from engine.config import EngineConfig, SchedulerOptions
+from app.settings import GIB, MIB, Settings
+from engine.config import EngineConfig, SchedulerOptions, StructuredOutputOptions
 from wire.ec_store import ECConfig, ECRole
 from workers.config import ModelParts, WorkerConfig
 
@@ -45,6 +45,11 @@ def engine_config(settings: Settings) -> EngineConfig:
         ec=ec_config(settings),
         step_timeout_s=settings.step_timeout_s,
         curve=settings.curve_keys(),
+        structured_outputs=StructuredOutputOptions(
+            model_dir=settings.model,
+            cache_bytes=int(settings.structured_output_cache_mb * MIB),
+            compile_timeout_s=settings.structured_output_compile_timeout_s,
+        ),
     )
 
 

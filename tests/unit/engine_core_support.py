@@ -91,10 +91,10 @@ def add(
     )
 
 
-def run_until_idle(core: EngineCore) -> dict[bytes, list[RequestOutput]]:
+def run_until_idle(core: EngineCore, max_steps: int = 100) -> dict[bytes, list[RequestOutput]]:
     """Steps until no request is left; all outputs per client, in step order."""
     outputs: dict[bytes, list[RequestOutput]] = {}
-    for _ in range(100):
+    for _ in range(max_steps):
         if not core.has_work:
             return outputs
         for client, outs in core.step().items():

@@ -211,6 +211,7 @@ def test_stats_counters_gauges_and_drained_observations() -> None:
         "num_requests_running": 0.0,
         "num_requests_waiting": 3.0,
         "kv_cache_usage_ratio": 0.0,
+        "num_requests_awaiting_grammar": 0.0,
     }
     assert stats.observations == {}
 

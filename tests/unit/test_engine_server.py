@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from engine.config import EngineConfig, SchedulerOptions
+from engine.config import EngineConfig, SchedulerOptions, StructuredOutputOptions
 from engine.engine_main import EngineServer
 from tests.api_peer import ApiPeer, tokens
 from tests.standin_worker import StandinWorker
@@ -45,7 +45,18 @@ def engine(tmp_path: Path) -> Iterator[tuple[Api, str]]:
         max_waiting_requests=None,
     )
     engine_addr, worker_addr = f"ipc://{tmp_path}/engine.sock", f"ipc://{tmp_path}/worker.sock"
-    config = EngineConfig(engine_addr, worker_addr, options, 5.0, "info", None, step_timeout_s=5, curve=None)
+    grammars = StructuredOutputOptions(str(tmp_path / "no-model"), cache_bytes=1 << 20, compile_timeout_s=5.0)
+    config = EngineConfig(
+        engine_addr,
+        worker_addr,
+        options,
+        5.0,
+        "info",
+        None,
+        step_timeout_s=5,
+        curve=None,
+        structured_outputs=grammars,
+    )
     ctx = zmq.Context()
     server = EngineServer(config, ctx)
     thread = threading.Thread(target=server.serve, daemon=True)

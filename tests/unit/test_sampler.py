@@ -91,3 +91,33 @@ def test_logprobs_are_raw_log_softmax():
     # Temperature and top-k change the choice, not the reported logprob.
     assert logprobs[1].top == []
     assert logprobs[1].sampled.logprob == pytest.approx(float(expected[1, tokens[1]]))
+
+
+def _bitmask_row(allowed: list[int]) -> torch.Tensor:
+    """A grammar's bitmask row over VOCAB (int32 words, xgrammar's layout) allowing ``allowed``."""
+    words = [0] * -(-VOCAB // 32)
+    for token in allowed:
+        words[token // 32] |= 1 << (token % 32)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+def test_a_grammar_row_masks_before_temperature_and_keeps_raw_logprobs():
+    """Only the allowed tokens are sampled (greedy, and 200 random draws); logprobs stay those of the raw
+    logits; the unconstrained row beside it samples as it would alone."""
+    logits = _logits(2)
+    allowed = [7, 33, 49]
+    best = max(allowed, key=lambda t: float(logits[0, t]))
+    constrained = _row(temperature=0.0, num_top_logprobs=2)
+    constrained.allowed = _bitmask_row(allowed)
+    tokens, logprobs = sample(logits, [constrained, _row(temperature=0.0)])
+    assert tokens == [best, int(logits[1].argmax())]
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert logprobs[0] is not None and logprobs[0].sampled.logprob == pytest.approx(float(raw[best]))
+    assert [top.token_id for top in logprobs[0].top] == raw.topk(2).indices.tolist()  # unmasked alternatives
+    gen = torch.Generator().manual_seed(1)
+    draws = set()
+    for _ in range(200):
+        row = _row(gen, temperature=2.0, top_k=40, top_p=0.99)
+        row.allowed = _bitmask_row(allowed)
+        draws.add(sample(_logits(1, seed=3), [row])[0][0])
+    assert draws <= set(allowed) and len(draws) > 1

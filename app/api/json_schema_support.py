@@ -1,0 +1,199 @@
+"""Which JSON Schemas mmserve enforces exactly, checked at the HTTP edge (docs/api.md, "Structured outputs").
+
+xgrammar compiles most of JSON Schema into its grammar, but it skips a few keywords with only a log line,
+which would relax the schema: a request whose answer should satisfy ``uniqueItems`` would get one that
+need not. Such a schema is refused by name (400, ``param`` pointing at the keyword), never served a looser
+answer. tests/unit/test_json_schema_support.py shows, for each refusal, the installed xgrammar accepting
+an instance the keyword forbids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from app.errors import InvalidRequestError
+
+MAX_SCHEMA_DEPTH = 64  # nested subschemas; deeper is refused (a compile thread's stack is finite)
+
+# Keywords xgrammar reads past without enforcing.
+UNENFORCED = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "contains",
+    "minContains",
+    "maxContains",
+    "$dynamicRef",
+    "$recursiveRef",
+)
+# string formats xgrammar enforces; any other is ignored by it
+FORMATS = ("date", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "time", "uri", "uuid")
+# keywords that constrain nothing ("discriminator": OpenAPI's, which pydantic writes beside a oneOf whose
+# branches its const values already keep apart)
+ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly", "$comment"}
+    | {"$schema", "$id", "$anchor", "$defs", "definitions", "discriminator"}
+)
+# xgrammar reads the first of these a schema has and nothing else beside it but annotations (and
+# "type" beside const or enum, which their values already satisfy or contradict)
+EXCLUSIVE = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SCHEMA_VALUES = (
+    "additionalProperties",
+    "unevaluatedProperties",
+    "propertyNames",
+    "items",
+    "unevaluatedItems",
+)
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+
+
+def check_json_schema(schema: Any, param: str) -> None:
+    """Raises ``InvalidRequestError`` (param: ``param`` plus the path to the keyword) unless every part of
+    ``schema`` is enforced exactly."""
+    if not isinstance(schema, dict):
+        raise InvalidRequestError("a JSON schema must be an object", param=param)
+    for node, path, depth in _subschemas(schema, param):
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidRequestError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param=path)
+        _check_node(node, path, schema)
+
+
+def _subschemas(schema: dict[str, Any], param: str) -> Iterator[tuple[dict[str, Any], str, int]]:
+    """Every schema object in ``schema``, itself included, with its path and depth (iteratively: a deep
+    schema cannot exhaust Python's recursion)."""
+    stack = [(schema, param, 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        yield node, path, depth
+        children: list[tuple[Any, str]] = []
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                children += [(sub, f"{path}.{key}.{name}") for name, sub in node[key].items()]
+        children += [(node[key], f"{path}.{key}") for key in _SCHEMA_VALUES if key in node]
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                children += [(sub, f"{path}.{key}[{i}]") for i, sub in enumerate(node[key])]
+        stack += [(sub, sub_path, depth + 1) for sub, sub_path in children if isinstance(sub, dict)]
+
+
+def _check_node(node: dict[str, Any], path: str, root: dict[str, Any]) -> None:
+    for keyword in UNENFORCED:
+        if keyword in node:
+            raise _unenforced(keyword, path)
+    if node.get("uniqueItems") is True:
+        raise _unenforced("uniqueItems", path)
+    fmt = node.get("format")
+    if fmt is not None and fmt not in FORMATS:
+        raise InvalidRequestError(
+            f"the string format {fmt!r} is not enforced (enforced: {', '.join(FORMATS)})",
+            param=f"{path}.format",
+        )
+    if "multipleOf" in node and not (_types(node) == {"integer"} and _is_integer(node["multipleOf"])):
+        raise InvalidRequestError(
+            "multipleOf is enforced only as an integer on type 'integer'", param=f"{path}.multipleOf"
+        )
+    if isinstance(node.get("items"), list):
+        raise InvalidRequestError("items as a list is not supported: use prefixItems", param=f"{path}.items")
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        raise InvalidRequestError("allOf with more than one schema is not enforced", param=f"{path}.allOf")
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        raise InvalidRequestError(
+            f"only local references ('#/...') are resolved, not {ref!r}", param=f"{path}.$ref"
+        )
+    exclusive = next((key for key in EXCLUSIVE if key in node), None)
+    if exclusive is not None:
+        allowed = ANNOTATIONS | {exclusive} | ({"type"} if exclusive in ("const", "enum") else set())
+        ignored = sorted(set(node) - allowed)
+        if ignored:
+            raise InvalidRequestError(
+                f"keywords beside {exclusive} are not enforced: {', '.join(ignored)}",
+                param=f"{path}.{ignored[0]}",
+            )
+    if isinstance(node.get("oneOf"), list) and not _disjoint(node["oneOf"], root):
+        raise InvalidRequestError(
+            "oneOf is enforced only when no value can match two of its branches (distinct types, or a "
+            "required property with distinct const values); use anyOf",
+            param=f"{path}.oneOf",
+        )
+
+
+def _unenforced(keyword: str, path: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"the JSON-schema keyword {keyword!r} is not enforced", param=f"{path}.{keyword}"
+    )
+
+
+def _types(node: dict[str, Any]) -> set[str]:
+    kind = node.get("type")
+    return {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else set()
+
+
+def _is_integer(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and value > 0
+        and float(value).is_integer()
+    )
+
+
+def _resolve(node: Any, root: dict[str, Any]) -> Any:
+    """A local ``$ref`` followed (as far as it leads inside ``root``); anything else as it is."""
+    for _ in range(MAX_SCHEMA_DEPTH):
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if not (isinstance(ref, str) and ref.startswith("#")):
+            return node
+        node = root
+        for part in (p for p in ref[1:].split("/") if p):
+            node = node.get(part.replace("~1", "/").replace("~0", "~")) if isinstance(node, dict) else None
+    return node
+
+
+def _disjoint(branches: list[Any], root: dict[str, Any]) -> bool:
+    """Whether no value can match two branches, by a check that is sound, not complete: every two
+    branches have distinct single primitive types ("integer" and "number" overlap), or both require
+    one property whose const (or single-value enum) values differ."""
+    resolved = [_resolve(branch, root) for branch in branches]
+    if not all(isinstance(branch, dict) for branch in resolved):
+        return False
+    return all(
+        _apart(resolved[i], resolved[j]) for i in range(len(resolved)) for j in range(i + 1, len(resolved))
+    )
+
+
+def _apart(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    types_a, types_b = _types(a), _types(b)
+    if (
+        len(types_a) == len(types_b) == 1
+        and types_a != types_b
+        and types_a | types_b != {"integer", "number"}
+    ):
+        return True
+    props_a, props_b = a.get("properties", {}), b.get("properties", {})
+    for name in set(a.get("required", [])) & set(b.get("required", [])):
+        const_a, const_b = _const_of(props_a.get(name)), _const_of(props_b.get(name))
+        if const_a is not _NONE and const_b is not _NONE and const_a != const_b:  # (1 == 1.0: not apart)
+            return True
+    return False
+
+
+_NONE = object()
+
+
+def _const_of(node: Any) -> Any:
+    """The single value a property schema allows (``const``, or an ``enum`` of one); ``_NONE`` if it
+    allows more."""
+    if not isinstance(node, dict):
+        return _NONE
+    if "const" in node:
+        return node["const"]
+    if isinstance(node.get("enum"), list) and len(node["enum"]) == 1:
+        return node["enum"][0]
+    return _NONE

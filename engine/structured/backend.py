@@ -1,0 +1,93 @@
+"""xgrammar behind the grammar compiler: the model's vocabulary as xgrammar sees it, each constraint kind
+as one xgrammar compile, and matchers. Imported on first use, in a compile thread: xgrammar (and the
+tokenizer's transformers) load only in an engine that gets a constraint.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from engine.structured.grammar import RequestGrammar
+from wire.protocol import Constraint, ConstraintKind
+
+# Between two JSON elements at most this many whitespace characters (unless any_whitespace is off: then
+# only the separators ", " and ": "). Enough for pretty-printed JSON (a newline and 4-space indents three
+# levels deep), and a model cannot fill its answer with whitespace (docs/api.md, "Structured outputs").
+JSON_MAX_WHITESPACE = 16
+# json_object: any object, with any properties (strict mode would allow only "{}")
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+# xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: "; the rest is for the user
+_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class CompileError(Exception):
+    """The constraint cannot be compiled: ``code`` and ``http_status`` as the request's error says."""
+
+    def __init__(self, message: str, code: str = "invalid_constraint", http_status: int = 400) -> None:
+        super().__init__(message)
+        self.code = code
+        self.http_status = http_status
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose only sentences are ``choices`` (each a literal, escaped for xgrammar)."""
+    return "root ::= " + " | ".join(_literal(choice) for choice in choices)
+
+
+def _literal(text: str) -> str:
+    escaped = "".join(ch if ch.isalnum() or ch in " _-.,:;!?/" else f"\\U{ord(ch):08x}" for ch in text)
+    return f'"{escaped}"'
+
+
+class XGrammarBackend:
+    """One model vocabulary (the tokenizer in ``model_dir``, padded to the LM's ``vocab_size``)."""
+
+    def __init__(self, model_dir: str, vocab_size: int) -> None:
+        try:
+            import xgrammar as xgr
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+            size = vocab_size or len(tokenizer)
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=size)
+        except Exception as exc:  # the engine was started without the model folder, or a bad one
+            message = f"structured outputs are unavailable: the engine cannot load the tokenizer ({exc})"
+            raise CompileError(message, "structured_outputs_unavailable", 503) from exc
+        self._xgr = xgr
+        self.vocab_size = size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+
+    def compile(self, constraint: Constraint) -> Any:
+        """The compiled grammar (xgrammar releases the GIL while it works). Raises ``CompileError``."""
+        compiler = self._compiler
+        any_whitespace = constraint.any_whitespace
+        max_whitespace = JSON_MAX_WHITESPACE if any_whitespace else None
+        try:
+            match constraint.kind:
+                case ConstraintKind.JSON_SCHEMA:
+                    return compiler.compile_json_schema(
+                        constraint.spec, any_whitespace=any_whitespace, max_whitespace_cnt=max_whitespace
+                    )
+                case ConstraintKind.JSON_OBJECT:
+                    return compiler.compile_json_schema(
+                        JSON_OBJECT_SCHEMA,
+                        strict_mode=False,
+                        any_whitespace=any_whitespace,
+                        max_whitespace_cnt=max_whitespace,
+                    )
+                case ConstraintKind.REGEX:
+                    return compiler.compile_regex(constraint.spec)
+                case ConstraintKind.CHOICE:
+                    return compiler.compile_grammar(choice_grammar(json.loads(constraint.spec)))
+                case ConstraintKind.GRAMMAR:
+                    return compiler.compile_grammar(constraint.spec)
+        except (RuntimeError, ValueError) as exc:
+            raise CompileError(_LOCATION.sub("", str(exc)).strip()) from exc
+        raise CompileError(f"unknown constraint kind {constraint.kind!r}")
+
+    def matcher(self, compiled: Any, stop_token_ids: list[int]) -> RequestGrammar:
+        """A fresh matcher for one request; ``stop_token_ids`` end its grammar (the model's EOS)."""
+        matcher = self._xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        return RequestGrammar(matcher, self.vocab_size, stop_token_ids)

@@ -1,0 +1,156 @@
+"""Compiles constraints into grammars off the engine's step loop, into a compiled-grammar cache bounded
+in bytes (docs/architecture.md, "Structured outputs").
+
+    AddRequest(constraint) ──▶ request() ──▶ cache hit: a Ticket that is ready now
+                                        └──▶ miss: a compile thread (one per constraint, however many
+                                             requests ask) ──done──▶ wake() ──▶ the engine loop polls
+
+xgrammar releases the GIL while it compiles, so steps run on meanwhile. A compile cannot be interrupted:
+a request that waited past the timeout stops waiting (a 400), while its compile runs to its end (the
+constraint's size is bounded at the HTTP edge) and lands in the cache for whoever asks next. All methods
+but the compile itself run on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import StructuredOutputOptions
+from engine.structured.backend import CompileError, XGrammarBackend
+from engine.structured.grammar import RequestGrammar
+from wire.protocol import Constraint
+
+NUM_COMPILE_THREADS = 2
+CacheKey = tuple[int, tuple[str, str, bool]]  # (vocab size, constraint key)
+
+
+@dataclass
+class Ticket:
+    """A request's wait for its grammar: ``compiled`` at once on a cache hit, else a compile's future."""
+
+    key: CacheKey
+    deadline: float
+    compiled: Any = None
+    future: Future[tuple[Any, float]] | None = None
+
+
+@dataclass
+class CompilerStats:
+    """Cumulative since the engine started (forwarded as the ``mmserve_structured_output_*`` metrics)."""
+
+    num_hits: int = 0
+    num_misses: int = 0
+    num_failures: int = 0  # invalid constraints, timeouts included
+    num_timeouts: int = 0
+    compile_seconds: list[float] = field(default_factory=list)  # drained by each stats snapshot
+
+
+class GrammarCompiler:
+    def __init__(self, options: StructuredOutputOptions, wake: Callable[[], None]) -> None:
+        """``wake``: called from a compile thread when a compile ends (the engine loop then polls)."""
+        self.options = options
+        self._wake = wake
+        self._pool = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="mmserve-grammar")
+        self._cache: OrderedDict[CacheKey, tuple[Any, int]] = OrderedDict()  # LRU: compiled, bytes
+        self.cache_bytes = 0
+        self._compiling: dict[CacheKey, Future[tuple[Any, float]]] = {}
+        self._backends: dict[int, XGrammarBackend] = {}
+        self._backend_lock = threading.Lock()
+        self.stats = CompilerStats()
+
+    def request(self, constraint: Constraint, vocab_size: int, now: float | None = None) -> Ticket:
+        """Called when a constrained request arrives: its grammar from the cache, or a compile started
+        (or joined, when another request already asked for the same constraint)."""
+        now = time.monotonic() if now is None else now
+        self._absorb_finished()
+        key: CacheKey = (vocab_size, constraint.key)
+        deadline = now + self.options.compile_timeout_s
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            self.stats.num_hits += 1
+            return Ticket(key, deadline, compiled=self._cache[key][0])
+        self.stats.num_misses += 1
+        future = self._compiling.get(key)
+        if future is None:
+            future = self._pool.submit(self._compile, constraint, vocab_size)
+            future.add_done_callback(lambda _: self._wake())
+            self._compiling[key] = future
+        return Ticket(key, deadline, future=future)
+
+    def poll(self, ticket: Ticket, now: float | None = None) -> Any:
+        """The compiled grammar, or None while it compiles; raises ``CompileError`` if it failed or the
+        ticket's deadline passed."""
+        if ticket.compiled is not None:
+            return ticket.compiled
+        assert ticket.future is not None
+        if ticket.future.done():
+            self._absorb_finished()
+            ticket.compiled, _ = ticket.future.result()  # raises the compile's CompileError
+            return ticket.compiled
+        if (time.monotonic() if now is None else now) >= ticket.deadline:
+            self.stats.num_timeouts += 1
+            self.stats.num_failures += 1
+            raise CompileError(
+                f"compiling the constraint took longer than {self.options.compile_timeout_s:g} s "
+                "(--structured-output-compile-timeout-s)",
+                code="constraint_compile_timeout",
+            )
+        return None
+
+    def num_compiling(self) -> int:
+        """Compiles still running (finished ones are moved into the cache first)."""
+        self._absorb_finished()
+        return len(self._compiling)
+
+    def matcher(self, ticket: Ticket, stop_token_ids: list[int]) -> RequestGrammar:
+        """A matcher of the ticket's compiled grammar for one request (after ``poll`` returned it)."""
+        return self._backends[ticket.key[0]].matcher(ticket.compiled, stop_token_ids)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ internals
+
+    def _absorb_finished(self) -> None:
+        """Moves finished compiles into the cache (even those whose requests stopped waiting)."""
+        for key, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[key]
+            try:
+                compiled, seconds = future.result()
+            except CompileError:
+                self.stats.num_failures += 1
+                continue
+            self.stats.compile_seconds.append(seconds)
+            self._insert(key, compiled)
+
+    def _insert(self, key: CacheKey, compiled: Any) -> None:
+        """LRU by bytes; a grammar larger than the whole cache is used once and not kept."""
+        num_bytes = int(compiled.memory_size_bytes)
+        if num_bytes > self.options.cache_bytes:
+            return
+        while self.cache_bytes + num_bytes > self.options.cache_bytes:
+            _, (_, evicted_bytes) = self._cache.popitem(last=False)
+            self.cache_bytes -= evicted_bytes
+        self._cache[key] = (compiled, num_bytes)
+        self.cache_bytes += num_bytes
+
+    def _compile(self, constraint: Constraint, vocab_size: int) -> tuple[Any, float]:
+        """In a compile thread: (compiled grammar, seconds it took). Raises ``CompileError``."""
+        backend = self._backend(vocab_size)
+        start = time.perf_counter()
+        compiled = backend.compile(constraint)
+        return compiled, time.perf_counter() - start
+
+    def _backend(self, vocab_size: int) -> XGrammarBackend:
+        with self._backend_lock:  # the first compile loads the tokenizer; the others wait for it
+            if vocab_size not in self._backends:
+                self._backends[vocab_size] = XGrammarBackend(self.options.model_dir, vocab_size)
+            return self._backends[vocab_size]

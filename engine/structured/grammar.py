@@ -1,0 +1,67 @@
+"""One constrained request's matcher, on the engine side where its tokens are known.
+
+    grammar ready ──▶ RequestGrammar (fills next_mask) ──▶ step: next_mask is the request's bitmask row
+                            ▲                                       │ worker masks logits, samples
+                            └───── accept(sampled token) ◀──────────┘
+
+The matcher advances with exactly the tokens the request keeps: a preempted request keeps its outputs and
+so its matcher; a failed step ends its requests (and their matchers) instead of rolling them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+BITS_PER_WORD = 32
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words in one bitmask row over ``vocab_size`` tokens (xgrammar's layout)."""
+    return -(-vocab_size // BITS_PER_WORD)
+
+
+class RequestGrammar:
+    """Wraps an xgrammar ``GrammarMatcher``. ``next_mask`` always holds the tokens allowed at the
+    request's next sample; ``is_complete`` says that nothing more may be generated: the grammar took a
+    stop token, or it is fully matched and allows nothing but stop tokens (the request ends with
+    ``stop`` there, without a step spent on sampling the stop token)."""
+
+    def __init__(self, matcher: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self._matcher = matcher
+        self._stop_words = np.zeros(bitmask_words(vocab_size), dtype=np.int32)
+        for token_id in stop_token_ids:
+            if 0 <= token_id < vocab_size:
+                word, bit = divmod(token_id, BITS_PER_WORD)
+                self._stop_words[word] |= np.int32(np.uint32(1 << bit).view(np.int32))
+        self._mask = np.zeros((1, self._stop_words.shape[0]), dtype=np.int32)
+        self.is_complete = False
+        self._update()
+
+    @property
+    def next_mask(self) -> np.ndarray:
+        """The allowed tokens of the next sample: one int32 row (valid until the next ``accept``)."""
+        return self._mask[0]
+
+    def accept(self, token_id: int) -> bool:
+        """Advances past a sampled token; False if the grammar does not allow it (the worker sampled
+        outside the mask: the request cannot go on)."""
+        if self.is_complete or not self._matcher.accept_token(token_id):
+            return False
+        self._update()
+        return True
+
+    def _update(self) -> None:
+        if self._matcher.is_terminated():
+            self.is_complete = True
+            return
+        self._matcher.fill_next_token_bitmask(self._mask, 0)
+        if self._matcher.is_completed():
+            self.is_complete = not (self._mask[0] & ~self._stop_words).any()
+
+
+def stack_rows(grammars: Sequence[RequestGrammar]) -> np.ndarray:
+    """The step's bitmask, one row per grammar in order ([len(grammars), words] int32)."""
+    return np.stack([grammar.next_mask for grammar in grammars])
