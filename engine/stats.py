@@ -67,6 +67,7 @@ class EngineMetrics:
             counters[EngineCounter.GRAMMAR_COMPILE_TIMEOUTS] = stats.num_timeouts
             self._observations[EngineObservation.GRAMMAR_COMPILE_SECONDS] += stats.compile_seconds
             stats.compile_seconds = []
+            gauges[EngineGauge.GRAMMAR_COMPILES_RUNNING] = float(grammars.num_compiling())
             gauges[EngineGauge.GRAMMAR_CACHE_BYTES] = float(grammars.cache_bytes)
         if isinstance(scheduler, Scheduler):
             gauges[EngineGauge.REQUESTS_AWAITING_GRAMMAR] = float(scheduler.num_awaiting_grammar)

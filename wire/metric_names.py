@@ -128,6 +128,10 @@ class EngineGauge(_Named):
     REQUESTS_WAITING = "num_requests_waiting", "Requests waiting in the engine (preempted ones included)."
     KV_CACHE_USAGE = "kv_cache_usage_ratio", "Share of KV-cache blocks in use by running requests."
     GRAMMAR_CACHE_BYTES = "structured_output_cache_bytes", "Bytes of compiled grammars the engine keeps."
+    GRAMMAR_COMPILES_RUNNING = (
+        "structured_output_compiles_running",
+        "Grammar compiles running, those whose requests stopped waiting (timed out, aborted) included.",
+    )
     REQUESTS_AWAITING_GRAMMAR = (
         "num_requests_awaiting_grammar",
         "Requests waiting for their grammar to compile (counted among the waiting requests too).",

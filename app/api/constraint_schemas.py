@@ -45,8 +45,9 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(BaseModel):
     """vLLM's ``structured_outputs``: exactly one of ``json``, ``json_object``, ``regex``, ``choice``,
     ``grammar``. ``disable_fallback`` and ``disable_additional_properties`` (true) are accepted and change
-    nothing: there is no fallback backend, and properties a schema does not declare are never generated.
-    Every other vLLM key (``whitespace_pattern``, ``structural_tag``) is refused by name."""
+    nothing: there is no fallback backend, and an object without ``additionalProperties`` gets no
+    undeclared property anyway. Every other vLLM key (``whitespace_pattern``, ``structural_tag``) is
+    refused by name."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.api.constraint_schemas import ResponseFormat, StructuredOutputs
-from app.api.json_schema_support import check_json_schema
+from app.api.json_schema_support import check_json_schema, check_regex
 from app.errors import InvalidRequestError
 from wire.protocol import MAX_CONSTRAINT_CHARS, Constraint, ConstraintKind
 
@@ -86,6 +86,8 @@ def _spec(kind: ConstraintKind, value: Any, param: str) -> str:
         case _:
             if not value:
                 raise InvalidRequestError(f"the {kind.value} must not be empty", param=param)
+            if kind is ConstraintKind.REGEX:
+                check_regex(value, param)
             spec = value
     if len(spec) > MAX_CONSTRAINT_CHARS:
         raise InvalidRequestError(

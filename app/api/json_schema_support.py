@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
+
 from app.errors import InvalidRequestError
 
 MAX_SCHEMA_DEPTH = 64  # nested subschemas; deeper is refused (a compile thread's stack is finite)
@@ -54,13 +56,22 @@ _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 
 
 def check_json_schema(schema: Any, param: str) -> None:
-    """Raises ``InvalidRequestError`` (param: ``param`` plus the path to the keyword) unless every part of
-    ``schema`` is enforced exactly."""
+    """Raises ``InvalidRequestError`` (param: ``param`` plus the path to the keyword) unless ``schema`` is
+    a valid JSON Schema (its ``$schema`` draft, else 2020-12, by the ``jsonschema`` package's metaschema
+    check) every part of which is enforced exactly."""
     if not isinstance(schema, dict):
         raise InvalidRequestError("a JSON schema must be an object", param=param)
-    for node, path, depth in _subschemas(schema, param):
-        if depth > MAX_SCHEMA_DEPTH:
-            raise InvalidRequestError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param=path)
+    nodes = list(_subschemas(schema, param))
+    too_deep = next((path for _, path, depth in nodes if depth > MAX_SCHEMA_DEPTH), None)
+    if too_deep is not None:  # before the metaschema check, which recurses
+        raise InvalidRequestError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param=too_deep)
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in exc.path)
+        raise InvalidRequestError(f"not a valid JSON schema: {exc.message}", param=param + where) from exc
+    for node, path, _ in nodes:
         _check_node(node, path, schema)
 
 
@@ -102,6 +113,10 @@ def _check_node(node: dict[str, Any], path: str, root: dict[str, Any]) -> None:
         raise InvalidRequestError("items as a list is not supported: use prefixItems", param=f"{path}.items")
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         raise InvalidRequestError("allOf with more than one schema is not enforced", param=f"{path}.allOf")
+    if isinstance(node.get("pattern"), str):
+        check_regex(node["pattern"], f"{path}.pattern")
+    for name in node.get("patternProperties") or {}:
+        check_regex(name, f"{path}.patternProperties")
     ref = node.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
         raise InvalidRequestError(
@@ -122,6 +137,29 @@ def _check_node(node: dict[str, Any], path: str, root: dict[str, Any]) -> None:
             "required property with distinct const values); use anyOf",
             param=f"{path}.oneOf",
         )
+
+
+_LOOKAROUND = ("(?=", "(?!", "(?<=", "(?<!")
+
+
+def check_regex(regex: str, param: str) -> None:
+    """Refuses a regular expression with a look-ahead or look-behind, which xgrammar skips (a pattern it
+    would relax); other constructs it cannot take fail its compile with its own message."""
+    in_class, i = False, 0
+    while i < len(regex):
+        char = regex[i]
+        if char == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif regex.startswith(_LOOKAROUND, i):
+            raise InvalidRequestError(
+                "look-ahead and look-behind assertions are not enforced in regular expressions", param=param
+            )
+        i += 1
 
 
 def _unenforced(keyword: str, path: str) -> InvalidRequestError:

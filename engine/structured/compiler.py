@@ -62,6 +62,7 @@ class GrammarCompiler:
         self._compiling: dict[CacheKey, Future[tuple[Any, float]]] = {}
         self._backends: dict[int, XGrammarBackend] = {}
         self._backend_lock = threading.Lock()
+        self._loaded_at: dict[int, float] = {}  # vocab size -> when its backend was ready
         self.stats = CompilerStats()
 
     def request(self, constraint: Constraint, vocab_size: int, now: float | None = None) -> Ticket:
@@ -85,7 +86,9 @@ class GrammarCompiler:
 
     def poll(self, ticket: Ticket, now: float | None = None) -> Any:
         """The compiled grammar, or None while it compiles; raises ``CompileError`` if it failed or the
-        ticket's deadline passed."""
+        ticket's deadline passed (counted from the request's arrival, its wait for a compile thread
+        included, but not before the backend has loaded: the first compile's load is not held against
+        it)."""
         if ticket.compiled is not None:
             return ticket.compiled
         assert ticket.future is not None
@@ -93,7 +96,13 @@ class GrammarCompiler:
             self._absorb_finished()
             ticket.compiled, _ = ticket.future.result()  # raises the compile's CompileError
             return ticket.compiled
-        if (time.monotonic() if now is None else now) >= ticket.deadline:
+        loaded_at = self._loaded_at.get(ticket.key[0])  # loading xgrammar and the tokenizer is not compiling
+        deadline = (
+            ticket.deadline
+            if loaded_at is None
+            else max(ticket.deadline, loaded_at + self.options.compile_timeout_s)
+        )
+        if loaded_at is not None and (time.monotonic() if now is None else now) >= deadline:
             self.stats.num_timeouts += 1
             self.stats.num_failures += 1
             raise CompileError(
@@ -153,4 +162,5 @@ class GrammarCompiler:
         with self._backend_lock:  # the first compile loads the tokenizer; the others wait for it
             if vocab_size not in self._backends:
                 self._backends[vocab_size] = XGrammarBackend(self.options.model_dir, vocab_size)
+                self._loaded_at[vocab_size] = time.monotonic()
             return self._backends[vocab_size]

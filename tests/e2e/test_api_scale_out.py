@@ -160,6 +160,37 @@ def test_a_media_id_bound_through_one_process_is_served_through_the_other(server
     assert after["mmserve_mm_ipc_cache_resends_total"] == 0.0
 
 
+def test_constrained_requests_through_both_processes_share_the_engines_grammars(server: Server) -> None:
+    """The compiled-grammar cache lives in the engine: a schema compiled for one API process's request
+    serves the other's; both answer the same and within the schema."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+    }
+    payload = {
+        **body(0, max_tokens=40),
+        "ignore_eos": False,
+        "structured_outputs": {"json": schema, "disable_any_whitespace": True},
+    }
+    before = metrics_by_process(server)[0][0]
+    answers: set[str] = set()
+    answered_by: set[int] = set()
+    for _ in range(60):  # new connections until both processes answered
+        resp = post(server, payload)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["finish_reason"] == "stop"
+        answers.add(resp.json()["choices"][0]["message"]["content"])
+        answered_by.add(api_process(resp))
+        if answered_by == {0, 1}:
+            break
+    assert answered_by == {0, 1} and len(answers) == 1
+    assert isinstance(json.loads(answers.pop())["n"], int)
+    after = metrics_by_process(server)[0][0]
+    assert delta(before, after, "mmserve_structured_output_compile_seconds_count") == 1
+    assert delta(before, after, "mmserve_structured_output_cache_hits_total") >= 1
+
+
 def test_a_killed_api_process_is_restarted_alone(server: Server) -> None:
     assert server.process.proc is not None
     root = server.process.proc.pid

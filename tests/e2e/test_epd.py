@@ -7,6 +7,7 @@ request is encoded under its salt."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,23 @@ def test_through_the_proxy_the_answer_is_a_single_servers(split: Split, seeds: t
     assert delta(lm_before, lm_after, "mmserve_ec_load_failures_total") == 0
 
 
+def test_a_constrained_answer_through_the_proxy_is_a_single_servers(split: Split) -> None:
+    """The LM instance gets the constraint with the request (the encoder instance only the image)."""
+    record = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+    }
+    structured = {"json": record, "disable_any_whitespace": True}
+    payload = {
+        **body(split, "As a record?", 809, ignore_eos=False, structured_outputs=structured),
+        "max_tokens": 48,
+    }
+    through_proxy = answer(split.proxy, payload)
+    assert through_proxy == answer(split.single, payload)
+    assert isinstance(json.loads(through_proxy)["n"], int)
+
+
 def test_a_salted_request_is_encoded_under_its_salt(split: Split) -> None:
     """The encoder instance encodes under the request's ``cache_salt``, so the LM-only instance (no
     vision tower) finds that salt's output; the same image under another salt is encoded again."""
@@ -111,8 +129,6 @@ def test_streamed_through_the_proxy(split: Split) -> None:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                import json
-
                 for choice in json.loads(line[6:])["choices"]:
                     text += choice["delta"].get("content") or ""
     assert text == answer(split.single, {**payload, "stream": False})

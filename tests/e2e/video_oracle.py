@@ -76,9 +76,11 @@ def expected_answers(
     tiny_model: Callable[[str], Path],
     family_oracle: Callable[[str], Oracle],
     max_new_tokens: int = NUM_TOKENS,
+    generate: Callable[[Oracle, Any, int], tuple[list[int], Any]] | None = None,
 ) -> dict[K, Expected]:
     """Each (family, case)'s answer: HF's ``sample_frames`` picks each clip's frames (one batched
-    reference call), HF's processor makes the model inputs from them (a second), ``generate`` answers."""
+    reference call), HF's processor makes the model inputs from them (a second), ``generate`` answers
+    (``generate(oracle, inputs, max_new_tokens)``; default: greedy with EOS ignored)."""
     clips = {m for _, case in cases.values() for m in case.media if isinstance(m, bytes)}
     frames = {clip: sequential_frames(clip) for clip in clips}
     rates = {clip: frame_rate(clip) for clip in clips}
@@ -120,6 +122,10 @@ def expected_answers(
         reference = answer(result)
         assert not isinstance(reference, str), reference
         inputs = reference["inputs"]
-        ids, logprobs = family_oracle(family).greedy_inputs(inputs, max_new_tokens)
+        oracle = family_oracle(family)
+        if generate is None:
+            ids, logprobs = oracle.greedy_inputs(inputs, max_new_tokens)
+        else:
+            ids, logprobs = generate(oracle, inputs, max_new_tokens)
         results[key] = Expected(int(inputs["input_ids"].shape[1]), ids, logprobs)
     return results

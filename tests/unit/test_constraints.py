@@ -196,6 +196,7 @@ UNENFORCED: dict[str, tuple[dict[str, Any], str, str]] = {
         "{}",
     ),
     "maxLength beside enum": ({"enum": ["a", "bb"], "maxLength": 1}, ".maxLength", '"bb"'),
+    "a look-ahead in a pattern": ({"type": "string", "pattern": "^a(?!b)b?$"}, ".pattern", '"ab"'),
 }
 
 
@@ -221,6 +222,22 @@ def test_a_keyword_xgrammar_does_not_enforce_is_refused_by_name(
     assert xgrammar_accepts(byte_compiler, schema, forbidden), (
         f"xgrammar now enforces {case}: lift the refusal"
     )
+
+
+def test_a_regex_with_a_look_around_is_refused() -> None:
+    for regex in ("a(?=b)b", "(?<!x)y", "a(?!b)"):
+        assert "look-ahead" in refusal(structured_outputs={"regex": regex}).message
+    assert constraint_of(structured_outputs={"regex": r"\(?=[(?=]"}) is not None  # escaped, in a class
+
+
+def test_an_invalid_schema_is_refused_by_its_metaschema() -> None:
+    for schema, where in [
+        ({"minLength": "3"}, ".minLength"),
+        ({"type": "strnig"}, ".type"),
+        ({"required": "a"}, ".required"),
+    ]:
+        error = refusal(structured_outputs={"json": schema})
+        assert error.param == "structured_outputs.json" + where and "not a valid JSON schema" in error.message
 
 
 def test_refusals_point_into_nested_schemas() -> None:

@@ -1,0 +1,174 @@
+"""Constrained greedy answers equal transformers' ``generate`` with xgrammar's HF logits processor on the
+same grammar (tests/e2e/structured_oracle.py), on every family with an image (and a video on the Qwen
+families): cold, warm from every cache (the compiled grammar included), in 128-token steps that cut
+through the image, and after a preemption. Each answer that ends parses and validates."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
+from tests.e2e.metrics import delta
+from tests.e2e.parity import concurrent_bodies
+from tests.e2e.server import Server
+from tests.e2e.structured_oracle import assert_matches_constrained, compile_grammar, constrained_greedy
+from tests.e2e.test_qwen_requests import POOL_FLAGS
+from tests.e2e.test_video_serving import CHUNKED, CLIP_A, IMAGE
+from tests.e2e.video_oracle import Case, Expected, body, expected_answers
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+QWEN_FAMILIES = FAMILIES[1:]
+MAX_TOKENS = 64
+# bounded strings and numbers: the tiny models' answers end well within MAX_TOKENS
+RECORD = {
+    "type": "object",
+    "properties": {
+        "label": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": 0, "maximum": 50},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["label", "count", "ok"],
+    "additionalProperties": False,
+}
+COMPACT = {"json": RECORD, "disable_any_whitespace": True}
+TEXT = "Describe the picture as a record."
+
+
+def constrained_body(
+    family: str, media: list[Any], structured: dict[str, Any], max_tokens: int
+) -> dict[str, Any]:
+    return greedy_body(
+        [user_message(TEXT, *media)],
+        max_tokens,
+        model=f"tiny-{family}",
+        ignore_eos=False,
+        logprobs=True,
+        top_logprobs=2,
+        structured_outputs=structured,
+    )
+
+
+def ask(server: Server, payload: dict[str, Any]) -> dict[str, Any]:
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=payload, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
+def validated(response: dict[str, Any], schema: dict[str, Any]) -> Any:
+    choice = response["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    value = json.loads(choice["message"]["content"])
+    jsonschema.validate(value, schema)
+    return value
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_json_schema_answer_equals_generate_cold_warm_and_in_128_token_steps(
+    family: str, family_server: Callable[..., Server], family_oracle: Callable[[str], Oracle]
+) -> None:
+    oracle, image = family_oracle(family), make_image(950, (320, 240))
+    hf_ids, hf_logprobs = constrained_greedy(
+        oracle, oracle.inputs(TEXT, [image]), compile_grammar(oracle, COMPACT), MAX_TOKENS
+    )
+    server = family_server(family)
+    cold = ask(server, constrained_body(family, [image], COMPACT, MAX_TOKENS))
+    assert_matches_constrained(cold, oracle, hf_ids, hf_logprobs)
+    validated(cold, RECORD)
+
+    before = server.metrics()
+    warm = ask(server, constrained_body(family, [image], COMPACT, MAX_TOKENS))
+    after = server.metrics()
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+    assert delta(before, after, "mmserve_structured_output_cache_hits_total") == 1
+    assert delta(before, after, "mmserve_structured_output_cache_misses_total") == 0
+    assert delta(before, after, "mmserve_encoder_runs_total") == 0
+
+    chunked = family_server(family, *CHUNKED)
+    before = chunked.metrics()
+    in_steps = ask(chunked, constrained_body(family, [image], COMPACT, MAX_TOKENS))
+    after = chunked.metrics()
+    assert_matches_constrained(in_steps, oracle, hf_ids, hf_logprobs)
+    assert delta(before, after, 'mmserve_num_batched_tokens_per_step_bucket{le="256.0"}') == delta(
+        before, after, "mmserve_num_batched_tokens_per_step_count"
+    )  # no step above 128 tokens: the prefill ran in chunks
+
+
+def test_free_whitespace_is_bounded_as_documented(server: Server, oracle: Oracle) -> None:
+    """The default JSON whitespace (any, at most JSON_MAX_WHITESPACE characters per gap) is the one the
+    oracle compiles: the same answer, token for token."""
+    structured = {"json": RECORD}
+    image = make_image(951)
+    hf_ids, hf_logprobs = constrained_greedy(
+        oracle, oracle.inputs(TEXT, [image]), compile_grammar(oracle, structured), 192
+    )
+    response = ask(server, constrained_body("llava", [image], structured, 192))
+    assert_matches_constrained(response, oracle, hf_ids, hf_logprobs)
+
+
+VIDEO_CASES = {
+    "clip": Case("Describe the clip as a record.", (CLIP_A,), {"fps": 2}),
+    "clip_and_image": Case("Describe both as a record.", (IMAGE, CLIP_A), {"fps": 1}),
+}
+
+
+@pytest.fixture(scope="module")
+def video_expected(
+    tiny_model: Callable[[str], Path], family_oracle: Callable[[str], Oracle]
+) -> dict[tuple[str, str], Expected]:
+    def generate(oracle: Oracle, inputs: Any, max_new_tokens: int) -> tuple[list[int], Any]:
+        return constrained_greedy(oracle, inputs, compile_grammar(oracle, COMPACT), max_new_tokens)
+
+    cases = {(f, name): (f, case) for f in QWEN_FAMILIES for name, case in VIDEO_CASES.items()}
+    return expected_answers(cases, tiny_model, family_oracle, MAX_TOKENS, generate=generate)
+
+
+@pytest.mark.parametrize("name", list(VIDEO_CASES))
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
+def test_a_video_answer_equals_generate(
+    family: str,
+    name: str,
+    video_expected: dict[tuple[str, str], Expected],
+    family_server: Callable[..., Server],
+    family_oracle: Callable[[str], Oracle],
+) -> None:
+    want = video_expected[family, name]
+    payload = body(VIDEO_CASES[name], family, n=MAX_TOKENS, ignore_eos=False, structured_outputs=COMPACT)
+    response = ask(family_server(family), payload)
+    assert response["usage"]["prompt_tokens"] == want.num_prompt_tokens
+    assert_matches_constrained(response, family_oracle(family), want.ids, want.logprobs)
+
+
+def test_preempted_constrained_requests_resume_exactly(
+    family_server: Callable[..., Server], family_oracle: Callable[[str], Oracle]
+) -> None:
+    """Three image requests (485 prompt tokens) with answers of 50 tokens or more on a 1,024-token KV
+    pool: no two fit to their ends at once, so one is preempted and recomputed; its matcher followed it,
+    and every answer equals generate's."""
+    family = "qwen2_5_vl"
+    long_text = {
+        "type": "object",
+        "properties": {"story": {"type": "string", "minLength": 200, "maxLength": 200}},
+        "required": ["story"],
+    }
+    structured = {"json": long_text, "disable_any_whitespace": True}
+    server, oracle = family_server(family, *POOL_FLAGS), family_oracle(family)
+    images = [make_image(960 + i, (640, 544)) for i in range(3)]
+    payloads = [constrained_body(family, [image], structured, 200) for image in images]
+    before = server.metrics()
+    responses = concurrent_bodies(server, payloads)
+    after = server.metrics()
+    assert delta(before, after, "mmserve_num_preemptions_total") > 0
+    grammar = compile_grammar(oracle, structured)
+    for response, image in zip(responses, images, strict=True):
+        hf_ids, hf_logprobs = constrained_greedy(oracle, oracle.inputs(TEXT, [image]), grammar, 200)
+        assert_matches_constrained(response, oracle, hf_ids, hf_logprobs)
+        validated(response, long_text)
