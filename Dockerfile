@@ -55,12 +55,15 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/mmserve
-# Dependencies in their own layer, read from pyproject.toml, so a code-only change reuses it.
+# Dependencies in their own layer, read from pyproject.toml, so a code-only change reuses it. xgrammar
+# lists triton for its CUDA kernels only: beside a CPU torch it is removed (1 GB, and transformers would
+# import it into every process).
 COPY pyproject.toml ./
 RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
-    && rm /tmp/requirements.txt
+    && rm /tmp/requirements.txt \
+    && (python -c "import sys, torch; sys.exit(torch.version.cuda is not None)" && pip uninstall -y triton || true)
 COPY app ./app
 COPY engine ./engine
 COPY workers ./workers

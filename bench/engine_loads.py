@@ -56,6 +56,14 @@ class Answer:
     ttft_s: float | None = None
     completion_tokens: int = 0
     error: str | None = None
+    e2e_s: float | None = None  # request sent -> stream ended
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first."""
+        if self.ttft_s is None or self.e2e_s is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.completion_tokens - 1)
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: bytes, answer: Answer) -> None:
@@ -74,6 +82,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: bytes, answer: 
                 answer.ttft_s = time.perf_counter() - start
             if chunk.get("usage"):
                 answer.completion_tokens = chunk["usage"]["completion_tokens"]
+    answer.e2e_s = time.perf_counter() - start
     if answer.ttft_s is None:
         answer.error = "no content"
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from weakref import WeakKeyDictionary
 
-from engine.core import to_scheduler_output
 from engine.encode_scheduler import EncodeOnlyScheduler
 from engine.request import MMItem, Request
 from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, StepResult
+from engine.step_wire import to_scheduler_output
 from tests.standin_worker import NextToken, StandinWorker
 from wire.protocol import MMFeature, SamplingParams
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from engine.core import to_scheduler_output
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.step_wire import to_scheduler_output
 from tests.unit.scheduler_support import (
     Image,
     config,

