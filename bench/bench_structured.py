@@ -20,8 +20,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -32,9 +30,11 @@ from typing import Any
 from bench_input_scale import machine
 from bench_throughput import REPO, git
 from charts import Panel, draw
-from engine_loads import Load, Requests, Result, send
+from engine_loads import AB_MAX_TOKENS, Load, Requests, Result, send
 from engine_servers import Server, mmserve_server, serving, vllm_server
 from images import jpeg_data_url
+
+from workers.families.tiny import build_tiny_model
 
 CONCURRENCY, MAX_TOKENS = 16, 64
 LOAD = Load("structured", "reuse90", CONCURRENCY, MAX_TOKENS)
@@ -68,9 +68,10 @@ def constrained(body: bytes, variant: int = 0) -> bytes:
     return json.dumps(payload).encode()
 
 
-def run(base_url: str, bodies: Iterator[tuple[bytes, bool]]) -> Result:
+def run(base_url: str, bodies: Iterator[tuple[bytes, bool]], max_tokens: int = MAX_TOKENS) -> Result:
+    """Sends ``bodies`` at concurrency 16; each must stream exactly ``max_tokens`` tokens."""
     wall_s, answers = asyncio.run(send(base_url, bodies, CONCURRENCY, 600.0))
-    result = Result(wall_s, answers, MAX_TOKENS)
+    result = Result(wall_s, answers, max_tokens)
     if result.failures() != "0":
         raise RuntimeError(f"{base_url}: failed requests: {result.failures()}")
     return result
@@ -97,38 +98,23 @@ def loads(base_url: str, requests: Requests, num: int, rounds: int) -> dict[str,
 def first_uses(base_url: str, requests: Requests, offset: int) -> dict[str, float]:
     """TTFT p50 of a new schema's first request (its compile) and of its repeat."""
     first, repeat = [], []
+    load = Load("first", "reuse100", 1, 8)
     for variant in range(offset, offset + NUM_FIRST_USES):
-        body, _ = requests.body(Load("first", "reuse100", 1, 8), variant)
+        body, _ = requests.body(load, variant)
         for times in (first, repeat):
-            result = run(base_url, iter([(constrained(body, variant), False)]))
+            result = run(base_url, iter([(constrained(body, variant), False)]), load.max_tokens)
             times.append(1e3 * (result.ok[0].ttft_s or 0.0))
     return {"first use": statistics.median(first), "repeat": statistics.median(repeat)}
 
 
 def warm_up(base_url: str, requests: Requests) -> None:
     """The pool images, a free and a constrained load, and a first constrained request (it loads xgrammar)."""
-    run(base_url, requests.pool_bodies())
-    run(base_url, (constrained(body) for body, _ in [requests.body(LOAD, 0, warmup=True)]))
+    run(base_url, requests.pool_bodies(), AB_MAX_TOKENS)
+    first, is_new = requests.body(LOAD, 0, warmup=True)
+    run(base_url, iter([(constrained(first), is_new)]))
     warm = [requests.body(LOAD, i, warmup=True) for i in range(2 * CONCURRENCY)]
     run(base_url, iter(warm))
     run(base_url, ((constrained(b), n) for b, n in warm))
-
-
-def ensure_model(family: str) -> Path:
-    folder = REPO / f"models/tiny-{family}"
-    if not (folder / "config.json").exists():
-        cmd = [
-            sys.executable,
-            "-m",
-            "app.launch.cli",
-            "build-tiny-model",
-            "--family",
-            family,
-            "--out",
-            str(folder),
-        ]
-        subprocess.run(cmd, cwd=REPO, check=True)
-    return folder
 
 
 def main() -> None:
@@ -149,9 +135,8 @@ def main() -> None:
     warm = [jpeg_data_url(1024, seed=900 + i) for i in range(8)]
     servers: list[tuple[str, Server]] = []
     for family in args.families.split(","):
-        servers.append(
-            (f"tiny-{family}", mmserve_server(f"mmserve {family}", REPO, str(ensure_model(family))))
-        )
+        model_dir = build_tiny_model(family, folder / f"tiny-{family}")
+        servers.append((model_dir.name, mmserve_server(f"mmserve {family}", REPO, str(model_dir))))
     if not args.skip_vllm:
         peer = vllm_server(args.vllm_peer, args.vllm_dir, [])
         if isinstance(peer, str):
