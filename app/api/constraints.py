@@ -77,8 +77,7 @@ def _spec(kind: ConstraintKind, value: Any, param: str) -> str:
                     value = json.loads(value)
                 except json.JSONDecodeError as exc:
                     raise InvalidRequestError(f"the schema is not valid JSON: {exc}", param=param) from exc
-            check_json_schema(value, param)
-            spec = json.dumps(value, ensure_ascii=False, separators=(",", ":"))  # property order kept
+            spec = check_json_schema(value, param)
         case ConstraintKind.CHOICE:
             if not value:
                 raise InvalidRequestError("choice needs at least one string", param=param)

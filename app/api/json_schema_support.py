@@ -9,6 +9,8 @@ an instance the keyword forbids.
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -55,13 +57,35 @@ _SCHEMA_VALUES = (
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 
 
-def check_json_schema(schema: Any, param: str) -> None:
+def check_json_schema(schema: Any, param: str) -> str:
     """Raises ``InvalidRequestError`` (param: ``param`` plus the path to the keyword) unless ``schema`` is
     a valid JSON Schema (its ``$schema`` draft, else 2020-12, by the ``jsonschema`` package's metaschema
-    check) every part of which is enforced exactly."""
+    check) every part of which is enforced exactly. Returns the schema as compact JSON text, its property
+    order kept: what the constraint carries, and what the checks are cached by (a metaschema check takes
+    milliseconds; the same schema again, the common case, takes none)."""
+    spec = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    problem = _problem(spec)
+    if problem is not None:
+        message, where = problem
+        raise InvalidRequestError(message, param=param + where)
+    return spec
+
+
+@functools.lru_cache(maxsize=256)
+def _problem(spec: str) -> tuple[str, str] | None:
+    """What is wrong with the schema ``spec``: (message, path from the schema's root), or None."""
+    try:
+        _check(json.loads(spec))
+    except InvalidRequestError as exc:
+        return exc.message, exc.param or ""
+    return None
+
+
+def _check(schema: Any) -> None:
+    """``check_json_schema``'s checks, the paths in their errors from the schema's root ("")."""
     if not isinstance(schema, dict):
-        raise InvalidRequestError("a JSON schema must be an object", param=param)
-    nodes = list(_subschemas(schema, param))
+        raise InvalidRequestError("a JSON schema must be an object", param="")
+    nodes = list(_subschemas(schema, ""))
     too_deep = next((path for _, path, depth in nodes if depth > MAX_SCHEMA_DEPTH), None)
     if too_deep is not None:  # before the metaschema check, which recurses
         raise InvalidRequestError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param=too_deep)
@@ -70,7 +94,7 @@ def check_json_schema(schema: Any, param: str) -> None:
         validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in exc.path)
-        raise InvalidRequestError(f"not a valid JSON schema: {exc.message}", param=param + where) from exc
+        raise InvalidRequestError(f"not a valid JSON schema: {exc.message}", param=where) from exc
     for node, path, _ in nodes:
         _check_node(node, path, schema)
 
