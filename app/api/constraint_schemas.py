@@ -65,6 +65,6 @@ class StructuredOutputs(BaseModel):
     def _always_disabled(cls, value: bool) -> bool:
         if not value:
             raise ValueError(
-                "properties a schema does not declare are never generated (only true is accepted)"
+                "only true is accepted: undeclared properties appear only where a schema allows them"
             )
         return value

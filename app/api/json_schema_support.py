@@ -3,7 +3,7 @@
 xgrammar compiles most of JSON Schema into its grammar, but it skips a few keywords with only a log line,
 which would relax the schema: a request whose answer should satisfy ``uniqueItems`` would get one that
 need not. Such a schema is refused by name (400, ``param`` pointing at the keyword), never served a looser
-answer. tests/unit/test_json_schema_support.py shows, for each refusal, the installed xgrammar accepting
+answer. tests/unit/test_constraints.py shows, for each refusal, the installed xgrammar accepting
 an instance the keyword forbids.
 """
 

@@ -234,11 +234,14 @@ class ChatCompletionRequest(_Request):
     @classmethod
     def _renamed(cls, value: Any, info: ValidationInfo) -> None:
         if value is not None:
-            new_name = {"guided_decoding_backend": None, "guided_whitespace_pattern": None}.get(
-                info.field_name or "", f"structured_outputs.{(info.field_name or '').removeprefix('guided_')}"
+            name = info.field_name or ""
+            unsupported = name in ("guided_decoding_backend", "guided_whitespace_pattern")
+            hint = (
+                "it is not supported"
+                if unsupported
+                else f"use structured_outputs.{name.removeprefix('guided_')}"
             )
-            hint = f"use {new_name}" if new_name else "it is not supported"
-            raise ValueError(f"{info.field_name} is vLLM's earlier spelling: {hint}")
+            raise ValueError(f"{name} is vLLM's earlier spelling: {hint}")
         return None
 
     @field_validator("top_k")

@@ -483,13 +483,9 @@ class InputProcessor:
             )
             outgoing.append(OutgoingItem(placement, layout, media.item, media.pinned))
         try:
+            ids, salt = prepared.prompt_token_ids, prepared.scope.salt
             queue = self.engine.send_request(
-                req_id,
-                prepared.prompt_token_ids,
-                sampling,
-                outgoing,
-                cache_salt=prepared.scope.salt,
-                constraint=constraint,
+                req_id, ids, sampling, outgoing, cache_salt=salt, constraint=constraint
             )
         finally:
             for media in prepared.items:  # send_request released the pins, sent or not
