@@ -95,6 +95,12 @@ class Settings(BaseSettings):
         "max-num-batched-tokens and the model's largest item).",
     )
     # NoDecode: MMSERVE_LIMIT_MM_PER_PROMPT reaches the validator as text, so "image=4" works there too
+    generation_config: Literal["auto", "vllm"] = Field(
+        "auto",
+        description="Where a request's sampling defaults come from: auto takes the model folder's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
+        "as vLLM does; vllm ignores it (temperature 1, no top-k/top-p/min-p, no penalty).",
+    )
     limit_mm_per_prompt: Annotated[dict[str, int], NoDecode] = Field(
         DEFAULT_MM_LIMITS,
         description="Most items per prompt by modality, as image=N,video=M or a JSON object; a modality "

@@ -53,8 +53,18 @@ def _check_placeholders(msg: AddRequest) -> None:
 
 
 def check_vocab(msg: AddRequest, vocab_size: int) -> None:
-    """Every prompt token id is below ``vocab_size`` (the worker's; 0: not known, nothing checked)."""
-    if vocab_size and max(msg.prompt_token_ids) >= vocab_size:
-        raise BadMessage(
-            "token id out of range", f"{max(msg.prompt_token_ids)} >= vocab size {vocab_size}", msg.req_id
-        )
+    """Every token id of the prompt and of the sampling parameters is below ``vocab_size`` (the
+    worker's; 0: not known, nothing checked)."""
+    if not vocab_size:
+        return
+    sampling = msg.sampling
+    for where, token_ids in (
+        ("prompt", msg.prompt_token_ids),
+        ("logit_bias", sampling.logit_bias or ()),
+        ("allowed_token_ids", sampling.allowed_token_ids or ()),
+        ("stop_token_ids", sampling.stop_token_ids),
+    ):
+        largest = max(token_ids, default=-1)
+        if largest >= vocab_size:
+            detail = f"{where}: {largest} >= vocab size {vocab_size}"
+            raise BadMessage("token id out of range", detail, msg.req_id)

@@ -82,6 +82,18 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: tuple[TokenId, ...] = ()
     # None: no logprobs at all; 0: only the sampled token's
     num_top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # penalties and biases, as vLLM applies them (workers/sampler.py); the defaults are off
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # x count of the id in the output
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # once if the id is in the output
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=1e6)] = 1.0  # ids in prompt or output
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    logit_bias: dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    allowed_token_ids: tuple[TokenId, ...] | None = None  # None: every id
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler must count the request's tokens (workers/sampler.py)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0)
 
 
 class ConstraintKind(enum.StrEnum):

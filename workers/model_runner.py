@@ -282,7 +282,7 @@ class ModelRunner:
                 req_ids.append(span.req_id)
                 logits_rows.append(len(token_ids) - 1)
                 row = SamplingRow(
-                    req.sampling, req.num_output_tokens, req.generator, allowed.get(span.req_id)
+                    req.sampling, req.num_output_tokens, req.generator, allowed.get(span.req_id), req.history
                 )
                 sampling_rows.append(row)
         embeds, deepstack = step_embeddings(

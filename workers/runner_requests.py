@@ -9,7 +9,7 @@ that state (an unknown request, blocks outside the pool, more tokens than are kn
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +17,7 @@ from wire.protocol import MMFeature, NewRequestData, ResumedRequestData, Samplin
 from workers.attention import SeqSpan
 from workers.families.model import RequestPositions
 from workers.frames import Buffer, tensor_from_frame
+from workers.sampler import TokenHistory
 
 # the family's positions of a prompt's tokens, from its items' placements
 PromptPositions = Callable[[Sequence[int], list[MMFeature]], RequestPositions]
@@ -56,6 +57,10 @@ class RequestState:
     positions: RequestPositions  # rotary positions of its tokens, fixed by the prompt
     placements: list[Placement]  # its items, in prompt order
     num_computed_tokens: int = 0  # leading tokens whose K/V is in its blocks
+    history: TokenHistory = field(init=False)  # its tokens as the penalties count them
+
+    def __post_init__(self) -> None:
+        self.history = TokenHistory(self.token_ids, self.num_prompt_tokens)
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,13 +1,22 @@
 """Token sampling for one step, batched over the requests that sample.
 
-Order of operations on each row of logits (float32, [vocab]):
-1. logprobs, if asked, are ``log_softmax`` of the raw logits (before any masking or temperature);
+Order of operations on each row of logits (float32, [vocab]), vLLM's (docs/api.md, "Sampling"):
+1. logprobs, if asked, are ``log_softmax`` of the raw logits (before any masking, bias or penalty);
 2. structured output: tokens the request's grammar does not allow are masked (its bitmask row from the
    engine, applied with xgrammar's kernel for the device);
-3. min_tokens: eos and stop token ids are masked while fewer than ``min_tokens`` outputs exist;
-4. temperature 0 -> argmax; else temperature, top-k, top-p, then an exponential race
-   ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn from the request's own generator, which samples
-   exactly from ``probs`` and makes a seeded request's output independent of the batch it ran in.
+3. ``allowed_token_ids`` masks every other id; ``logit_bias`` is added;
+4. min_tokens: eos and stop token ids are masked while fewer than ``min_tokens`` outputs exist;
+5. penalties: ``repetition_penalty`` over the ids in prompt or output (transformers' rule: a positive
+   logit is divided by it, a negative one multiplied), then ``frequency_penalty`` x each id's count in
+   the output and ``presence_penalty`` once per id in the output are subtracted;
+6. temperature 0 -> argmax; else temperature, min_p (drop tokens under ``min_p`` x the top probability),
+   top-k, top-p, then an exponential race ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn from the
+   request's own generator, which samples exactly from ``probs`` and makes a seeded request's output
+   independent of the batch it ran in.
+
+Every step is batched over the rows that need it; a batch whose requests ask for none of 3-6 pays
+nothing for them. Token counts for the penalties are kept per request (``TokenHistory``) and updated
+with each new token, not recounted.
 """
 
 from __future__ import annotations
@@ -29,6 +38,42 @@ class SamplingRow:
     num_output_tokens: int  # outputs generated before this step
     generator: torch.Generator  # the request's own (seeded) or the worker-wide one
     allowed: torch.Tensor | None = None  # its grammar's bitmask row (int32 words); None: unconstrained
+    history: TokenHistory | None = None  # its tokens, for penalties (required when it has any)
+
+
+class TokenHistory:
+    """One request's token ids as the penalties read them: which ids its prompt holds, and how often each
+    id occurs in its output. Built on first use (a request without penalties never builds it) and brought
+    up to date with the outputs appended since, so a step counts only the new tokens. ``token_ids`` is
+    the request's own list (prompt, then outputs), read, never changed here."""
+
+    def __init__(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self._prompt_seen: torch.Tensor | None = None  # bool [vocab]
+        self._output_counts: torch.Tensor | None = None  # float32 [vocab]
+        self._num_counted = 0  # outputs already in _output_counts
+
+    def counts(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt_seen, output_counts), both [vocab_size], on ``device``. Ids outside the vocabulary
+        (none in practice) are left out."""
+        if self._prompt_seen is None or self._output_counts is None:
+            self._prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            prompt = _in_vocab(self.token_ids[: self.num_prompt_tokens], vocab_size, device)
+            self._prompt_seen[prompt] = True
+            self._output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            self._num_counted = 0
+        outputs = self.token_ids[self.num_prompt_tokens + self._num_counted :]
+        if outputs:
+            new = _in_vocab(outputs, vocab_size, device)
+            self._output_counts.index_add_(0, new, torch.ones(len(new), device=device))
+            self._num_counted += len(outputs)
+        return self._prompt_seen, self._output_counts
+
+
+def _in_vocab(token_ids: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    return ids[ids < vocab_size]
 
 
 def make_generator(seed: int | None, device: torch.device, fallback: torch.Generator) -> torch.Generator:
@@ -51,7 +96,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
 
     logits = logits.clone()
     _mask_grammars(logits, rows)
+    _mask_allowed_ids(logits, rows)
+    _add_logit_bias(logits, rows)
     _mask_min_tokens(logits, rows)
+    _apply_penalties(logits, rows)
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, row in enumerate(rows) if row.params.temperature >= _GREEDY_TEMPERATURE]
     if random_rows:
@@ -87,6 +135,67 @@ def _mask_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     )
 
 
+def _mask_allowed_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """-inf on every id outside a row's ``allowed_token_ids``."""
+    limited = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if not limited:
+        return
+    vocab_size = logits.shape[1]
+    keep = torch.zeros((len(limited), vocab_size), dtype=torch.bool, device=logits.device)
+    for k, i in enumerate(limited):
+        ids = [t for t in rows[i].params.allowed_token_ids or () if t < vocab_size]
+        keep[k, ids] = True
+    idx = torch.tensor(limited, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+
+
+def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Each row's ``logit_bias`` added in one indexed add (ids outside the vocabulary were refused)."""
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    biases: list[float] = []
+    vocab_size = logits.shape[1]
+    for i, row in enumerate(rows):
+        for token_id, bias in (row.params.logit_bias or {}).items():
+            if token_id < vocab_size:
+                row_idx.append(i)
+                token_idx.append(token_id)
+                biases.append(bias)
+    if row_idx:
+        device = logits.device
+        index = (torch.tensor(row_idx, device=device), torch.tensor(token_idx, device=device))
+        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition, frequency and presence penalties on the rows that ask for any, as one batched op."""
+    penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    if not penalised:
+        return
+    device, vocab_size = logits.device, logits.shape[1]
+    seen_rows, count_rows = [], []
+    for i in penalised:
+        history = rows[i].history
+        assert history is not None  # (the runner gives every request a history)
+        prompt_seen, output_counts = history.counts(vocab_size, device)
+        seen_rows.append(prompt_seen)
+        count_rows.append(output_counts)
+    counts = torch.stack(count_rows)
+    in_output = counts > 0
+    seen = torch.stack(seen_rows) | in_output
+
+    def per_row(name: str) -> torch.Tensor:
+        values = [getattr(rows[i].params, name) for i in penalised]
+        return torch.tensor(values, dtype=logits.dtype, device=device).unsqueeze(1)
+
+    idx = torch.tensor(penalised, device=device)
+    sub = logits.index_select(0, idx)
+    repetition = per_row("repetition_penalty")
+    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
+    sub = sub - per_row("frequency_penalty") * counts - per_row("presence_penalty") * in_output
+    logits.index_copy_(0, idx, sub)
+
+
 def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     vocab_size = logits.shape[1]
     for i, row in enumerate(rows):
@@ -103,6 +212,11 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     vocab_size = logits.shape[1]
     temperature = torch.tensor([row.params.temperature for row in rows], device=device, dtype=logits.dtype)
     logits = logits / temperature.unsqueeze(1)
+    if any(row.params.min_p > 0 for row in rows):
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([row.params.min_p for row in rows], device=device, dtype=logits.dtype)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
 
     top_k = [min(max(row.params.top_k, 1), vocab_size) if row.params.top_k else vocab_size for row in rows]
     top_p = [row.params.top_p for row in rows]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ from app.api.detokenizer import IncrementalDetokenizer
 from app.api.error_handlers import sse_error_event
 from app.api.request_guards import request_tenant
 from app.api.responses import Generation, chunk, completion, final_usage_chunk, logprob_entries, sse
+from app.api.sampling import SamplingDefaults, choice_sampling, sampling_params
 from app.api.schemas import ChatCompletionRequest
 from app.errors import (
     ContextLengthError,
@@ -34,6 +36,9 @@ from app.inputs.input_processor import InputProcessor, PreparedRequest
 from app.inputs.media_ids import CacheScope
 from app.metrics import ApiMetrics
 from wire.protocol import ErrorInfo, RequestOutput, SamplingParams
+from workers.families.processing import TemplateOptions
+
+log = logging.getLogger("mmserve.api")
 
 MAX_RESENDS = 2
 CLIENT_CLOSED_REQUEST = 499
@@ -66,46 +71,73 @@ class ChatService:
         inputs: InputProcessor,
         engine: EngineClient,
         metrics: ApiMetrics,
+        defaults: SamplingDefaults | None = None,
     ) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.inputs = inputs
         self.engine = engine
         self.metrics = metrics
+        self.defaults = defaults if defaults is not None else SamplingDefaults()
         self.tokenizer = inputs.family.tokenizer
+        self._warned_fields: set[str] = set()  # unknown request fields logged once each
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        """An ``n > 1`` request is prepared once and sent as one engine request per choice: the first
+        alone, the others once it is prefilled, so they find its prompt's blocks in the prefix cache
+        and its items in the engine's caches (docs/api.md, "Several choices")."""
         if body.model != self.model_name:
             raise ModelNotFoundError(f"The model `{body.model}` does not exist.")
         if not self.engine.is_ready:
             raise EngineUnavailableError("The engine is not ready.")
+        self._warn_unknown_fields(body)
         arrival = time.time()
-        req_id = f"chatcmpl-{uuid.uuid4().hex}"
+        base_id = f"chatcmpl-{uuid.uuid4().hex}"
+        response_id = f"chatcmpl-{body.request_id}" if body.request_id is not None else base_id
         constraint = requested_constraint(body.response_format, body.structured_outputs)  # before any work
         scope = CacheScope.of(
             tenant=request_tenant(raw.scope),
             cache_salt=body.cache_salt,
             isolate_tenants=self.inputs.settings.tenant_cache_isolation,
         )
-        prepared = await self.inputs.prepare(body.messages, body.mm_processor_kwargs or {}, scope)
-        queue, first = await self._submit(body, prepared, req_id, constraint)
+        template = TemplateOptions(body.add_generation_prompt, body.continue_final_message)
+        prepared = await self.inputs.prepare(body.messages, body.mm_processor_kwargs or {}, scope, template)
+        send_lock = asyncio.Lock()  # one choice at a time resolves and sends the shared ``prepared``
+        req_ids = [base_id, *(f"{base_id}-{index}" for index in range(1, body.n))]
+        submitted = [await self._submit(body, prepared, req_ids[0], constraint, 0, send_lock)]
+        if body.n > 1:
+            try:
+                submitted += await self._submit_all(body, prepared, req_ids[1:], constraint, send_lock)
+            except BaseException:
+                self.engine.release(req_ids[0], abort=True)
+                raise
         self.inputs.count_uuid_hits(prepared)
         self.metrics.prompt_tokens.inc(len(prepared.prompt_token_ids))
-        gen = Generation(
-            req_id=req_id,
-            model_name=self.model_name,
-            arrival=arrival,
-            num_prompt_tokens=len(prepared.prompt_token_ids),
-            num_cached_tokens=first.num_cached_tokens,
-            want_logprobs=bool(body.logprobs),
-            detok=IncrementalDetokenizer(self.tokenizer, stop=body.stop),
-        )
-        outputs = request_outputs(first, queue)
+        gens = [
+            Generation(
+                req_id=req_id,
+                response_id=response_id,
+                index=index,
+                model_name=self.model_name,
+                arrival=arrival,
+                num_prompt_tokens=len(prepared.prompt_token_ids),
+                num_cached_tokens=submitted[0][1].num_cached_tokens,
+                want_logprobs=bool(body.logprobs),
+                detok=IncrementalDetokenizer(
+                    self.tokenizer,
+                    skip_special_tokens=body.skip_special_tokens,
+                    stop=body.stop,
+                    include_stop_str=body.include_stop_str_in_output,
+                ),
+            )
+            for index, req_id in enumerate(req_ids)
+        ]
+        outputs = [request_outputs(first, queue) for queue, first in submitted]
         if body.stream:
             return StreamingResponse(
-                self._stream(gen, outputs, body.include_usage), media_type="text/event-stream"
+                self._stream(gens, outputs, body.include_usage), media_type="text/event-stream"
             )
-        collect = asyncio.create_task(self._collect(gen, outputs))
+        collect = asyncio.gather(*(self._collect(gen, out) for gen, out in zip(gens, outputs, strict=True)))
         try:
             while not collect.done():
                 await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
@@ -114,56 +146,79 @@ class ChatService:
             with contextlib.suppress(asyncio.CancelledError):
                 await collect
         finally:
-            self.engine.release(req_id, abort=gen.finish_reason is None)
+            self._release(gens)
         if collect.cancelled():  # the client went away: nobody reads this (nginx's "client closed")
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(completion(gen))
+        return JSONResponse(completion(gens))
+
+    def _warn_unknown_fields(self, body: ChatCompletionRequest) -> None:
+        """A field no spec knows is accepted, as vLLM does, and logged the first time it is seen."""
+        new = sorted(set(body.model_extra or {}) - self._warned_fields)
+        if new:
+            self._warned_fields.update(new)
+            log.warning("request fields mmserve does not know were ignored: %s", new)
+
+    def _release(self, gens: list[Generation]) -> None:
+        for gen in gens:
+            self.engine.release(gen.req_id, abort=gen.finish_reason is None)
 
     # ------------------------------------------------------------------ submission
 
-    def _sampling(self, body: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
-        max_tokens = body.effective_max_tokens()
-        if max_tokens is None:
-            max_tokens = self.max_model_len - prompt_len
-        if prompt_len >= self.max_model_len or prompt_len + max_tokens > self.max_model_len:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
-                f"{max_tokens} in the completion)."
-            )
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k,  # the schema maps -1/0 (off) to None
-            seed=body.seed,
-            min_tokens=body.min_tokens or 0,
-            ignore_eos=bool(body.ignore_eos),
-            eos_token_ids=tuple(self.inputs.family.eos_token_ids),
-            num_top_logprobs=body.num_top_logprobs(),
+    def _sampling(self, body: ChatCompletionRequest, prompt_len: int, index: int) -> SamplingParams:
+        family = self.inputs.family
+        first = sampling_params(
+            body, self.defaults, prompt_len, self.max_model_len, family.eos_token_ids, family.vocab_size
         )
+        return choice_sampling(first, index)
+
+    async def _submit_all(
+        self,
+        body: ChatCompletionRequest,
+        prepared: PreparedRequest,
+        req_ids: list[str],
+        constraint: RequestedConstraint | None,
+        send_lock: asyncio.Lock,
+    ) -> list[tuple[asyncio.Queue[RequestOutput | EngineGone], RequestOutput]]:
+        """The choices after the first, sent together; if one fails, the others sent are aborted."""
+        results = await asyncio.gather(
+            *(
+                self._submit(body, prepared, req_id, constraint, index, send_lock)
+                for index, req_id in enumerate(req_ids, start=1)
+            ),
+            return_exceptions=True,
+        )
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is None:
+            return [r for r in results if not isinstance(r, BaseException)]
+        for req_id, result in zip(req_ids, results, strict=True):
+            if not isinstance(result, BaseException):
+                self.engine.release(req_id, abort=True)
+        raise failure
 
     async def _submit(
         self,
         body: ChatCompletionRequest,
         prepared: PreparedRequest,
         req_id: str,
-        constraint: RequestedConstraint | None = None,
+        constraint: RequestedConstraint | None,
+        index: int,
+        send_lock: asyncio.Lock,
     ) -> tuple[asyncio.Queue[RequestOutput | EngineGone], RequestOutput]:
         """Resolves, sends and waits for the first output; re-sends with payloads if the engine lacked an
         item the mirror claimed, or found an shm reference stale (the safety net, counted, normally never
         taken)."""
         for _attempt in range(MAX_RESENDS + 1):
             queue = None
-            try:
-                while queue is None:
-                    await self.inputs.resolve(prepared)
-                    sampling = self._sampling(body, len(prepared.prompt_token_ids))
-                    queue = self.inputs.submit(
-                        prepared, req_id, sampling, constraint.constraint if constraint is not None else None
-                    )
-            finally:
-                self.inputs.release_pins(prepared)
+            async with send_lock:
+                try:
+                    while queue is None:
+                        await self.inputs.resolve(prepared)
+                        sampling = self._sampling(body, len(prepared.prompt_token_ids), index)
+                        queue = self.inputs.submit(
+                            prepared, req_id, sampling, constraint.constraint if constraint else None
+                        )
+                finally:
+                    self.inputs.release_pins(prepared)
             try:
                 first = await queue.get()
             except asyncio.CancelledError:
@@ -223,27 +278,61 @@ class ChatService:
                 return
 
     async def _stream(
-        self, gen: Generation, outputs: AsyncIterator[RequestOutput], include_usage: bool
+        self, gens: list[Generation], outputs: list[AsyncIterator[RequestOutput]], include_usage: bool
     ) -> AsyncIterator[str]:
-        """SSE events; the request is aborted in the engine if the client goes away mid-stream."""
+        """SSE events, each choice's in its order (the choices interleaved as their outputs come); the
+        requests are aborted in the engine if the client goes away mid-stream."""
         try:
-            yield sse(chunk(gen, {"role": "assistant", "content": ""}, include_usage))
-            async for out in outputs:
+            for gen in gens:
+                yield sse(chunk(gen, {"role": "assistant", "content": ""}, include_usage))
+            async for index, out in interleaved(outputs, gens):
+                gen = gens[index]
                 num_logprobs = len(gen.logprobs)
                 delta = self._advance(gen, out)
                 logprobs = {"content": gen.logprobs[num_logprobs:]} if gen.want_logprobs else None
                 if delta or (logprobs and logprobs["content"]) or gen.finish_reason is not None:
                     content = {"content": delta} if delta else {}
                     yield sse(chunk(gen, content, include_usage, logprobs, gen.finish_reason))
-                if gen.finish_reason is not None:
-                    break
             if include_usage:
-                yield sse(final_usage_chunk(gen))
+                yield sse(final_usage_chunk(gens))
             yield "data: [DONE]\n\n"
         except MMServeError as exc:
             yield sse_error_event(exc)
         finally:
-            self.engine.release(gen.req_id, abort=gen.finish_reason is None)
+            self._release(gens)
+
+
+async def interleaved(
+    outputs: list[AsyncIterator[RequestOutput]], gens: list[Generation]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """``(index, output)`` of every choice's outputs as they come, until every choice finished (a choice
+    ended by a stop string gets no further outputs). The first failure is raised."""
+    if len(outputs) == 1:
+        async for out in outputs[0]:
+            yield 0, out
+            if gens[0].finish_reason is not None:
+                return
+        return
+    merged: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+
+    async def pump(index: int, source: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in source:
+                merged.put_nowait((index, out))
+        except Exception as exc:  # noqa: BLE001 (handed to the consumer, which raises it)
+            merged.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(index, source)) for index, source in enumerate(outputs)]
+    try:
+        while any(gen.finish_reason is None for gen in gens):
+            index, item = await merged.get()
+            if isinstance(item, Exception):
+                raise item
+            if gens[index].finish_reason is None:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def request_outputs(

@@ -1,5 +1,5 @@
 """The OpenAI response shapes of a chat completion: the whole ``chat.completion`` object, stream chunks,
-usage and logprobs, built from one request's accumulated ``Generation``."""
+usage and logprobs, built from the accumulated ``Generation`` of each of a request's choices."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from wire.protocol import TokenLogprobs
 
 @dataclass
 class Generation:
-    """Accumulated output of one request, updated as engine outputs arrive."""
+    """Accumulated output of one choice (one engine request), updated as engine outputs arrive."""
 
-    req_id: str
+    req_id: str  # the engine's
+    response_id: str  # the response's, shared by every choice of a request
+    index: int  # the choice's
     model_name: str
     arrival: float  # unix time the request arrived
     num_prompt_tokens: int
@@ -33,23 +35,28 @@ class Generation:
         return int(self.arrival)
 
 
-def usage(gen: Generation) -> dict[str, Any]:
+def usage(gens: list[Generation]) -> dict[str, Any]:
+    """The prompt once (it was prefilled once), every choice's completion."""
+    num_completion_tokens = sum(len(gen.token_ids) for gen in gens)
     return {
-        "prompt_tokens": gen.num_prompt_tokens,
-        "completion_tokens": len(gen.token_ids),
-        "total_tokens": gen.num_prompt_tokens + len(gen.token_ids),
-        "prompt_tokens_details": {"cached_tokens": gen.num_cached_tokens},
+        "prompt_tokens": gens[0].num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": gens[0].num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": gens[0].num_cached_tokens},
     }
 
 
-def completion(gen: Generation) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": gen.text},
-        "logprobs": {"content": gen.logprobs} if gen.want_logprobs else None,
-        "finish_reason": gen.finish_reason,
-    }
-    return _envelope(gen, "chat.completion", [choice], usage(gen))
+def completion(gens: list[Generation]) -> dict[str, Any]:
+    choices = [
+        {
+            "index": gen.index,
+            "message": {"role": "assistant", "content": gen.text},
+            "logprobs": {"content": gen.logprobs} if gen.want_logprobs else None,
+            "finish_reason": gen.finish_reason,
+        }
+        for gen in gens
+    ]
+    return _envelope(gens[0], "chat.completion", choices, usage(gens))
 
 
 def chunk(
@@ -59,22 +66,22 @@ def chunk(
     logprobs: dict[str, Any] | None = None,
     finish_reason: str | None = None,
 ) -> dict[str, Any]:
-    """A ``chat.completion.chunk``; with ``include_usage`` every chunk says ``usage: null`` and a final
-    one (``final_usage_chunk``) carries the totals, as OpenAI streams do."""
-    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    """A ``chat.completion.chunk`` of one choice; with ``include_usage`` every chunk says ``usage: null``
+    and a final one (``final_usage_chunk``) carries the totals, as OpenAI streams do."""
+    choice = {"index": gen.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     result = _envelope(gen, "chat.completion.chunk", [choice], None)
     if not include_usage:
         del result["usage"]
     return result
 
 
-def final_usage_chunk(gen: Generation) -> dict[str, Any]:
-    return _envelope(gen, "chat.completion.chunk", [], usage(gen))
+def final_usage_chunk(gens: list[Generation]) -> dict[str, Any]:
+    return _envelope(gens[0], "chat.completion.chunk", [], usage(gens))
 
 
 def _envelope(gen: Generation, obj: str, choices: list[dict[str, Any]], usage: Any) -> dict[str, Any]:
     return {
-        "id": gen.req_id,
+        "id": gen.response_id,
         "object": obj,
         "created": gen.created,
         "model": gen.model_name,

@@ -1,7 +1,9 @@
 """OpenAI chat-completions schemas, as vLLM accepts them: validated here, at the HTTP edge.
 
-Requests ignore unknown fields (vLLM only warns); fields with a meaning mmserve does not implement are
-refused by name. Part lists are dispatched on ``type`` by hand, so a
+Every field OpenAI or vLLM defines is either declared here or classified in
+``app.api.request_fields`` (accepted without effect, or refused by name unless it carries its default);
+a field no spec knows is kept in ``model_extra`` and logged once by the service. Part lists are
+dispatched on ``type`` by hand, so a
 validation error's location names the real path (``messages[0].content[1].image_url.url``) instead of
 pydantic's union-member labels. Responses dump with plain ``model_dump_json()``: optional fields the
 OpenAI wire format sends as ``null`` stay, and a stream delta drops its unset ``role``/``content``.
@@ -23,14 +25,19 @@ from pydantic import (
     ValidationInfo,
     field_validator,
     model_serializer,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from app.api.constraint_schemas import ResponseFormat, StructuredOutputs
+from app.api.request_fields import drop_known_fields
 
 FinishReasonLiteral = Literal["stop", "length", "abort"]  # "abort" as in vLLM; the SDK's Literal lacks it
 # Integers that travel to the engine must fit its wire format and torch (a seed is a torch.long, as in vLLM).
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+MAX_N = 16  # choices per request (docs/api.md, "Several choices")
+MAX_TOKEN_ID_LISTS = 4096  # entries of logit_bias, allowed_token_ids or stop_token_ids
+MAX_REQUEST_ID_CHARS = 128
 
 # ---------------------------------------------------------------- request
 
@@ -168,24 +175,40 @@ class StreamOptions(_Request):
 
 
 class ChatCompletionRequest(_Request):
+    """The fields mmserve implements; the others are sorted out before validation
+    (``app.api.request_fields``), and unknown ones land in ``model_extra``."""
+
+    model_config = ConfigDict(extra="allow")
+
     model: str
     messages: list[ChatMessageParam] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    # None: the model's default (its generation_config.json, docs/configuration.md), else vLLM's
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
     stop: list[str] | None = Field(None, max_length=4)  # a single string is read as a one-item list
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    frequency_penalty: float = 0.0  # only 0 is accepted: the engine has no penalties
-    presence_penalty: float = 0.0
-    user: str | None = None  # ignored
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # token id (as a string, OpenAI's shape) -> bias; ids outside the vocabulary are refused by the service
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_TOKEN_ID_LISTS)
     # vLLM extensions
-    top_k: int | None = Field(None, le=_INT64_MAX)  # -1 and 0 mean off and are read as None
+    top_k: int | None = Field(None, ge=-1, le=_INT64_MAX)  # -1 and 0 mean off; None: the model's default
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=1e6)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_ID_LISTS)
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_TOKEN_ID_LISTS)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=_INT64_MAX)
     mm_processor_kwargs: dict[str, Any] | None = None
@@ -194,17 +217,16 @@ class ChatCompletionRequest(_Request):
     # structured outputs (docs/api.md): OpenAI's response_format, or vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    # vLLM's earlier spellings, refused with a pointer rather than ignored
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sort_fields(cls, body: Any) -> Any:
+        return drop_known_fields(body)
 
     @field_validator(
-        "stream", "temperature", "top_p", "n", "logprobs", "frequency_penalty", "presence_penalty",
-        "ignore_eos", "min_tokens", mode="before",
+        "stream", "n", "logprobs", "frequency_penalty", "presence_penalty", "ignore_eos", "min_tokens",
+        "include_stop_str_in_output", "skip_special_tokens", "add_generation_prompt",
+        "continue_final_message", mode="before",
     )  # fmt: skip
     @classmethod
     def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
@@ -219,37 +241,36 @@ class ChatCompletionRequest(_Request):
             raise ValueError("stop strings must not be empty")
         return stop or None
 
-    @field_validator("n", "frequency_penalty", "presence_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _only_default(cls, value: float, info: ValidationInfo) -> float:
-        default = cls.model_fields[info.field_name or ""].default
-        if value != default:
-            raise ValueError(f"{info.field_name}={value} is not supported (only {default})")
+    def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit() or int(key) > _INT64_MAX:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias values must be from -100 to 100, got {value} for {key}")
+        return bias or None
+
+    @field_validator("stop_token_ids", "allowed_token_ids")
+    @classmethod
+    def _token_ids(cls, token_ids: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if token_ids is not None and not all(0 <= t <= _INT64_MAX for t in token_ids):
+            raise ValueError(f"{info.field_name} must be token ids (non-negative integers)")
+        return token_ids
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_prompt_end(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message needs add_generation_prompt false")
         return value
 
-    @field_validator(
-        "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-        "guided_whitespace_pattern",
-    )  # fmt: skip
+    @field_validator("request_id")
     @classmethod
-    def _renamed(cls, value: Any, info: ValidationInfo) -> None:
-        if value is not None:
-            name = info.field_name or ""
-            unsupported = name in ("guided_decoding_backend", "guided_whitespace_pattern")
-            hint = (
-                "it is not supported"
-                if unsupported
-                else f"use structured_outputs.{name.removeprefix('guided_')}"
-            )
-            raise ValueError(f"{name} is vLLM's earlier spelling: {hint}")
-        return None
-
-    @field_validator("top_k")
-    @classmethod
-    def _check_top_k(cls, top_k: int | None) -> int | None:
-        if top_k is not None and top_k < -1:
-            raise ValueError("top_k must be -1 or 0 (off) or at least 1")
-        return None if top_k in (-1, 0) else top_k
+    def _printable(cls, request_id: str | None) -> str | None:
+        if request_id is not None and not request_id.isprintable():
+            raise ValueError("request_id must be printable characters")
+        return request_id
 
     # The checks below read fields declared earlier (``info.data``), so each error names its field.
     @field_validator("stream_options")

@@ -19,7 +19,10 @@ from app.api.http_metrics import HttpMetrics
 from app.api.openapi_errors import document_error_envelope
 from app.api.request_guards import RequestGuards
 from app.api.routes import chat, models, ops
+from app.api.routes import tokenize as tokenize_routes
+from app.api.sampling import SamplingDefaults
 from app.api.state import ApiState
+from app.api.tokenize_service import TokenizeService
 from app.inputs.engine_client import EngineClient
 from app.inputs.input_processor import InputProcessor
 from app.inputs.preprocess.pool import PreprocessPool
@@ -72,8 +75,10 @@ def create_app(
         media = MediaFetcher(MediaPolicy.from_settings(settings), http)
         media_ids = media_ids_for(settings)
         inputs = InputProcessor(settings, family, processor_cache, engine, metrics, media, pool, media_ids)
-        chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics)
-        app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, drain)
+        defaults = SamplingDefaults.load(settings.model, settings.generation_config)
+        chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics, defaults)
+        tokenize = TokenizeService(settings.model_name, max_model_len, inputs)
+        app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, drain, tokenize)
         pool_start: asyncio.Future[None] | None = None
         try:
             await engine.start()
@@ -99,7 +104,7 @@ def create_app(
     app.add_middleware(
         RequestGuards, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes
     )
-    routers = (chat.router, models.router, ops.router)
+    routers = (chat.router, models.router, ops.router, tokenize_routes.router)
     for router in routers:
         app.include_router(router)
     # added last: the outermost middleware, so it sees the guards' refusals too

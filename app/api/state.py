@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 
 from app.api.chat_service import ChatService
 from app.api.drain import Drain
+from app.api.tokenize_service import TokenizeService
 from app.inputs.engine_client import EngineClient
 from app.metrics import ApiMetrics
 from app.settings import Settings
@@ -22,6 +23,7 @@ class ApiState:
     engine: EngineClient
     chat: ChatService
     drain: Drain
+    tokenize: TokenizeService
 
 
 def get_state(request: Request) -> ApiState:

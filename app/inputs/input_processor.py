@@ -60,7 +60,13 @@ from app.metrics import ApiMetrics
 from app.settings import Settings
 from wire.hashing import mm_hash
 from wire.protocol import Constraint, MMFeature, RequestOutput, SamplingParams
-from workers.families.processing import FamilyProcessor, ItemLayout, ProcessedItem
+from workers.families.processing import (
+    DEFAULT_TEMPLATE,
+    FamilyProcessor,
+    ItemLayout,
+    ProcessedItem,
+    TemplateOptions,
+)
 
 T = TypeVar("T")
 
@@ -171,7 +177,11 @@ class InputProcessor:
     # -- stages 1-3 -------------------------------------------------------------------------------
 
     async def prepare(
-        self, messages: list[Any], mm_processor_kwargs: dict[str, Any], scope: CacheScope = UNSCOPED
+        self,
+        messages: list[Any],
+        mm_processor_kwargs: dict[str, Any],
+        scope: CacheScope = UNSCOPED,
+        template: TemplateOptions = DEFAULT_TEMPLATE,
     ) -> PreparedRequest:
         rendered, parts = normalise_messages(messages)
         self._check_parts(parts)
@@ -205,7 +215,7 @@ class InputProcessor:
         for part, media in zip(parts, ready, strict=True):
             if part.uuid is not None and part.url is not None:  # media with its id: (re)bound in resolve
                 media.bind_uuid = part.uuid
-        prompt = self._prompts.render(rendered)
+        prompt = self._prompts.render(rendered, template)
         return PreparedRequest(prompt, ready, scope=scope)
 
     def _named_item(self, part: MediaPart, options: dict[str, Any], scope: CacheScope) -> MediaInput:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from workers.families.processing import ItemLayout, Tokenized
+from workers.families.processing import DEFAULT_TEMPLATE, ItemLayout, TemplateOptions, Tokenized
 
 if TYPE_CHECKING:
     from workers.families.processing import FamilyProcessor
@@ -89,15 +89,16 @@ class PromptBuilder:
         )
         self._piece_ids: dict[str, list[int]] = {}  # a piece's text -> its ids (timestamps repeat)
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """``family.render_prompt(messages)``: the chat template with one media token per item."""
+    def render(self, messages: list[dict[str, Any]], template: TemplateOptions = DEFAULT_TEMPLATE) -> str:
+        """``family.render_prompt(messages, template)``: the chat template with one media token per
+        item."""
         if not self._cache_renders:
-            return self.family.render_prompt(messages)
+            return self.family.render_prompt(messages, template)
         key, num_chars = messages_key(messages)
-        prompt = self._prompts.get(key)
+        prompt = self._prompts.get((key, template))
         if prompt is None:
-            prompt = self.family.render_prompt(messages)
-            self._prompts.put(key, num_chars, prompt)
+            prompt = self.family.render_prompt(messages, template)
+            self._prompts.put((key, template), num_chars, prompt)
         return prompt
 
     def tokenize(self, prompt: str, layouts: list[ItemLayout]) -> Tokenized:

@@ -35,6 +35,7 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("port", "api"),
         ("max_model_len", "api, engine"),
         ("limit_mm_per_prompt", "api"),
+        ("generation_config", "api"),
     )),
     ("Processes and sockets", (
         ("engine_addr", "api, engine"),

@@ -11,7 +11,7 @@ def prepare_only_family(hash_options: Any = dict) -> Any:
     return SimpleNamespace(
         hash_options=hash_options,
         supports_video=False,
-        render_prompt=lambda messages: "",
+        render_prompt=lambda messages, template=None: "",
         model_id="m",
         image_token="<image>",
         image_token_id=0,

@@ -76,11 +76,20 @@ def test_schema_error_is_400_with_param(client: TestClient) -> None:
 
 
 def test_invalid_value_names_the_field(client: TestClient) -> None:
-    response = _post(client, {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2})
+    response = _post(client, {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 17})
     assert response.status_code == 400
     error = _envelope(response)
     assert error["param"] == "n" and error["code"] == "invalid_value"
-    assert "n=2 is not supported" in str(error["message"])
+    assert "less than or equal to 16" in str(error["message"])
+
+
+def test_a_refused_field_is_named(client: TestClient) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "echo": True}
+    response = _post(client, body)
+    assert response.status_code == 400
+    error = _envelope(response)
+    assert error["param"] == "echo" and error["code"] == "invalid_value"
+    assert "echo is not supported" in str(error["message"])
 
 
 @pytest.mark.parametrize("body", [[1, 2], "text"])

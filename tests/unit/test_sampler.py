@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from wire.protocol import SamplingParams
-from workers.sampler import SamplingRow, make_generator, sample
+from workers.sampler import SamplingRow, TokenHistory, make_generator, sample
 
 VOCAB = 50
 EOS = 3
@@ -121,3 +121,79 @@ def test_a_grammar_row_masks_before_temperature_and_keeps_raw_logprobs():
         row.allowed = _bitmask_row(allowed)
         draws.add(sample(_logits(1, seed=3), [row])[0][0])
     assert draws <= set(allowed) and len(draws) > 1
+
+
+# ---------------------------------------------------------------- penalties, biases, min_p
+
+
+def _penalised_row(history: list[int], num_prompt: int, **params) -> SamplingRow:
+    row = _row(temperature=0.0, **params)
+    row.num_output_tokens = len(history) - num_prompt
+    row.history = TokenHistory(history, num_prompt)
+    return row
+
+
+def _greedy_after(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    return sample(logits, rows)[0]
+
+
+def test_penalties_match_transformers_and_openai_formulas():
+    """Repetition as transformers' processor (over prompt and output), then frequency and presence as
+    OpenAI defines them (over the output only), in a batch with an unpenalised row."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits = _logits(1, seed=3)
+    prompt, output = [1, 2, 2, 7], [7, 9, 9, 9, 11]
+    ids = prompt + output
+    params = {"repetition_penalty": 1.7, "frequency_penalty": 0.4, "presence_penalty": 0.9}
+    expected = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([ids]), logits.clone())
+    counts = torch.bincount(torch.tensor(output), minlength=VOCAB).float()
+    expected = expected - 0.4 * counts - 0.9 * (counts > 0).float()
+    # the sampler's masked logits: read them through a greedy pick per token, masking one at a time
+    rows = [_penalised_row(ids, len(prompt), **params), _row(temperature=0.0)]
+    seen = []
+    work = logits.expand(2, VOCAB).clone()
+    for _ in range(6):  # the ranking of the penalised row equals the expected ranking, top 6
+        tokens = _greedy_after(work, rows)
+        assert tokens[1] == int(work[1].argmax())  # the plain row is untouched
+        seen.append(tokens[0])
+        work[0, tokens[0]] = float("-inf")
+    assert seen == expected[0].topk(6).indices.tolist()
+
+
+def test_penalty_counts_follow_new_outputs():
+    """The history counts outputs appended after it was first read (no recount, no stale count)."""
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5] = 1.0
+    logits[0, 6] = 0.9
+    history = [1, 2]
+    row = _penalised_row(history, 2, frequency_penalty=0.2)
+    assert _greedy_after(logits, [row]) == [5]
+    history.append(5)  # the runner appends the sampled token to the request's own list
+    assert _greedy_after(logits, [row]) == [6]  # 1.0 - 0.2 < 0.9
+    history.append(6)
+    assert _greedy_after(logits, [row]) == [5]  # 0.8 vs 0.7
+
+
+def test_logit_bias_and_allowed_ids():
+    logits = _logits(3, seed=5)
+    rows = [
+        _row(temperature=0.0, logit_bias={17: 100.0}),
+        _row(temperature=0.0, allowed_token_ids=(4, 9)),
+        _row(temperature=0.0, logit_bias={int(logits[2].argmax()): -100.0}),
+    ]
+    tokens = sample(logits, rows)[0]
+    assert tokens[0] == 17
+    assert tokens[1] == (4 if logits[1, 4] > logits[1, 9] else 9)
+    assert tokens[2] == int(logits[2].topk(2).indices[1])
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top():
+    """min_p 0.5 keeps exactly the tokens whose probability is at least half the top one's."""
+    from transformers import MinPLogitsWarper
+
+    logits = torch.log(torch.tensor([[0.4, 0.25, 0.19, 0.16] + [0.0] * (VOCAB - 4)]))
+    row = _row(temperature=1.0, min_p=0.5, seed=1)
+    drawn = {sample(logits, [row])[0][0] for _ in range(400)}
+    kept = MinPLogitsWarper(0.5)(torch.tensor([[0]]), logits.clone())[0].isfinite().nonzero().flatten()
+    assert drawn == set(kept.tolist()) == {0, 1}

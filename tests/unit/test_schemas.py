@@ -47,7 +47,8 @@ def error_of(**fields: Any) -> ErrorDetails:
 
 def test_minimal_request_defaults() -> None:
     req = request()
-    assert (req.stream, req.temperature, req.top_p, req.n, req.logprobs) == (False, 1.0, 1.0, 1, False)
+    # None: the model's default (app/api/sampling.py)
+    assert (req.stream, req.temperature, req.top_p, req.n, req.logprobs) == (False, None, None, 1, False)
     assert req.effective_max_tokens() is None
     assert req.num_top_logprobs() is None
     assert req.stop is None and req.top_k is None and not req.include_usage
@@ -104,8 +105,9 @@ def test_sdk_style_multimodal_streaming_request() -> None:
 
 
 @pytest.mark.parametrize("top_k", [-1, 0])
-def test_top_k_off_is_none(top_k: int) -> None:
-    assert request(top_k=top_k).top_k is None
+def test_top_k_off_is_kept(top_k: int) -> None:
+    # an explicit "off", which overrides a model default (None is "the default")
+    assert request(top_k=top_k).top_k == top_k
 
 
 @pytest.mark.parametrize(
@@ -125,6 +127,13 @@ def test_top_k_off_is_none(top_k: int) -> None:
         {"top_logprobs": 0},  # asks for no alternatives, so it needs no logprobs
         {"stop": ["a", "b", "c", "d"]},
         {"n": 1},
+        {"n": 16},
+        {"frequency_penalty": -2, "presence_penalty": 2},
+        {"repetition_penalty": 1e-6},
+        {"min_p": 1},
+        {"logit_bias": {"0": -100, "5": 100}},
+        {"allowed_token_ids": [0]},
+        {"stop_token_ids": []},
     ],
 )
 def test_limits_are_inclusive(fields: dict[str, Any]) -> None:
@@ -133,7 +142,7 @@ def test_limits_are_inclusive(fields: dict[str, Any]) -> None:
 
 def test_explicit_nulls_mean_defaults() -> None:
     req = request(temperature=None, top_p=None, n=None, stream=None, logprobs=None, presence_penalty=None)
-    assert (req.temperature, req.top_p, req.n, req.stream, req.logprobs) == (1.0, 1.0, 1, False, False)
+    assert (req.temperature, req.top_p, req.n, req.stream, req.logprobs) == (None, None, 1, False, False)
 
 
 def test_logprobs_without_alternatives() -> None:
@@ -145,7 +154,7 @@ def test_logprobs_without_alternatives() -> None:
     ("fields", "loc", "needle"),
     [
         ({"messages": []}, ("messages",), "at least 1"),
-        ({"n": 2}, ("n",), "n=2 is not supported"),
+        ({"n": 17}, ("n",), "less than or equal to 16"),
         ({"temperature": 2.5}, ("temperature",), "less than or equal to 2"),
         ({"temperature": -0.1}, ("temperature",), "greater than or equal to 0"),
         ({"temperature": float("nan")}, ("temperature",), "less than or equal to 2"),
@@ -164,15 +173,28 @@ def test_logprobs_without_alternatives() -> None:
         ({"stop": [""]}, ("stop",), "must not be empty"),
         ({"stop": ""}, ("stop",), "must not be empty"),
         ({"stop": ["a", 1]}, ("stop", 1), "valid string"),
-        ({"n": 0}, ("n",), "n=0 is not supported"),
+        ({"n": 0}, ("n",), "greater than or equal to 1"),
         # integers the engine's wire format and torch cannot carry (these were 500s)
         ({"seed": 2**63}, ("seed",), "less than or equal to 9223372036854775807"),
         ({"seed": -(2**63) - 1}, ("seed",), "greater than or equal to -9223372036854775808"),
         ({"top_k": 2**70}, ("top_k",), "less than or equal to 9223372036854775807"),
         ({"min_tokens": 2**70}, ("min_tokens",), "less than or equal to 9223372036854775807"),
-        ({"frequency_penalty": 0.5}, ("frequency_penalty",), "not supported"),
-        ({"presence_penalty": -1}, ("presence_penalty",), "not supported"),
-        ({"top_k": -2}, ("top_k",), "top_k"),
+        ({"frequency_penalty": 2.5}, ("frequency_penalty",), "less than or equal to 2"),
+        ({"presence_penalty": -2.1}, ("presence_penalty",), "greater than or equal to -2"),
+        ({"repetition_penalty": 0}, ("repetition_penalty",), "greater than 0"),
+        ({"min_p": 1.5}, ("min_p",), "less than or equal to 1"),
+        ({"logit_bias": {"x": 1}}, ("logit_bias",), "must be token ids"),
+        ({"logit_bias": {"-3": 1}}, ("logit_bias",), "must be token ids"),
+        ({"logit_bias": {"3": 101}}, ("logit_bias",), "from -100 to 100"),
+        ({"allowed_token_ids": []}, ("allowed_token_ids",), "at least 1"),
+        ({"stop_token_ids": [-1]}, ("stop_token_ids",), "token ids"),
+        ({"continue_final_message": True}, ("continue_final_message",), "add_generation_prompt false"),
+        ({"request_id": "a\nb"}, ("request_id",), "printable"),
+        ({"top_k": -2}, ("top_k",), "greater than or equal to -1"),
+        ({"tools": [{"type": "function"}]}, ("tools",), "no tool calling"),
+        ({"modalities": ["text", "audio"]}, ("modalities",), "text only"),
+        ({"echo": True}, ("echo",), "echo is not supported"),
+        ({"guided_json": {}}, ("guided_json",), "use structured_outputs.json"),
         ({"min_tokens": 9, "max_tokens": 8}, ("min_tokens",), "must not exceed"),
         ({"stream_options": {"include_usage": True}}, ("stream_options",), "only allowed when stream"),
         ({"model": None}, ("model",), "valid string"),

@@ -94,6 +94,16 @@ class ProcessedItem:
         return sum(tensor.nbytes for tensor in self.tensors.values())
 
 
+class TemplateOptions(NamedTuple):
+    """How a chat template ends the prompt (vLLM's request fields of the same names)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+
+DEFAULT_TEMPLATE = TemplateOptions()
+
+
 class FamilyProcessor:
     """Built once per API process; every method may run in a thread (none mutates state)."""
 
@@ -118,6 +128,9 @@ class FamilyProcessor:
         self.video_token_id: int | None = None
         self.video_kwargs: frozenset[str] = frozenset()  # the request options its video processing takes
         self.eos_token_ids: list[int] = _eos_token_ids(self.model_dir, self.tokenizer)
+        # the language model's output width (ids a request may bias, allow or stop on are below it)
+        text_config = self.config.get("text_config") or self.config
+        self.vocab_size: int = int(text_config.get("vocab_size") or len(self.tokenizer))
         video_config = self.model_dir / VIDEO_CONFIG_FILE
         # Everything that decides a processed item: model config, processor config and the
         # transformers version that implements them. Weights are left out: items do not depend on them.
@@ -167,12 +180,20 @@ class FamilyProcessor:
             )
         return {key: value for key, value in mm_processor_kwargs.items() if key in accepted}
 
-    def render_prompt(self, messages: list[dict[str, Any]]) -> str:
-        """Apply the model's chat template (generation prompt added) to chat-template messages whose
-        content is a string or a list of ``{"type": "text", "text": ...}`` / ``{"type": "image"}``
-        parts. Each image part becomes one ``image_token`` (inside the family's image markers)."""
+    def render_prompt(
+        self, messages: list[dict[str, Any]], template: TemplateOptions = DEFAULT_TEMPLATE
+    ) -> str:
+        """Apply the model's chat template to chat-template messages whose content is a string or a list
+        of ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` parts. Each image part becomes one
+        ``image_token`` (inside the family's image markers). ``template``: the generation prompt added
+        (the default), or the last message left open for the model to continue."""
         try:
-            return self.hf_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.hf_processor.apply_chat_template(
+                messages,
+                add_generation_prompt=template.add_generation_prompt,
+                continue_final_message=template.continue_final_message,
+                tokenize=False,
+            )
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
             raise FamilyInputError(
                 f"The chat template rejected the messages: {exc}", param="messages"

@@ -1,0 +1,112 @@
+"""Every chat-completions field OpenAI's API or vLLM defines that ``ChatCompletionRequest`` does not
+implement, and what mmserve does with it (docs/api.md, "Request fields"): accepted without effect,
+as OpenAI or vLLM treat it for a self-hosted model, or refused with a 400 naming it unless it carries
+its default. A field no spec knows is accepted and logged once per name (``ChatService``), as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+# Accepted, with no effect on what mmserve does (each is a hint, a label or a hosted-service option).
+WITHOUT_EFFECT = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "reasoning_effort",
+        "verbosity",
+        "parallel_tool_calls",
+        "length_penalty",  # beam search only
+        "spaces_between_special_tokens",  # not read by fast tokenizers, as in vLLM
+        "include_reasoning",  # the tiny families have no reasoning parser
+        "session_id",
+    }
+)
+
+_TOOLS = "mmserve has no tool calling yet"
+_NOT_SUPPORTED = ""  # no more to say
+# Refused unless the value is one of the defaults given; the reason ends the 400's message.
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "audio": ((None,), "mmserve answers with text only"),
+    "modalities": ((None, ["text"]), "mmserve answers with text only"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "web_search_options": ((None,), "mmserve has no web search"),
+    "moderation": ((None,), "mmserve runs no moderation"),
+    "tools": ((None, []), _TOOLS),
+    "tool_choice": ((None, "none"), _TOOLS),
+    "functions": ((None, []), _TOOLS),
+    "function_call": ((None, "none"), _TOOLS),
+    "echo": ((None, False), _NOT_SUPPORTED),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "best_of": ((None, 1), "use n"),
+    "truncate_prompt_tokens": ((None,), _NOT_SUPPORTED),
+    "truncation_side": ((None,), _NOT_SUPPORTED),
+    "prompt_logprobs": ((None,), _NOT_SUPPORTED),
+    "logprob_token_ids": ((None,), _NOT_SUPPORTED),
+    "bad_words": ((None, []), _NOT_SUPPORTED),
+    "documents": ((None,), _NOT_SUPPORTED),
+    "chat_template": ((None,), "the model's own chat template is used"),
+    "chat_template_kwargs": ((None, {}), _NOT_SUPPORTED),
+    "add_special_tokens": ((None, False), "the chat template adds the special tokens"),
+    "media_io_kwargs": ((None,), "use mm_processor_kwargs"),
+    "priority": ((None, 0), "requests are served first come, first served"),
+    "logits_processors": ((None,), _NOT_SUPPORTED),
+    "return_tokens_as_token_ids": ((None, False), _NOT_SUPPORTED),
+    "return_token_ids": ((None, False), _NOT_SUPPORTED),
+    "return_token_offsets": ((None, False), _NOT_SUPPORTED),
+    "return_prompt_text": ((None, False), _NOT_SUPPORTED),
+    "return_mm_kwargs": ((None, False), _NOT_SUPPORTED),
+    "routed_experts_prompt_start": ((None, 0), _NOT_SUPPORTED),
+    "mm_payload": ((None,), _NOT_SUPPORTED),
+    "kv_transfer_params": ((None,), _NOT_SUPPORTED),
+    "ec_transfer_params": ((None,), _NOT_SUPPORTED),
+    "vllm_xargs": ((None,), _NOT_SUPPORTED),
+    "repetition_detection": ((None,), _NOT_SUPPORTED),
+    "watermarking": ((None, False), _NOT_SUPPORTED),
+    "thinking_token_budget": ((None,), _NOT_SUPPORTED),
+    # vLLM's earlier spellings of structured outputs
+    "guided_json": ((None,), "it is vLLM's earlier spelling: use structured_outputs.json"),
+    "guided_regex": ((None,), "it is vLLM's earlier spelling: use structured_outputs.regex"),
+    "guided_choice": ((None,), "it is vLLM's earlier spelling: use structured_outputs.choice"),
+    "guided_grammar": ((None,), "it is vLLM's earlier spelling: use structured_outputs.grammar"),
+    "guided_decoding_backend": ((None,), "it is vLLM's earlier spelling, and mmserve has no equivalent"),
+    "guided_whitespace_pattern": ((None,), "it is vLLM's earlier spelling, and mmserve has no equivalent"),
+}
+
+
+def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
+    # == would take 0 for False and 1.0 for 1: a default must match in type too
+    return any(value == default and type(value) is type(default) for default in defaults)
+
+
+def drop_known_fields(body: Any) -> Any:
+    """Called on the raw request body before validation: removes the fields accepted without effect and
+    those refused that carry their default; raises (a validation error located at the field, so the
+    400's ``param`` names it) for a refused one that does not. Anything else passes on."""
+    if not isinstance(body, dict):
+        return body
+    errors: list[InitErrorDetails] = []
+    kept = {}
+    for name, value in body.items():
+        if name in WITHOUT_EFFECT:
+            continue
+        if name in REFUSED:
+            defaults, reason = REFUSED[name]
+            if not _is_default(value, defaults):
+                msg = f"{name} is not supported" + (f": {reason}" if reason else "")
+                error = PydanticCustomError("unsupported_field", msg)
+                errors.append({"type": error, "loc": (name,), "input": value})
+            continue
+        kept[name] = value
+    if errors:
+        raise ValidationError.from_exception_data("ChatCompletionRequest", errors)
+    return kept

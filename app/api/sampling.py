@@ -1,0 +1,138 @@
+"""From a chat request's sampling fields to the engine's ``SamplingParams`` of each choice: the model's
+defaults filled in (``SamplingDefaults``, from its ``generation_config.json`` under
+``--generation-config auto``, as vLLM), token ids checked against the vocabulary, and each choice of an
+``n > 1`` request given its own seed (docs/api.md, "Sampling")."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from app.api.schemas import ChatCompletionRequest
+from app.errors import ContextLengthError, InvalidRequestError
+from wire.protocol import INT64_MAX, INT64_MIN, SamplingParams
+
+log = logging.getLogger("mmserve.api")
+
+# generation_config.json's sampling fields vLLM reads (max_new_tokens is its default max_tokens)
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves a field out gets; vLLM's own values unless the model's file says else."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int | None = None  # None: up to the context length
+
+    @classmethod
+    def load(cls, model_dir: str | Path, mode: str) -> SamplingDefaults:
+        """Called once when the API process starts; logs which defaults apply. ``mode`` "vllm" ignores
+        the file; "auto" reads it, where it exists. A value out of range is a start-up error."""
+        path = Path(model_dir) / "generation_config.json"
+        if mode == "vllm" or not path.is_file():
+            defaults = cls()
+            why = "--generation-config vllm" if mode == "vllm" else "the model has no generation_config.json"
+            log.info("sampling defaults are vLLM's (%s): %s", why, asdict(defaults))
+            return defaults
+        config: dict[str, Any] = json.loads(path.read_text())
+        found = {name: config[name] for name in GENERATION_CONFIG_FIELDS if config.get(name) is not None}
+        if not found:
+            log.info("sampling defaults are vLLM's (%s sets none): %s", path, asdict(cls()))
+            return cls()
+        try:
+            defaults = replace(cls(), **found)
+            defaults.check()
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: unusable sampling defaults {found}: {exc}") from exc
+        log.info(
+            "sampling defaults from %s (--generation-config auto): %s; vLLM's for the rest: %s",
+            path,
+            found,
+            {f.name: getattr(defaults, f.name) for f in fields(cls) if f.name not in found},
+        )
+        return defaults
+
+    def check(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
+            raise ValueError("temperature, top_p or min_p out of range")
+        if self.repetition_penalty <= 0 or (self.max_new_tokens is not None and self.max_new_tokens < 1):
+            raise ValueError("repetition_penalty or max_new_tokens out of range")
+        int(self.top_k)
+
+
+def sampling_params(
+    body: ChatCompletionRequest,
+    defaults: SamplingDefaults,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    eos_token_ids: list[int],
+    vocab_size: int,
+) -> SamplingParams:
+    """The first choice's parameters (``choice_sampling`` derives the others'). Raises
+    ``ContextLengthError`` when prompt and completion do not fit, ``InvalidRequestError`` for a token id
+    outside the vocabulary."""
+    max_tokens = body.effective_max_tokens()
+    if max_tokens is None and defaults.max_new_tokens is not None:
+        max_tokens = min(defaults.max_new_tokens, max(max_model_len - num_prompt_tokens, 1))
+    if max_tokens is None:
+        max_tokens = max_model_len - num_prompt_tokens
+    if num_prompt_tokens >= max_model_len or num_prompt_tokens + max_tokens > max_model_len:
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, "
+            f"{max_tokens} in the completion)."
+        )
+    top_k = defaults.top_k if body.top_k is None else body.top_k
+    logit_bias = {int(key): value for key, value in (body.logit_bias or {}).items()}
+    _check_vocab("logit_bias", logit_bias, vocab_size)
+    _check_vocab("allowed_token_ids", body.allowed_token_ids or [], vocab_size)
+    _check_vocab("stop_token_ids", body.stop_token_ids or [], vocab_size)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=defaults.temperature if body.temperature is None else body.temperature,
+        top_p=defaults.top_p if body.top_p is None else body.top_p,
+        top_k=top_k if top_k > 0 else None,
+        seed=body.seed,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        eos_token_ids=tuple(eos_token_ids),
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        num_top_logprobs=body.num_top_logprobs(),
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        repetition_penalty=(
+            defaults.repetition_penalty if body.repetition_penalty is None else body.repetition_penalty
+        ),
+        min_p=defaults.min_p if body.min_p is None else body.min_p,
+        logit_bias=logit_bias or None,
+        allowed_token_ids=tuple(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
+    )
+
+
+def choice_sampling(first: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s parameters: the first's, with seed ``seed + index`` (wrapped into int64) so a
+    seeded ``n > 1`` request gives each choice its own reproducible stream, as vLLM does."""
+    if index == 0 or first.seed is None:
+        return first
+    seed = (first.seed + index - INT64_MIN) % 2**64 + INT64_MIN
+    assert INT64_MIN <= seed <= INT64_MAX
+    return msgspec.structs.replace(first, seed=seed)
+
+
+def _check_vocab(param: str, token_ids: Any, vocab_size: int) -> None:
+    outside = sorted(t for t in token_ids if t >= vocab_size)
+    if outside:
+        raise InvalidRequestError(
+            f"{param} names token ids outside the model's vocabulary of {vocab_size}: {outside[:8]}",
+            param=param,
+        )

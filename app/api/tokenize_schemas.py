@@ -1,0 +1,61 @@
+"""``POST /tokenize`` and ``POST /detokenize`` bodies, in vLLM's shapes (docs/api.md, "Tokenize")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from app.api.request_fields import drop_known_fields
+from app.api.schemas import MAX_CACHE_SALT_CHARS, ChatMessageParam
+
+
+class TokenizeRequest(BaseModel):
+    """Either ``prompt`` (text, tokenized as it is) or ``messages`` (rendered by the chat template, with
+    every image and video counted as the chat request would count it)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = Field(None, min_length=1)
+    # None: True for a prompt, False for messages (their chat template adds the special tokens), as vLLM
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    mm_processor_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sort_fields(cls, body: Any) -> Any:
+        return drop_known_fields(body)  # chat_template, tools, ...: refused here as on chat
+
+    @field_validator("messages")
+    @classmethod
+    def _one_input(cls, messages: list[ChatMessageParam] | None, info: ValidationInfo) -> Any:
+        if (messages is None) == (info.data.get("prompt") is None):
+            raise ValueError("give either prompt or messages")
+        return messages
+
+    @field_validator("add_special_tokens")
+    @classmethod
+    def _template_adds_them(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("prompt") is None:
+            raise ValueError("add_special_tokens must be false with messages: the chat template adds them")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _one_prompt_end(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("add_generation_prompt"):
+            raise ValueError("continue_final_message needs add_generation_prompt false")
+        return value
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
