@@ -6,6 +6,7 @@ its default. A field no spec knows is accepted and logged once per name (``ChatS
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from pydantic import ValidationError
@@ -88,25 +89,28 @@ def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
     return any(value == default and type(value) is type(default) for default in defaults)
 
 
-def drop_known_fields(body: Any) -> Any:
+def drop_known_fields(body: Any, declared: Collection[str]) -> Any:
     """Called on the raw request body before validation: removes the fields accepted without effect and
     those refused that carry their default; raises (a validation error located at the field, so the
-    400's ``param`` names it) for a refused one that does not. Anything else passes on."""
+    400's ``param`` names it) for a refused one that does not. The model's ``declared`` fields and
+    unknown ones pass on."""
     if not isinstance(body, dict):
         return body
     errors: list[InitErrorDetails] = []
     kept = {}
     for name, value in body.items():
-        if name in WITHOUT_EFFECT:
+        if name in declared:
+            kept[name] = value
+        elif name in WITHOUT_EFFECT:
             continue
-        if name in REFUSED:
+        elif name in REFUSED:
             defaults, reason = REFUSED[name]
             if not _is_default(value, defaults):
                 msg = f"{name} is not supported" + (f": {reason}" if reason else "")
                 error = PydanticCustomError("unsupported_field", msg)
                 errors.append({"type": error, "loc": (name,), "input": value})
-            continue
-        kept[name] = value
+        else:
+            kept[name] = value
     if errors:
         raise ValidationError.from_exception_data("ChatCompletionRequest", errors)
     return kept

@@ -1,9 +1,10 @@
 """Checks every HTTP request passes before any route runs, as one pure ASGI middleware (so nothing is
 parsed or buffered first):
 
-    1. auth        with --api-key: /v1/* and /reset_mm_cache need ``Authorization: Bearer <key>``
-                   (compared in constant time with every key); /health, /metrics and the OpenAPI docs
-                   stay open. The key's tenant (``tenant_of``) goes into the scope for the routes
+    1. auth        with --api-key: /v1/*, /tokenize, /detokenize and /reset_mm_cache need
+                   ``Authorization: Bearer <key>`` (compared in constant time with every key);
+                   /health, /metrics and the OpenAPI docs stay open. The key's tenant (``tenant_of``)
+                   goes into the scope for the routes
     2. body size   a Content-Length over --max-request-body-mb -> 413 without reading the body; a body
                    without one (chunked) is counted as it streams and refused the moment it passes
 
@@ -28,7 +29,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-GUARDED_PREFIXES = ("/v1/", "/reset_mm_cache")
+GUARDED_PREFIXES = ("/v1/", "/reset_mm_cache", "/tokenize", "/detokenize")
 TENANT_SCOPE_KEY = "mmserve.tenant"  # the request's tenant; absent without API keys
 TENANT_DOMAIN = b"mmserve.tenant.v1"
 

@@ -221,7 +221,7 @@ class ChatCompletionRequest(_Request):
     @model_validator(mode="before")
     @classmethod
     def _sort_fields(cls, body: Any) -> Any:
-        return drop_known_fields(body)
+        return drop_known_fields(body, cls.model_fields)
 
     @field_validator(
         "stream", "n", "logprobs", "frequency_penalty", "presence_penalty", "ignore_eos", "min_tokens",

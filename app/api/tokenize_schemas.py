@@ -18,7 +18,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessageParam] | None = Field(None, min_length=1)
+    messages: list[ChatMessageParam] | None = Field(None, min_length=1, validate_default=True)
     # None: True for a prompt, False for messages (their chat template adds the special tokens), as vLLM
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
@@ -30,7 +30,7 @@ class TokenizeRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _sort_fields(cls, body: Any) -> Any:
-        return drop_known_fields(body)  # chat_template, tools, ...: refused here as on chat
+        return drop_known_fields(body, cls.model_fields)  # chat_template, tools, ...: refused here as on chat
 
     @field_validator("messages")
     @classmethod

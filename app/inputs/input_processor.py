@@ -26,7 +26,8 @@ and stage 7 sends a ring item as its reference (docs/architecture.md, "Shared-me
 
 A processor-cache hit and an IPC hit both know the item's layout (placeholders, grid, a video's frame
 times) without running the processor. ``resolve`` and ``submit`` may run again for the same request (the
-mirror changed in between, or the engine's safety net asked for payloads).
+mirror changed in between, the engine's safety net asked for payloads, or the request has several
+choices).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from app.inputs.media_ids import (
     binding_key,
     media_uuid_unknown,
 )
+from app.inputs.messages import MediaPart, normalise_messages
 from app.inputs.preprocess.pool import PreprocessPool
 from app.inputs.processor_cache import ProcessorCache
 from app.inputs.prompts import PromptBuilder
@@ -60,13 +62,7 @@ from app.metrics import ApiMetrics
 from app.settings import Settings
 from wire.hashing import mm_hash
 from wire.protocol import Constraint, MMFeature, RequestOutput, SamplingParams
-from workers.families.processing import (
-    DEFAULT_TEMPLATE,
-    FamilyProcessor,
-    ItemLayout,
-    ProcessedItem,
-    TemplateOptions,
-)
+from workers.families.processing import FamilyProcessor, ItemLayout, ProcessedItem, TemplateOptions
 
 T = TypeVar("T")
 
@@ -102,38 +98,6 @@ class PreparedRequest:
     prompt_token_ids: list[int] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # each item's (first, end) token
     scope: CacheScope = UNSCOPED  # its tenant and salt: media ids are bound under them
-
-
-@dataclass(frozen=True)
-class MediaPart:
-    kind: MediaKind
-    url: str | None  # None: left out, named by ``uuid``
-    param: str
-    uuid: str | None = None
-
-
-def normalise_messages(messages: list[Any]) -> tuple[list[dict[str, Any]], list[MediaPart]]:
-    """OpenAI messages → chat-template messages with ``{"type": "image"}`` / ``{"type": "video"}``
-    parts, plus the media parts in prompt order with their request locations."""
-    rendered: list[dict[str, Any]] = []
-    media: list[MediaPart] = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if content is None or isinstance(content, str):
-            rendered.append({"role": message.role, "content": content or ""})
-            continue
-        parts: list[dict[str, Any]] = []
-        for j, part in enumerate(content):
-            if part.type == "text":
-                parts.append({"type": "text", "text": part.text})
-            else:
-                kind = MediaKind.VIDEO if part.type == "video_url" else MediaKind.IMAGE
-                parts.append({"type": kind.value})
-                where = f"messages[{i}].content[{j}]"
-                param = f"{where}.{part.type}.url" if part.url is not None else f"{where}.uuid"
-                media.append(MediaPart(kind, part.url, param, part.uuid))
-        rendered.append({"role": message.role, "content": parts})
-    return rendered, media
 
 
 async def gather_or_cancel(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
@@ -181,7 +145,7 @@ class InputProcessor:
         messages: list[Any],
         mm_processor_kwargs: dict[str, Any],
         scope: CacheScope = UNSCOPED,
-        template: TemplateOptions = DEFAULT_TEMPLATE,
+        template: TemplateOptions = TemplateOptions(),  # noqa: B008 (an immutable tuple)
     ) -> PreparedRequest:
         rendered, parts = normalise_messages(messages)
         self._check_parts(parts)

@@ -82,7 +82,11 @@ HI = [{"role": "user", "content": "hi"}]
         ({"top_logprobs": 3}, "top_logprobs"),  # without logprobs
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
-        ({"n": 2}, "n"),
+        ({"n": 17}, "n"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"logit_bias": {"1": 250}}, "logit_bias"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"stop": ["a", ""]}, "stop"),
         ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}, None),
@@ -102,6 +106,14 @@ def test_each_bad_parameter_is_a_400_naming_it(
     assert error["type"] == "invalid_request_error"
     assert error["param"] == (param or "messages[0].content[0].type"), error
     assert error["param"] in error["message"]
+
+
+@pytest.mark.parametrize("field", ["logit_bias", "allowed_token_ids", "stop_token_ids"])
+def test_a_token_id_outside_the_vocabulary_is_a_400(server: Server, field: str) -> None:
+    value: Any = {"99999": 1.0} if field == "logit_bias" else [5, 99999]
+    body = {"model": "tiny-llava", "messages": HI, "max_tokens": 2, field: value}
+    error = assert_error(post(server, body), 400, param=field)
+    assert "99999" in error["message"] and "vocabulary" in error["message"]
 
 
 def test_nan_is_a_400(server: Server) -> None:
@@ -180,3 +192,38 @@ def test_bad_input_disturbs_neither_requests_nor_caches(server: Server, image_ht
     assert after["mmserve_mm_ipc_cache_hits_total"] - before["mmserve_mm_ipc_cache_hits_total"] == 1
     assert after["mmserve_encoder_runs_total"] == before["mmserve_encoder_runs_total"]
     assert after["mmserve_mm_ipc_cache_resends_total"] == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("functions", [{"name": "f"}]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("modalities", ["text", "audio"]),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("web_search_options", {}),
+        ("echo", True),
+        ("use_beam_search", True),
+        ("prompt_logprobs", 1),
+        ("chat_template", "{{ messages }}"),
+    ],
+)
+def test_a_field_mmserve_does_not_implement_is_a_400_naming_it(
+    server: Server, field: str, value: Any
+) -> None:
+    body = greedy_body([{"role": "user", "content": "hi"}], 2, **{field: value})
+    error = assert_error(post(server, body), 400, param=field)
+    assert field in error["message"]
+
+
+def test_fields_without_effect_are_accepted_and_an_unknown_one_is_logged_once(server: Server) -> None:
+    name = "x_mmserve_e2e_unknown_field"
+    body = greedy_body(
+        [{"role": "user", "content": "hi"}], 2, user="u-1", metadata={"k": "v"}, store=False, **{name: 1}
+    )
+    for _ in range(2):
+        resp = post(server, body)
+        assert resp.status_code == 200, resp.text
+    lines = [line for line in server.process.log().splitlines() if name in line]
+    assert len(lines) == 1 and "ignored" in lines[0], lines

@@ -101,13 +101,16 @@ def test_client_gone_while_waiting_for_a_whole_answer_aborts_it(server: Server) 
     assert server.metrics()["mmserve_engine_steps_total"] == steps, "the engine stopped working on it"
 
 
-def test_client_disconnect_aborts_the_request(server: Server) -> None:
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_aborts_the_request(server: Server, n: int) -> None:
+    """Every choice of it (``n`` engine requests)."""
     body = {
         "model": "tiny-llava",
         "messages": [user_message("Go on forever.", make_image(499))],
         "max_tokens": 1400,
         "ignore_eos": True,
         "stream": True,
+        "n": n,
     }
     with (
         httpx.Client(base_url=server.base_url, timeout=60) as client,

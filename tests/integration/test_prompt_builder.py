@@ -16,7 +16,7 @@ from PIL import Image
 from app.inputs.prompts import PromptBuilder, messages_key
 from workers.families import load_processing
 from workers.families.errors import FamilyInputError
-from workers.families.processing import FamilyProcessor, ItemLayout
+from workers.families.processing import DEFAULT_TEMPLATE, FamilyProcessor, ItemLayout, TemplateOptions
 from workers.families.tiny import TINY_FAMILIES
 
 pytestmark = pytest.mark.slow
@@ -127,6 +127,17 @@ def test_no_placeholder_is_left_to_the_family(family: FamilyProcessor) -> None:
     )
 
 
+def test_template_options_are_part_of_the_render_and_its_cache_key(family: FamilyProcessor) -> None:
+    fast = PromptBuilder(family)
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
+    continued = TemplateOptions(add_generation_prompt=False, continue_final_message=True)
+    opened = fast.render(conversation)
+    assert opened == family.render_prompt(conversation)
+    assert fast.render(conversation, continued) == family.render_prompt(conversation, continued)
+    assert fast.render(conversation, continued).rstrip().endswith("Hello, I")
+    assert fast.render(conversation) == opened  # each kept under its own key
+
+
 def test_the_caches_are_bounded_in_characters(family: FamilyProcessor) -> None:
     fast = PromptBuilder(family, max_cached_chars=400)
     conversations = [[{"role": "user", "content": f"question {i}"}] for i in range(40)]
@@ -135,7 +146,7 @@ def test_the_caches_are_bounded_in_characters(family: FamilyProcessor) -> None:
         assert fast.tokenize(prompt, []) == family.tokenize(prompt, [])
     for cache, keys in (
         (fast._short_ids, prompts),
-        (fast._prompts, [messages_key(c)[0] for c in conversations]),
+        (fast._prompts, [(messages_key(c)[0], DEFAULT_TEMPLATE) for c in conversations]),
     ):
         assert 0 < cache.num_chars <= 400
         assert cache.keys() == keys[-len(cache.keys()) :]  # the newest kept

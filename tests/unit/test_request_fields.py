@@ -13,16 +13,53 @@ from app.api.request_fields import REFUSED, WITHOUT_EFFECT
 from app.api.schemas import ChatCompletionRequest
 
 # vLLM 0.32's ChatCompletionRequest (vllm/entrypoints/openai/chat_completion/protocol.py), beyond OpenAI's
-VLLM_FIELDS = """
-    thinking_token_budget include_reasoning use_beam_search top_k min_p repetition_penalty watermarking
-    length_penalty stop_token_ids include_stop_str_in_output ignore_eos min_tokens skip_special_tokens
-    spaces_between_special_tokens truncate_prompt_tokens truncation_side prompt_logprobs
-    logprob_token_ids allowed_token_ids bad_words echo add_generation_prompt continue_final_message
-    add_special_tokens documents chat_template chat_template_kwargs media_io_kwargs mm_processor_kwargs
-    structured_outputs priority request_id session_id return_tokens_as_token_ids return_token_ids
-    routed_experts_prompt_start return_token_offsets return_prompt_text mm_payload return_mm_kwargs
-    cache_salt kv_transfer_params ec_transfer_params vllm_xargs repetition_detection
-""".split()
+VLLM_FIELDS = [
+    "thinking_token_budget",
+    "include_reasoning",
+    "use_beam_search",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "watermarking",
+    "length_penalty",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "truncate_prompt_tokens",
+    "truncation_side",
+    "prompt_logprobs",
+    "logprob_token_ids",
+    "allowed_token_ids",
+    "bad_words",
+    "echo",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "documents",
+    "chat_template",
+    "chat_template_kwargs",
+    "media_io_kwargs",
+    "mm_processor_kwargs",
+    "structured_outputs",
+    "priority",
+    "request_id",
+    "session_id",
+    "return_tokens_as_token_ids",
+    "return_token_ids",
+    "routed_experts_prompt_start",
+    "return_token_offsets",
+    "return_prompt_text",
+    "mm_payload",
+    "return_mm_kwargs",
+    "cache_salt",
+    "kv_transfer_params",
+    "ec_transfer_params",
+    "vllm_xargs",
+    "repetition_detection",
+]
 OPENAI_FIELDS = sorted(CompletionCreateParamsBase.__annotations__)
 BASE = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
 
