@@ -95,6 +95,9 @@ class ChatService:
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         response_id = f"chatcmpl-{body.request_id}" if body.request_id is not None else base_id
         constraint = requested_constraint(body.response_format, body.structured_outputs)  # before any work
+        if constraint is not None and body.allowed_token_ids is not None:  # they could leave no token
+            msg = f"allowed_token_ids cannot be combined with an output constraint ({constraint.param})"
+            raise InvalidRequestError(msg, param="allowed_token_ids")
         scope = CacheScope.of(
             tenant=request_tenant(raw.scope),
             cache_salt=body.cache_salt,
@@ -137,7 +140,7 @@ class ChatService:
             return StreamingResponse(
                 self._stream(gens, outputs, body.include_usage), media_type="text/event-stream"
             )
-        collect = asyncio.gather(*(self._collect(gen, out) for gen, out in zip(gens, outputs, strict=True)))
+        collect = asyncio.create_task(self._collect_all(gens, outputs))
         try:
             while not collect.done():
                 await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
@@ -270,6 +273,9 @@ class ChatService:
             for _ in range(num_new_tokens):
                 self.metrics.inter_token_latency.observe(per_token_s)
         gen.last_token_at = now
+
+    async def _collect_all(self, gens: list[Generation], outputs: list[AsyncIterator[RequestOutput]]) -> None:
+        await asyncio.gather(*(self._collect(gen, out) for gen, out in zip(gens, outputs, strict=True)))
 
     async def _collect(self, gen: Generation, outputs: AsyncIterator[RequestOutput]) -> None:
         async for out in outputs:

@@ -116,6 +116,14 @@ def test_a_token_id_outside_the_vocabulary_is_a_400(server: Server, field: str) 
     assert "99999" in error["message"] and "vocabulary" in error["message"]
 
 
+def test_allowed_token_ids_with_an_output_constraint_is_a_400(server: Server) -> None:
+    """Together they could leave no token to sample."""
+    body = {"model": "tiny-llava", "messages": HI, "max_tokens": 2, "allowed_token_ids": [5]}
+    body["response_format"] = {"type": "json_object"}
+    error = assert_error(post(server, body), 400, param="allowed_token_ids")
+    assert "response_format" in error["message"]
+
+
 def test_nan_is_a_400(server: Server) -> None:
     # Python's json (and so FastAPI) reads the non-standard NaN literal.
     content = b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'

@@ -197,3 +197,14 @@ def test_min_p_drops_tokens_below_its_share_of_the_top():
     drawn = {sample(logits, [row])[0][0] for _ in range(400)}
     kept = MinPLogitsWarper(0.5)(torch.tensor([[0]]), logits.clone())[0].isfinite().nonzero().flatten()
     assert drawn == set(kept.tolist()) == {0, 1}
+
+
+def test_an_overflowing_logit_falls_back_to_the_top_token():
+    """A repetition penalty near 0 divides a positive logit to inf: the softmax is nan, the row takes
+    its top logit instead of a nan-picked (perhaps masked) token."""
+    logits = torch.full((1, VOCAB), -1.0)
+    logits[0, 7] = 2.0
+    logits[0, 3] = float("-inf")  # masked
+    row = _penalised_row([7, 1], 2, repetition_penalty=5e-324)
+    row.params = SamplingParams(max_tokens=16, temperature=0.5, repetition_penalty=5e-324, seed=1)
+    assert sample(logits, [row])[0] == [7]
