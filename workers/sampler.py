@@ -238,7 +238,11 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         q[i].exponential_(generator=row.generator)
     # A zero draw would make 0/0 = nan for a masked token, and argmax favours nan.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return (probs / q).argmax(dim=-1)
+    sampled = (probs / q).argmax(dim=-1)
+    # A logit that overflowed (an extreme repetition_penalty or temperature) makes its row's softmax nan:
+    # that row takes its top logit, which is never a masked token.
+    overflowed = probs.isnan().any(dim=-1)
+    return torch.where(overflowed, logits.argmax(dim=-1), sampled)
 
 
 def _token_logprobs(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
