@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import msgspec
 from fastapi import Request
@@ -291,14 +291,15 @@ class ChatService:
         try:
             for gen in gens:
                 yield sse(chunk(gen, {"role": "assistant", "content": ""}, include_usage))
-            async for index, out in interleaved(outputs, gens):
-                gen = gens[index]
-                num_logprobs = len(gen.logprobs)
-                delta = self._advance(gen, out)
-                logprobs = {"content": gen.logprobs[num_logprobs:]} if gen.want_logprobs else None
-                if delta or (logprobs and logprobs["content"]) or gen.finish_reason is not None:
-                    content = {"content": delta} if delta else {}
-                    yield sse(chunk(gen, content, include_usage, logprobs, gen.finish_reason))
+            async with contextlib.aclosing(interleaved(outputs, gens)) as merged:  # its pumps end with it
+                async for index, out in merged:
+                    gen = gens[index]
+                    num_logprobs = len(gen.logprobs)
+                    delta = self._advance(gen, out)
+                    logprobs = {"content": gen.logprobs[num_logprobs:]} if gen.want_logprobs else None
+                    if delta or (logprobs and logprobs["content"]) or gen.finish_reason is not None:
+                        content = {"content": delta} if delta else {}
+                        yield sse(chunk(gen, content, include_usage, logprobs, gen.finish_reason))
             if include_usage:
                 yield sse(final_usage_chunk(gens))
             yield "data: [DONE]\n\n"
@@ -310,7 +311,7 @@ class ChatService:
 
 async def interleaved(
     outputs: list[AsyncIterator[RequestOutput]], gens: list[Generation]
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+) -> AsyncGenerator[tuple[int, RequestOutput]]:
     """``(index, output)`` of every choice's outputs as they come, until every choice finished (a choice
     ended by a stop string gets no further outputs). The first failure is raised."""
     if len(outputs) == 1:
