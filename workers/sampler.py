@@ -15,14 +15,15 @@ Order of operations on each row of logits (float32, [vocab]), vLLM's (docs/api.m
    independent of the batch it ran in.
 
 Every step is batched over the rows that need it; a batch whose requests ask for none of 3-6 pays
-nothing for them. Token counts for the penalties are kept per request (``TokenHistory``) and updated
-with each new token, not recounted.
+nothing for them. Penalties touch only the ids a request has seen, whose output counts are kept per
+request (``TokenHistory``) and updated with each new token, not recounted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from wire.protocol import Logprob, SamplingParams, TokenLogprobs
@@ -42,38 +43,57 @@ class SamplingRow:
 
 
 class TokenHistory:
-    """One request's token ids as the penalties read them: which ids its prompt holds, and how often each
-    id occurs in its output. Built on first use (a request without penalties never builds it) and brought
-    up to date with the outputs appended since, so a step counts only the new tokens. ``token_ids`` is
-    the request's own list (prompt, then outputs), read, never changed here."""
+    """One request's token ids as the penalties read them: the distinct ids of its prompt and output (the
+    prompt's first) and each one's count in the output, kept up to date as outputs are appended (each
+    new token is counted once, O(1)), in numpy arrays a step concatenates without converting Python
+    lists. Built on first use: a request without penalties never builds it. ``token_ids`` is the
+    request's own list (prompt, then outputs), read, never changed here.
+
+    Penalties then touch only these ids (a gather and a scatter, as transformers applies its repetition
+    penalty), not the whole vocabulary: a request sees a few hundred distinct ids, a vocabulary has
+    thousands to hundreds of thousands."""
 
     def __init__(self, token_ids: list[int], num_prompt_tokens: int) -> None:
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
-        self._prompt_seen: torch.Tensor | None = None  # bool [vocab]
-        self._output_counts: torch.Tensor | None = None  # float32 [vocab]
-        self._num_counted = 0  # outputs already in _output_counts
+        self._ids = np.empty(0, dtype=np.int64)  # distinct ids in prompt or output, then spare room
+        self._counts = np.empty(0, dtype=np.float32)  # each id's count in the output (0: prompt only)
+        self._num_ids = 0
+        self._position: dict[int, int] = {}  # id -> its index in _ids
+        self._num_counted: int | None = None  # outputs counted; None: not built
 
-    def counts(self, vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(prompt_seen, output_counts), both [vocab_size], on ``device``. Ids outside the vocabulary
-        (none in practice) are left out."""
-        if self._prompt_seen is None or self._output_counts is None:
-            self._prompt_seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            prompt = _in_vocab(self.token_ids[: self.num_prompt_tokens], vocab_size, device)
-            self._prompt_seen[prompt] = True
-            self._output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+    @property
+    def ids(self) -> np.ndarray:
+        return self._ids[: self._num_ids]
+
+    @property
+    def output_counts(self) -> np.ndarray:
+        return self._counts[: self._num_ids]
+
+    def update(self, vocab_size: int) -> None:
+        """Called before each penalised sampling. Ids outside the vocabulary (none in practice: the
+        engine checks prompts, sampled ids come from the logits) are left out."""
+        if self._num_counted is None:
+            prompt = list(
+                dict.fromkeys(t for t in self.token_ids[: self.num_prompt_tokens] if t < vocab_size)
+            )
+            self._ids = np.array(prompt + [0] * 64, dtype=np.int64)
+            self._counts = np.zeros(len(self._ids), dtype=np.float32)
+            self._num_ids = len(prompt)
+            self._position = {token_id: i for i, token_id in enumerate(prompt)}
             self._num_counted = 0
-        outputs = self.token_ids[self.num_prompt_tokens + self._num_counted :]
-        if outputs:
-            new = _in_vocab(outputs, vocab_size, device)
-            self._output_counts.index_add_(0, new, torch.ones(len(new), device=device))
-            self._num_counted += len(outputs)
-        return self._prompt_seen, self._output_counts
-
-
-def _in_vocab(token_ids: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
-    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-    return ids[ids < vocab_size]
+        for token_id in self.token_ids[self.num_prompt_tokens + self._num_counted :]:
+            position = self._position.get(token_id)
+            if position is None and token_id < vocab_size:
+                if self._num_ids == len(self._ids):  # full: double the room
+                    self._ids = np.concatenate([self._ids, np.zeros_like(self._ids)])
+                    self._counts = np.concatenate([self._counts, np.zeros_like(self._counts)])
+                position = self._position[token_id] = self._num_ids
+                self._ids[position] = token_id
+                self._num_ids += 1
+            if position is not None:
+                self._counts[position] += 1.0
+        self._num_counted = len(self.token_ids) - self.num_prompt_tokens
 
 
 def make_generator(seed: int | None, device: torch.device, fallback: torch.Generator) -> torch.Generator:
@@ -168,32 +188,37 @@ def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Repetition, frequency and presence penalties on the rows that ask for any, as one batched op."""
+    """Repetition, frequency and presence penalties on the rows that ask for any: one gather of every
+    penalised row's seen ids, the arithmetic on those, one scatter back."""
     penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
     if not penalised:
         return
-    device, vocab_size = logits.device, logits.shape[1]
-    seen_rows, count_rows = [], []
-    for i in penalised:
-        history = rows[i].history
+    vocab_size = logits.shape[1]
+    histories = [rows[i].history for i in penalised]
+    for history in histories:
         assert history is not None  # (the runner gives every request a history)
-        prompt_seen, output_counts = history.counts(vocab_size, device)
-        seen_rows.append(prompt_seen)
-        count_rows.append(output_counts)
-    counts = torch.stack(count_rows)
-    in_output = counts > 0
-    seen = torch.stack(seen_rows) | in_output
+        history.update(vocab_size)
+    num_ids = np.array([len(h.ids) for h in histories])  # type: ignore[union-attr]
+    params = [rows[i].params for i in penalised]
 
-    def per_row(name: str) -> torch.Tensor:
-        values = [getattr(rows[i].params, name) for i in penalised]
-        return torch.tensor(values, dtype=logits.dtype, device=device).unsqueeze(1)
+    def on_device(array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(logits.device)
 
-    idx = torch.tensor(penalised, device=device)
-    sub = logits.index_select(0, idx)
-    repetition = per_row("repetition_penalty")
-    sub = torch.where(seen, torch.where(sub > 0, sub / repetition, sub * repetition), sub)
-    sub = sub - per_row("frequency_penalty") * counts - per_row("presence_penalty") * in_output
-    logits.index_copy_(0, idx, sub)
+    def per_id(values: list[float]) -> torch.Tensor:
+        return on_device(np.repeat(np.array(values, dtype=np.float32), num_ids))
+
+    row_index = on_device(np.repeat(np.array(penalised, dtype=np.int64), num_ids))
+    index = (row_index, on_device(np.concatenate([h.ids for h in histories])))  # type: ignore[union-attr]
+    scores = logits[index]
+    counts = on_device(np.concatenate([h.output_counts for h in histories]))  # type: ignore[union-attr]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        repetition = per_id([p.repetition_penalty for p in params])
+        scores = torch.where(scores > 0, scores / repetition, scores * repetition)
+    if any(p.frequency_penalty for p in params):
+        scores = scores - per_id([p.frequency_penalty for p in params]) * counts
+    if any(p.presence_penalty for p in params):
+        scores = scores - per_id([p.presence_penalty for p in params]) * (counts > 0)
+    logits.index_put_(index, scores)
 
 
 def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
