@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video bench-media-ids bench-structured dashboard-image
+.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video bench-media-ids bench-structured bench-sampling dashboard-image
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -109,6 +109,11 @@ bench-media-ids: setup model
 # LLaVA and Qwen2.5-VL and vLLM's CPU peer (if set up); a schema's first use vs a repeat; draws docs/img/structured.png
 bench-structured: setup
 	$(PY) bench/bench_structured.py
+
+# ~4 min: n=4 vs four requests per new 1024x1024 JPEG (choices/s; processor and encoder runs, prefix hits per
+# image), penalties vs none at c=16, 64 tokens, on the tiny LLaVA and Qwen2.5-VL; draws docs/img/sampling.png
+bench-sampling: setup
+	$(PY) bench/bench_sampling.py
 
 # ~2 min: the worker's LM forward on one step per attention backend (glibc's malloc and the worker's),
 # and the kernel candidates (SDPA with a mask, flex_attention)
