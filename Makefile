@@ -110,7 +110,7 @@ bench-media-ids: setup model
 bench-structured: setup
 	$(PY) bench/bench_structured.py
 
-# ~4 min: n=4 vs four requests per new 1024x1024 JPEG (choices/s; processor and encoder runs, prefix hits per
+# ~6 min: n=4 vs four requests (at once, in turn) per new 1024x1024 JPEG (choices/s; processor and encoder runs, prefix hits per
 # image), penalties vs none at c=16, 64 tokens, on the tiny LLaVA and Qwen2.5-VL; draws docs/img/sampling.png
 bench-sampling: setup
 	$(PY) bench/bench_sampling.py

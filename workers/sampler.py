@@ -201,24 +201,21 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     num_ids = np.array([len(h.ids) for h in histories])  # type: ignore[union-attr]
     params = [rows[i].params for i in penalised]
 
-    def on_device(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(logits.device)
+    def per_id(name: str) -> np.ndarray:
+        return np.repeat(np.array([getattr(p, name) for p in params], dtype=np.float32), num_ids)
 
-    def per_id(values: list[float]) -> torch.Tensor:
-        return on_device(np.repeat(np.array(values, dtype=np.float32), num_ids))
-
-    row_index = on_device(np.repeat(np.array(penalised, dtype=np.int64), num_ids))
-    index = (row_index, on_device(np.concatenate([h.ids for h in histories])))  # type: ignore[union-attr]
+    # The per-id arithmetic that does not need the logits runs in numpy, on the few ids involved.
+    counts = np.concatenate([h.output_counts for h in histories])  # type: ignore[union-attr]
+    subtract = per_id("frequency_penalty") * counts + per_id("presence_penalty") * (counts > 0)
+    device = logits.device
+    row_index = np.repeat(np.array(penalised, dtype=np.int64), num_ids)
+    ids = np.concatenate([h.ids for h in histories])  # type: ignore[union-attr]
+    index = (torch.from_numpy(row_index).to(device), torch.from_numpy(ids).to(device))
     scores = logits[index]
-    counts = on_device(np.concatenate([h.output_counts for h in histories]))  # type: ignore[union-attr]
     if any(p.repetition_penalty != 1.0 for p in params):
-        repetition = per_id([p.repetition_penalty for p in params])
+        repetition = torch.from_numpy(per_id("repetition_penalty")).to(device)
         scores = torch.where(scores > 0, scores / repetition, scores * repetition)
-    if any(p.frequency_penalty for p in params):
-        scores = scores - per_id([p.frequency_penalty for p in params]) * counts
-    if any(p.presence_penalty for p in params):
-        scores = scores - per_id([p.presence_penalty for p in params]) * (counts > 0)
-    logits.index_put_(index, scores)
+    logits.index_put_(index, scores - torch.from_numpy(subtract).to(device))
 
 
 def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
