@@ -1,0 +1,211 @@
+"""Hermes-style tool calls in the output of the Qwen2.5 / Qwen3 families, as OpenAI ``tool_calls``.
+
+The model writes free text and zero or more calls, each::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Text outside the calls is content. A call is the span from a ``<tool_call>`` to the first
+``</tool_call>`` after it. A span whose JSON does not decode to a name and an arguments object stays in
+the content as raw text, and so does an unterminated ``<tool_call>`` (output cut by ``max_tokens``),
+so the client sees what the model said. ``parse_tool_calls`` reads a whole output; ``ToolCallStreamer``
+reads it delta by delta and reassembles to exactly the same result for any split of the text.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+OPEN_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
+
+CallIdFactory = Callable[[], str]
+
+
+def new_call_id() -> str:
+    """An OpenAI-like call id: ``call_`` and 24 hex characters."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One decoded call; ``arguments`` is the arguments object as compact JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """A whole output split into content (None when only whitespace is left) and calls."""
+
+    content: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ContentDelta:
+    """Content text to append to the message."""
+
+    content: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of call ``index``: the first carries ``id`` and ``name``, the rest argument fragments."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+StreamDelta = ContentDelta | ToolCallDelta
+
+
+def _decode_call(body: str) -> tuple[str, str] | None:
+    """``(name, compact arguments JSON)`` for the text between the tags, or None if it is no call.
+
+    "arguments" may be an object or a JSON string holding one (decoded once); a missing "arguments"
+    means no arguments. Anything else, and arguments that do not re-serialise as strict JSON (NaN),
+    is not a call.
+    """
+    try:
+        call = json.loads(body)
+        if not isinstance(call, dict):
+            return None
+        name, arguments = call.get("name"), call.get("arguments", {})
+        if isinstance(arguments, str):
+            arguments = json.loads(arguments)
+        if not isinstance(name, str) or not name or not isinstance(arguments, dict):
+            return None
+        return name, _compact_json(arguments)
+    except (ValueError, RecursionError):  # json.JSONDecodeError is a ValueError
+        return None
+
+
+def _compact_json(value: dict[str, Any]) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def parse_tool_calls(text: str, new_call_id: CallIdFactory = new_call_id) -> ParsedOutput:
+    """Splits a finished output into content and calls; ids come from ``new_call_id``, in order.
+
+    Content is the text outside the decoded calls, joined and stripped of leading and trailing
+    whitespace (so the newlines the template puts around calls do not become content).
+    """
+    outside: list[str] = []
+    tool_calls: list[ToolCall] = []
+    pos = 0
+    while (start := text.find(OPEN_TAG, pos)) >= 0:
+        end = text.find(CLOSE_TAG, start + len(OPEN_TAG))
+        if end < 0:
+            break  # unterminated: the rest is content
+        outside.append(text[pos:start])
+        decoded = _decode_call(text[start + len(OPEN_TAG) : end])
+        if decoded is None:
+            outside.append(text[start : end + len(CLOSE_TAG)])
+        else:
+            tool_calls.append(ToolCall(new_call_id(), *decoded))
+        pos = end + len(CLOSE_TAG)
+    outside.append(text[pos:])
+    return ParsedOutput("".join(outside).strip() or None, tool_calls)
+
+
+def finish_reason(parsed: ParsedOutput, engine_reason: str) -> str:
+    """OpenAI's ``"tool_calls"`` when the model stopped by itself after calling; else the engine's."""
+    return "tool_calls" if parsed.tool_calls and engine_reason == "stop" else engine_reason
+
+
+class ToolCallStreamer:
+    """Turns the text deltas of one output into content and tool-call deltas, as they arrive.
+
+    ``push`` is called with each text delta in order, ``finish`` once after the last. What holds: the
+    content deltas concatenate to ``parse_tool_calls(text).content`` (or "" for None), and the call
+    deltas grouped by index give its calls, ids included when both use the same id factory. Outside a
+    call, text streams at once except a tail that could still grow into ``<tool_call>`` and trailing
+    whitespace (held until more content follows, dropped at the end). A call is held whole until
+    ``</tool_call>``, since only then is it known to decode; it is sent as one delta with id and name
+    and one with all of its arguments, or as content if it does not decode.
+    """
+
+    def __init__(self, new_call_id: CallIdFactory = new_call_id) -> None:
+        self._new_call_id = new_call_id
+        self._buffer = ""  # undecided text: a partial open tag, or the body of the open call
+        self._in_call = False
+        self._num_scanned_chars = 0  # how much of an open call's body was searched for the close tag
+        self._pending_whitespace = ""
+        self._sent_content = False
+        self._finished = False
+        self.num_tool_calls = 0
+
+    def push(self, delta: str) -> list[StreamDelta]:
+        """Called with each new piece of output text; returns the deltas now decided."""
+        assert not self._finished, "push after finish"
+        self._buffer += delta
+        out: list[StreamDelta] = []
+        while True:
+            if self._in_call:
+                scan_from = max(0, self._num_scanned_chars - len(CLOSE_TAG) + 1)
+                end = self._buffer.find(CLOSE_TAG, scan_from)
+                if end < 0:
+                    self._num_scanned_chars = len(self._buffer)
+                    return out
+                out += self._close_call(self._buffer[:end])
+                self._buffer = self._buffer[end + len(CLOSE_TAG) :]
+                self._in_call = False
+            else:
+                start = self._buffer.find(OPEN_TAG)
+                if start < 0:
+                    held = _partial_tag_len(self._buffer)
+                    out += self._content(self._buffer[: len(self._buffer) - held])
+                    self._buffer = self._buffer[len(self._buffer) - held :]
+                    return out
+                out += self._content(self._buffer[:start])
+                self._buffer = self._buffer[start + len(OPEN_TAG) :]
+                self._in_call, self._num_scanned_chars = True, 0
+
+    def finish(self) -> list[StreamDelta]:
+        """Called once after the last ``push``: releases held text (an unterminated call as content)."""
+        self._finished = True
+        rest = OPEN_TAG + self._buffer if self._in_call else self._buffer
+        self._buffer = ""
+        return self._content(rest)
+
+    def _close_call(self, body: str) -> list[StreamDelta]:
+        decoded = _decode_call(body)
+        if decoded is None:
+            return self._content(OPEN_TAG + body + CLOSE_TAG)
+        name, arguments = decoded
+        index = self.num_tool_calls
+        self.num_tool_calls += 1
+        return [
+            ToolCallDelta(index, self._new_call_id(), name, ""),
+            ToolCallDelta(index, None, None, arguments),
+        ]
+
+    def _content(self, text: str) -> list[StreamDelta]:
+        """Content outside calls, with whitespace trimmed as ``parse_tool_calls`` strips it."""
+        text = self._pending_whitespace + text
+        kept = text.rstrip()
+        self._pending_whitespace = text[len(kept) :]
+        if not self._sent_content:
+            kept = kept.lstrip()
+        if not kept:
+            return []
+        self._sent_content = True
+        return [ContentDelta(kept)]
+
+
+def _partial_tag_len(text: str) -> int:
+    """Length of the longest tail of ``text`` that is a proper prefix of ``<tool_call>``."""
+    for length in range(min(len(text), len(OPEN_TAG) - 1), 0, -1):
+        if OPEN_TAG.startswith(text[-length:]):
+            return length
+    return 0

@@ -1,0 +1,238 @@
+"""Hermes-style tool calls: the whole-output parser, and the streamer that must reassemble to it."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.api.tool_calls import (
+    ContentDelta,
+    ParsedOutput,
+    StreamDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStreamer,
+    finish_reason,
+    new_call_id,
+    parse_tool_calls,
+)
+
+
+def ids() -> Any:
+    """A deterministic id factory: call_0, call_1, ..."""
+    counter = itertools.count()
+    return lambda: f"call_{next(counter)}"
+
+
+def call(name: str, arguments: Any, *, sep: str = "\n") -> str:
+    return f"<tool_call>{sep}{json.dumps({'name': name, 'arguments': arguments})}{sep}</tool_call>"
+
+
+def parse(text: str) -> ParsedOutput:
+    return parse_tool_calls(text, ids())
+
+
+def stream(deltas: list[str]) -> list[StreamDelta]:
+    streamer = ToolCallStreamer(ids())
+    out: list[StreamDelta] = []
+    for delta in deltas:
+        out += streamer.push(delta)
+    return out + streamer.finish()
+
+
+def reassemble(deltas: list[StreamDelta]) -> ParsedOutput:
+    """What a client builds from the chunks: content joined, calls grouped by index."""
+    content = "".join(d.content for d in deltas if isinstance(d, ContentDelta))
+    calls: dict[int, list[ToolCallDelta]] = {}
+    for d in deltas:
+        if isinstance(d, ToolCallDelta):
+            calls.setdefault(d.index, []).append(d)
+    tool_calls = []
+    for index in sorted(calls):
+        first, *rest = calls[index]
+        assert first.id is not None and first.name is not None
+        assert all(d.id is None and d.name is None for d in rest)
+        tool_calls.append(ToolCall(first.id, first.name, "".join(d.arguments for d in calls[index])))
+    assert sorted(calls) == list(range(len(calls)))
+    return ParsedOutput(content or None, tool_calls)
+
+
+def test_plain_text_is_content_only() -> None:
+    assert parse("The answer is 4.") == ParsedOutput("The answer is 4.", [])
+    assert parse("") == ParsedOutput(None, [])
+    assert parse("  \n") == ParsedOutput(None, [])
+
+
+def test_one_call() -> None:
+    text = call("get_weather", {"city": "Paris", "unit": "celsius"})
+    expected = ToolCall("call_0", "get_weather", '{"city":"Paris","unit":"celsius"}')
+    assert parse(text) == ParsedOutput(None, [expected])
+
+
+def test_whitespace_between_tags_and_json_is_lenient() -> None:
+    for sep in ["", " ", "\n\n", "\t \n"]:
+        assert parse(call("f", {"a": 1}, sep=sep)).tool_calls == [ToolCall("call_0", "f", '{"a":1}')]
+
+
+def test_parallel_calls_with_text_around() -> None:
+    text = f"Let me check both.\n{call('a', {'x': 1})}\nand\n{call('b', {})}\nDone."
+    assert parse(text) == ParsedOutput(
+        "Let me check both.\n\nand\n\nDone.",
+        [ToolCall("call_0", "a", '{"x":1}'), ToolCall("call_1", "b", "{}")],
+    )
+
+
+def test_calls_only_leave_no_content() -> None:
+    text = f"\n{call('a', {})}\n{call('b', {})}\n"
+    assert parse(text).content is None
+    assert [c.name for c in parse(text).tool_calls] == ["a", "b"]
+
+
+def test_nested_unicode_and_escaped_quotes_round_trip() -> None:
+    arguments = {
+        "q": 'say "hi" \\ now',
+        "city": "Zürich 日本",
+        "opts": {"deep": [1, {"x": None}], "ok": True},
+    }
+    (parsed,) = parse(call("search", arguments)).tool_calls
+    assert json.loads(parsed.arguments) == arguments
+    assert "Zürich 日本" in parsed.arguments  # not \u-escaped
+    assert parsed.arguments == json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
+
+
+def test_arguments_given_as_json_string_are_decoded_once() -> None:
+    text = '<tool_call>{"name": "f", "arguments": "{\\"a\\": [1, 2]}"}</tool_call>'
+    assert parse(text).tool_calls == [ToolCall("call_0", "f", '{"a":[1,2]}')]
+
+
+def test_missing_arguments_mean_no_arguments() -> None:
+    assert parse('<tool_call>{"name": "now"}</tool_call>').tool_calls == [ToolCall("call_0", "now", "{}")]
+
+
+def test_bad_calls_stay_content_and_do_not_use_ids() -> None:
+    bad = [
+        '<tool_call>{"name": "f", "arguments": {"a": 1}</tool_call>',  # malformed JSON
+        '<tool_call>{"arguments": {"a": 1}}</tool_call>',  # no name
+        '<tool_call>{"name": "", "arguments": {}}</tool_call>',  # empty name
+        '<tool_call>{"name": 3, "arguments": {}}</tool_call>',  # name not a string
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',  # arguments not an object
+        '<tool_call>{"name": "f", "arguments": "not json"}</tool_call>',  # string, not an object
+        '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',  # not strict JSON out
+        "<tool_call>[1, 2]</tool_call>",  # not an object at all
+    ]
+    for text in bad:
+        assert parse(text) == ParsedOutput(text, []), text
+        assert reassemble(stream(list(text))) == ParsedOutput(text, []), text
+    text = f"{bad[0]} then {call('g', {})}"
+    assert parse(text) == ParsedOutput(f"{bad[0]} then", [ToolCall("call_0", "g", "{}")])
+
+
+def test_unterminated_call_is_content() -> None:
+    text = f'{call("a", {})}\nNow <tool_call>\n{{"name": "b", "argum'
+    assert parse(text) == ParsedOutput(
+        'Now <tool_call>\n{"name": "b", "argum', [ToolCall("call_0", "a", "{}")]
+    )
+    assert reassemble(stream([text[:30], text[30:]])) == parse(text)
+
+
+def test_stream_emits_id_and_name_first_then_arguments() -> None:
+    assert stream(["Hi ", "<tool", "_call>", '{"name": "f", ', '"arguments": {"a": 1}}', "</tool_call>"]) == [
+        ContentDelta("Hi"),
+        ToolCallDelta(0, "call_0", "f", ""),
+        ToolCallDelta(0, None, None, '{"a":1}'),
+    ]
+
+
+def test_stream_holds_back_a_partial_tag_only_until_decided() -> None:
+    streamer = ToolCallStreamer(ids())
+    assert streamer.push("Hello <tool") == [ContentDelta("Hello")]
+    assert streamer.push("_call>") == []
+    assert streamer.push('{"name": "f", "arguments": {}}') == []
+    assert streamer.push("</tool_call>\nAfter") == [
+        ToolCallDelta(0, "call_0", "f", ""),
+        ToolCallDelta(0, None, None, "{}"),
+        ContentDelta(" \nAfter"),  # the space held after "Hello" goes out with the next content
+    ]
+    assert streamer.finish() == []
+    assert streamer.num_tool_calls == 1
+
+
+def test_text_that_looks_like_a_partial_tag_streams_as_content() -> None:
+    streamer = ToolCallStreamer(ids())
+    assert streamer.push("a <") == [ContentDelta("a")]
+    assert streamer.push(" b") == [ContentDelta(" < b")]
+    assert streamer.push(" <tool_") == []  # a space (held until content follows) and a partial tag
+    assert streamer.push("box>") == [ContentDelta(" <tool_box>")]
+    assert streamer.push(" <t") == []
+    assert streamer.finish() == [ContentDelta(" <t")]
+
+
+def test_finish_reason() -> None:
+    with_call = parse(call("f", {}))
+    assert finish_reason(with_call, "stop") == "tool_calls"
+    assert finish_reason(with_call, "length") == "length"
+    assert finish_reason(parse("no call"), "stop") == "stop"
+
+
+def test_default_call_ids_look_like_openai() -> None:
+    first, second = new_call_id(), new_call_id()
+    assert first != second
+    assert first.startswith("call_") and len(first) == 5 + 24
+    int(first[5:], 16)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3)
+    ),
+    max_leaves=8,
+)
+arguments = st.dictionaries(st.text(max_size=6), json_values, max_size=3)
+names = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True)
+spacing = st.sampled_from(["", "\n", " ", "\n\n"])
+
+
+@st.composite
+def good_calls(draw: st.DrawFn) -> str:
+    body = json.dumps({"name": draw(names), "arguments": draw(arguments)}, ensure_ascii=draw(st.booleans()))
+    return f"<tool_call>{draw(spacing)}{body}{draw(spacing)}</tool_call>"
+
+
+bad_calls = st.sampled_from(
+    [
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": 1}</tool_call>',
+        "<tool_call></tool_call>",
+    ]
+)
+# Content with the characters and tag pieces that make streaming hard.
+content = st.lists(
+    st.text(alphabet="ab <>/_\n é日", max_size=6)
+    | st.sampled_from(["<tool", "_call>", "<tool_call", "</tool_call>"]),
+    max_size=3,
+).map("".join)
+texts = st.lists(content | good_calls() | bad_calls, max_size=6).map("".join)
+unterminated = st.sampled_from(["", "<tool_call>", '<tool_call>\n{"name": "f", "arg', "<tool_"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=texts, tail=unterminated, cuts=st.lists(st.integers(min_value=0), max_size=8), data=st.data())
+def test_any_split_of_any_text_reassembles_to_the_parse(
+    body: str, tail: str, cuts: list[int], data: Any
+) -> None:
+    text = body + tail
+    points = sorted({cut % (len(text) + 1) for cut in cuts})
+    deltas = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+    assert reassemble(stream(deltas)) == parse(text)
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=texts)
+def test_char_by_char_stream_reassembles_to_the_parse(text: str) -> None:
+    assert reassemble(stream(list(text))) == parse(text)
