@@ -1,3 +1,3 @@
 """The HTTP API: app factory and lifespan, routes, OpenAI schemas and responses, the error envelope,
-request guards, drain, the chat service (sampling parameters, its detokenizer, the request fields it
-sorts) and the tokenize service."""
+request guards, drain, the output path every endpoint formats from (outputs.py, its detokenizer, tool
+calls), the chat service (sampling parameters, the request fields it sorts) and the tokenize service."""

@@ -1,38 +1,12 @@
-"""The OpenAI response shapes of a chat completion: the whole ``chat.completion`` object, stream chunks,
-usage and logprobs, built from the accumulated ``Generation`` of each of a request's choices."""
+"""The OpenAI response shapes of a chat completion: the whole ``chat.completion`` object, stream chunks and
+usage, built from the accumulated ``Generation`` of each of a request's choices (app/api/outputs.py)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
-from app.api.detokenizer import IncrementalDetokenizer
-from wire.protocol import TokenLogprobs
-
-
-@dataclass
-class Generation:
-    """Accumulated output of one choice (one engine request), updated as engine outputs arrive."""
-
-    req_id: str  # the engine's
-    response_id: str  # the response's, shared by every choice of a request
-    index: int  # the choice's
-    model_name: str
-    arrival: float  # unix time the request arrived
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
-    want_logprobs: bool
-    detok: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    finish_reason: str | None = None
-    last_token_at: float | None = None  # unix time the latest output with tokens reached the API
-
-    @property
-    def created(self) -> int:
-        return int(self.arrival)
+from app.api.outputs import Generation
 
 
 def usage(gens: list[Generation]) -> dict[str, Any]:
@@ -88,21 +62,6 @@ def _envelope(gen: Generation, obj: str, choices: list[dict[str, Any]], usage: A
         "choices": choices,
         "usage": usage,
     }
-
-
-def logprob_entries(entries: list[TokenLogprobs], detok: IncrementalDetokenizer) -> list[dict[str, Any]]:
-    """OpenAI ``logprobs.content`` items: token text (``bytes:…`` for partial characters), raw bytes."""
-
-    def one(token_id: int, logprob: float) -> dict[str, Any]:
-        token = detok.token_strings([token_id])[0]
-        return {"token": token, "logprob": logprob, "bytes": detok.token_bytes(token_id)}
-
-    result = []
-    for entry in entries:
-        item = one(entry.sampled.token_id, entry.sampled.logprob)
-        item["top_logprobs"] = [one(lp.token_id, lp.logprob) for lp in entry.top]
-        result.append(item)
-    return result
 
 
 def sse(payload: dict[str, Any]) -> str:

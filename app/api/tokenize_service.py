@@ -15,6 +15,7 @@ from app.api.tokenize_schemas import DetokenizeRequest, TokenizeRequest
 from app.errors import InvalidRequestError, ModelNotFoundError
 from app.inputs.input_processor import InputProcessor
 from app.inputs.media_ids import CacheScope
+from app.inputs.submission import prompt_token_ids
 from workers.families.processing import TemplateOptions
 
 
@@ -60,12 +61,9 @@ class TokenizeService:
             isolate_tenants=self.inputs.settings.tenant_cache_isolation,
         )
         template = TemplateOptions(body.add_generation_prompt, body.continue_final_message)
-        prepared = await self.inputs.prepare(body.messages, body.mm_processor_kwargs or {}, scope, template)
-        try:
-            await self.inputs.resolve(prepared)
-        finally:
-            self.inputs.release_pins(prepared)
-        return list(prepared.prompt_token_ids)
+        return await prompt_token_ids(
+            self.inputs, body.messages, body.mm_processor_kwargs or {}, scope, template
+        )
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from app.api.chat_service import request_outputs
+from app.api.outputs import request_outputs
 from app.errors import EngineUnavailableError, MMServeError
 from app.inputs.engine_client import EngineGone
 from wire.protocol import ErrorInfo, Logprob, RequestOutput, TokenLogprobs

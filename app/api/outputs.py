@@ -1,0 +1,219 @@
+"""The output side of a request, shared by every endpoint: each choice's engine outputs become text
+(detokenised incrementally, stop strings applied: a match aborts that choice in the engine), logprob
+entries and a finish reason, accumulated in its ``Generation``, with the latency metrics observed. An
+endpoint only formats: the whole answer from the ``Generation``s once ``collect`` returns, or each
+``ChoiceDelta`` of ``deltas`` as it comes (docs/architecture.md, "Request path")."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from app.api.detokenizer import IncrementalDetokenizer
+from app.errors import EngineUnavailableError
+from app.inputs.engine_client import EngineClient, EngineGone
+from app.inputs.submission import OutputQueue, Submitted, error_from_engine
+from app.metrics import ApiMetrics
+from wire.protocol import RequestOutput, TokenLogprobs
+
+
+@dataclass
+class Generation:
+    """Accumulated output of one choice (one engine request), updated as engine outputs arrive."""
+
+    req_id: str  # the engine's
+    response_id: str  # the response's, shared by every choice of a request
+    index: int  # the choice's
+    model_name: str
+    arrival: float  # unix time the request arrived
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    want_logprobs: bool
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    last_token_at: float | None = None  # unix time the latest output with tokens reached the API
+
+    @property
+    def created(self) -> int:
+        return int(self.arrival)
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one engine output added to choice ``index``: text, logprob entries, and the finish reason
+    once it finished (then ``text`` includes what the detokenizer held back)."""
+
+    index: int
+    text: str
+    logprobs: list[dict[str, Any]]
+    finish_reason: str | None
+
+
+class ChoiceOutputs:
+    """The outputs of one request's choices. Built once every choice was submitted; ``collect`` or
+    ``deltas`` is called once; ``release`` always, last (it aborts the choices not finished)."""
+
+    def __init__(
+        self, gens: list[Generation], submitted: Submitted, engine: EngineClient, metrics: ApiMetrics
+    ) -> None:
+        self.gens = gens
+        self.engine = engine
+        self.metrics = metrics
+        self._outputs = [request_outputs(c.first, c.queue) for c in submitted.choices]
+
+    def release(self) -> None:
+        for gen in self.gens:
+            self.engine.release(gen.req_id, abort=gen.finish_reason is None)
+
+    async def collect(self) -> None:
+        """Until every choice finished."""
+
+        async def one(gen: Generation, outputs: AsyncIterator[RequestOutput]) -> None:
+            async for out in outputs:
+                self._advance(gen, out)
+                if gen.finish_reason is not None:
+                    return
+
+        await asyncio.gather(
+            *(one(gen, outputs) for gen, outputs in zip(self.gens, self._outputs, strict=True))
+        )
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Each choice's deltas in its order, the choices interleaved as their outputs come; only deltas
+        that carry something. Raises the first failure."""
+        async with contextlib.aclosing(interleaved(self._outputs, self.gens)) as merged_outputs:
+            async for index, out in merged_outputs:
+                gen = self.gens[index]
+                num_logprobs = len(gen.logprobs)
+                text = self._advance(gen, out)
+                logprobs = gen.logprobs[num_logprobs:]
+                if text or logprobs or gen.finish_reason is not None:
+                    yield ChoiceDelta(index, text, logprobs, gen.finish_reason)
+
+    def _advance(self, gen: Generation, out: RequestOutput) -> str:
+        """Applies one engine output to ``gen``; returns the new text."""
+        if out.new_token_ids:
+            self._observe_latency(gen, len(out.new_token_ids))
+        gen.token_ids.extend(out.new_token_ids)
+        self.metrics.generation_tokens.inc(len(out.new_token_ids))
+        if gen.want_logprobs and out.logprobs:
+            gen.logprobs.extend(logprob_entries(out.logprobs, gen.detok))
+        delta = gen.detok.push(out.new_token_ids)
+        if gen.detok.stopped:
+            gen.finish_reason = "stop"
+            self.engine.release(gen.req_id, abort=True)
+        elif out.finish_reason is not None:
+            delta += gen.detok.flush()
+            gen.finish_reason = str(out.finish_reason)
+        if gen.finish_reason is not None:
+            self.metrics.request_success.labels(finish_reason=gen.finish_reason).inc()
+            self.metrics.e2e_latency.observe(time.time() - gen.arrival)
+        gen.text += delta
+        return delta
+
+    def _observe_latency(self, gen: Generation, num_new_tokens: int) -> None:
+        """TTFT for a choice's first tokens; after them, an output of k tokens t seconds after the
+        previous one is k inter-token latencies of t/k (outputs merged under load spread their wait)."""
+        now = time.time()
+        if gen.last_token_at is None:
+            self.metrics.ttft.observe(now - gen.arrival)
+        else:
+            per_token_s = (now - gen.last_token_at) / num_new_tokens
+            for _ in range(num_new_tokens):
+                self.metrics.inter_token_latency.observe(per_token_s)
+        gen.last_token_at = now
+
+
+def logprob_entries(entries: list[TokenLogprobs], detok: IncrementalDetokenizer) -> list[dict[str, Any]]:
+    """OpenAI ``logprobs.content`` items: token text (``bytes:…`` for partial characters), raw bytes."""
+
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        token = detok.token_strings([token_id])[0]
+        return {"token": token, "logprob": logprob, "bytes": detok.token_bytes(token_id)}
+
+    result = []
+    for entry in entries:
+        item = one(entry.sampled.token_id, entry.sampled.logprob)
+        item["top_logprobs"] = [one(lp.token_id, lp.logprob) for lp in entry.top]
+        result.append(item)
+    return result
+
+
+async def request_outputs(first: RequestOutput, queue: OutputQueue) -> AsyncIterator[RequestOutput]:
+    """The request's outputs in order. Outputs that queued up while the consumer was busy (the API
+    behind the engine under load) come out merged into one, as vLLM's output collector does: one SSE
+    chunk and one detokenizer call for several tokens instead of one each, so a busy API does less
+    work per token rather than falling further behind. A failure is never merged: it comes after the
+    outputs before it."""
+    yield first
+    if first.finish_reason is not None:
+        return
+    pending: RequestOutput | EngineGone | None = None
+    while True:
+        out = pending if pending is not None else await queue.get()
+        pending = None
+        if isinstance(out, EngineGone):
+            raise EngineUnavailableError(out.reason)
+        if out.error is not None:  # e.g. the worker died or its step failed under the request
+            raise error_from_engine(out.error)
+        while out.finish_reason is None and not queue.empty():
+            following = queue.get_nowait()
+            if isinstance(following, EngineGone) or following.error is not None:
+                pending = following
+                break
+            out = merged(out, following)
+        yield out
+        if out.finish_reason is not None:
+            return
+
+
+def merged(out: RequestOutput, following: RequestOutput) -> RequestOutput:
+    """``out`` then ``following`` (the same request's next output) as one output."""
+    logprobs = None
+    if out.logprobs is not None or following.logprobs is not None:
+        logprobs = [*(out.logprobs or []), *(following.logprobs or [])]
+    return msgspec.structs.replace(
+        following, new_token_ids=[*out.new_token_ids, *following.new_token_ids], logprobs=logprobs
+    )
+
+
+async def interleaved(
+    outputs: list[AsyncIterator[RequestOutput]], gens: list[Generation]
+) -> AsyncGenerator[tuple[int, RequestOutput]]:
+    """``(index, output)`` of every choice's outputs as they come, until every choice finished (a choice
+    ended by a stop string gets no further outputs). The first failure is raised."""
+    if len(outputs) == 1:
+        async for out in outputs[0]:
+            yield 0, out
+            if gens[0].finish_reason is not None:
+                return
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception]] = asyncio.Queue()
+
+    async def pump(index: int, source: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in source:
+                queue.put_nowait((index, out))
+        except Exception as exc:  # noqa: BLE001 (handed to the consumer, which raises it)
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(index, source)) for index, source in enumerate(outputs)]
+    try:
+        while any(gen.finish_reason is None for gen in gens):
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if gens[index].finish_reason is None:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,176 @@
+"""A request into the engine in one call: ``submit(spec)`` prepares its prompt and media once, then sends
+each choice (the first alone, the others once it is prefilled) and waits for each one's first output
+(docs/architecture.md, "Request path"). An endpoint builds a ``RequestSpec`` at its edge and reads the
+``Submitted`` choices' outputs; it never calls the stages of ``InputProcessor`` itself.
+
+Errors the engine reports about a request become the API's typed errors here (``error_from_engine``),
+for the first output and for those after it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from app.errors import (
+    ContextLengthError,
+    EngineUnavailableError,
+    InternalError,
+    InvalidRequestError,
+    MMServeError,
+    TooManyRequestsError,
+)
+from app.inputs.engine_client import EngineClient, EngineGone
+from app.inputs.input_processor import InputProcessor, PreparedRequest
+from app.inputs.media_ids import CacheScope
+from wire.protocol import Constraint, ErrorInfo, RequestOutput, SamplingParams
+from workers.families.processing import TemplateOptions
+
+MAX_RESENDS = 2
+# the engine's errors about a request's constraint (engine/structured/): 400s naming the field it came from
+CONSTRAINT_ERROR_CODES = frozenset({"invalid_constraint", "constraint_compile_timeout"})
+
+OutputQueue = asyncio.Queue[RequestOutput | EngineGone]
+
+
+def error_from_engine(info: ErrorInfo, constraint_param: str | None = None) -> MMServeError:
+    if info.code == "context_length_exceeded":
+        return ContextLengthError(info.message)
+    if info.code in CONSTRAINT_ERROR_CODES:
+        return InvalidRequestError(info.message, code=info.code, param=constraint_param)
+    if info.http_status == 429:
+        return TooManyRequestsError(info.message, code=info.code)
+    if info.http_status == 503:
+        return EngineUnavailableError(info.message, code=info.code)
+    if info.http_status >= 500:
+        return InternalError(info.message, code=info.code)
+    return InvalidRequestError(info.message, code=info.code)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What an endpoint asks of the engine, translated at its edge: the chat-template messages' source,
+    how the template ends, the media options, the cache scope, the constraint (and the request field it
+    came from, which errors about it name), and each choice's sampling from the prompt's length."""
+
+    messages: list[Any]
+    mm_processor_kwargs: dict[str, Any]
+    scope: CacheScope
+    template: TemplateOptions
+    req_ids: list[str]  # one per choice; the first is the request's own
+    sampling: Callable[[int, int], SamplingParams]  # (prompt tokens, choice index) -> its parameters
+    constraint: Constraint | None = None
+    constraint_param: str | None = None
+
+
+@dataclass(frozen=True)
+class SubmittedChoice:
+    req_id: str
+    queue: OutputQueue
+    first: RequestOutput  # its first output, without an error
+
+
+@dataclass(frozen=True)
+class Submitted:
+    num_prompt_tokens: int
+    choices: list[SubmittedChoice]
+
+
+async def submit(inputs: InputProcessor, engine: EngineClient, spec: RequestSpec) -> Submitted:
+    """Every choice of ``spec`` running in the engine, or a typed error (every choice sent is then
+    aborted). Cancelling the caller aborts the choices sent."""
+    prepared = await inputs.prepare(spec.messages, spec.mm_processor_kwargs, spec.scope, spec.template)
+    send_lock = asyncio.Lock()  # one choice at a time resolves and sends the shared ``prepared``
+    first = await _submit_choice(inputs, engine, spec, prepared, 0, send_lock)
+    choices = [first]
+    if len(spec.req_ids) > 1:
+        try:
+            choices += await _submit_rest(inputs, engine, spec, prepared, send_lock)
+        except BaseException:
+            engine.release(first.req_id, abort=True)
+            raise
+    inputs.count_uuid_hits(prepared)
+    return Submitted(len(prepared.prompt_token_ids), choices)
+
+
+async def _submit_rest(
+    inputs: InputProcessor,
+    engine: EngineClient,
+    spec: RequestSpec,
+    prepared: PreparedRequest,
+    send_lock: asyncio.Lock,
+) -> list[SubmittedChoice]:
+    """The choices after the first, sent together once it is prefilled; if one fails, the others sent
+    are aborted."""
+    results = await asyncio.gather(
+        *(
+            _submit_choice(inputs, engine, spec, prepared, index, send_lock)
+            for index in range(1, len(spec.req_ids))
+        ),
+        return_exceptions=True,
+    )
+    failure = next((r for r in results if isinstance(r, BaseException)), None)
+    if failure is None:
+        return [r for r in results if isinstance(r, SubmittedChoice)]
+    for result in results:
+        if isinstance(result, SubmittedChoice):
+            engine.release(result.req_id, abort=True)
+    raise failure
+
+
+async def _submit_choice(
+    inputs: InputProcessor,
+    engine: EngineClient,
+    spec: RequestSpec,
+    prepared: PreparedRequest,
+    index: int,
+    send_lock: asyncio.Lock,
+) -> SubmittedChoice:
+    """Resolves, sends and waits for the first output; re-sends with payloads if the engine lacked an
+    item the mirror claimed, or found an shm reference stale (the safety net, counted, normally never
+    taken)."""
+    req_id = spec.req_ids[index]
+    for _attempt in range(MAX_RESENDS + 1):
+        queue = None
+        async with send_lock:
+            try:
+                while queue is None:
+                    await inputs.resolve(prepared)
+                    sampling = spec.sampling(len(prepared.prompt_token_ids), index)
+                    queue = inputs.submit(prepared, req_id, sampling, spec.constraint)
+            finally:
+                inputs.release_pins(prepared)
+        try:
+            first = await queue.get()
+        except asyncio.CancelledError:
+            engine.release(req_id, abort=True)
+            raise
+        if isinstance(first, EngineGone):
+            engine.release(req_id, abort=False)
+            raise EngineUnavailableError(first.reason)
+        if first.error is None:
+            return SubmittedChoice(req_id, queue, first)
+        engine.release(req_id, abort=False)
+        if not first.error.missing_mm_hashes:
+            raise error_from_engine(first.error, spec.constraint_param)
+        engine.forget(first.error.missing_mm_hashes)
+        inputs.send_payloads(prepared, first.error.missing_mm_hashes)
+    raise EngineUnavailableError("the engine kept missing multimodal items")
+
+
+async def prompt_token_ids(
+    inputs: InputProcessor,
+    messages: list[Any],
+    mm_processor_kwargs: dict[str, Any],
+    scope: CacheScope,
+    template: TemplateOptions,
+) -> list[int]:
+    """The prompt ids a request with these messages would send, media processed (through the processor
+    cache) but nothing sent: what ``/tokenize`` counts."""
+    prepared = await inputs.prepare(messages, mm_processor_kwargs, scope, template)
+    try:
+        await inputs.resolve(prepared)
+    finally:
+        inputs.release_pins(prepared)
+    return list(prepared.prompt_token_ids)
