@@ -4,8 +4,6 @@ and the choices' outputs (app/api/outputs.py) become an OpenAI ``chat.completion
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -34,7 +32,6 @@ from workers.families.processing import TemplateOptions
 log = logging.getLogger("mmserve.api")
 
 CLIENT_CLOSED_REQUEST = 499
-DISCONNECT_POLL_S = 0.5
 
 
 class ChatService:
@@ -57,13 +54,9 @@ class ChatService:
         self._warned_fields: set[str] = set()  # unknown request fields logged once each
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        if body.model != self.model_name:
-            raise ModelNotFoundError(f"The model `{body.model}` does not exist.")
-        if not self.engine.is_ready:
-            raise EngineUnavailableError("The engine is not ready.")
-        self._warn_unknown_fields(body)
+        self.check_ready(body)
         arrival = time.time()
-        spec = self._spec(body, raw)
+        spec = self.spec(body, raw)
         submitted = await submit(self.inputs, self.engine, spec)
         self.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
         response_id = f"chatcmpl-{body.request_id}" if body.request_id is not None else spec.req_ids[0]
@@ -91,21 +84,19 @@ class ChatService:
             return StreamingResponse(
                 self._stream(outputs, body.include_usage), media_type="text/event-stream"
             )
-        collect = asyncio.create_task(outputs.collect())
-        try:
-            while not collect.done():
-                await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
-                if not collect.done() and await raw.is_disconnected():
-                    collect.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await collect
-        finally:
-            outputs.release()
-        if collect.cancelled():  # the client went away: nobody reads this (nginx's "client closed")
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if not await outputs.collect_while_connected(raw):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it (nginx's "client closed")
         return JSONResponse(completion(gens))
 
-    def _spec(self, body: ChatCompletionRequest, raw: Request) -> RequestSpec:
+    def check_ready(self, body: ChatCompletionRequest) -> None:
+        """The model is this one and the engine answers; unknown fields are logged."""
+        if body.model != self.model_name:
+            raise ModelNotFoundError(f"The model `{body.model}` does not exist.")
+        if not self.engine.is_ready:
+            raise EngineUnavailableError("The engine is not ready.")
+        self._warn_unknown_fields(body)
+
+    def spec(self, body: ChatCompletionRequest, raw: Request) -> RequestSpec:
         """The request as the input path takes it; its constraint is checked first, before any work."""
         constraint = requested_constraint(body.response_format, body.structured_outputs)
         if constraint is not None and body.allowed_token_ids is not None:  # they could leave no token

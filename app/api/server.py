@@ -18,7 +18,9 @@ from app.api.error_handlers import install_error_handlers
 from app.api.http_metrics import HttpMetrics
 from app.api.openapi_errors import document_error_envelope
 from app.api.request_guards import RequestGuards
+from app.api.responses_service import ResponsesService
 from app.api.routes import chat, models, ops
+from app.api.routes import responses as responses_routes
 from app.api.routes import tokenize as tokenize_routes
 from app.api.sampling import SamplingDefaults
 from app.api.state import ApiState
@@ -78,7 +80,10 @@ def create_app(
         defaults = SamplingDefaults.load(settings.model, settings.generation_config)
         chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics, defaults)
         tokenize = TokenizeService(settings.model_name, max_model_len, inputs)
-        app.state.mmserve = ApiState(settings, max_model_len, metrics, engine, chat_service, drain, tokenize)
+        responses = ResponsesService(chat_service)
+        app.state.mmserve = ApiState(
+            settings, max_model_len, metrics, engine, chat_service, drain, tokenize, responses
+        )
         pool_start: asyncio.Future[None] | None = None
         try:
             await engine.start()
@@ -104,7 +109,7 @@ def create_app(
     app.add_middleware(
         RequestGuards, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes
     )
-    routers = (chat.router, models.router, ops.router, tokenize_routes.router)
+    routers = (chat.router, models.router, ops.router, tokenize_routes.router, responses_routes.router)
     for router in routers:
         app.include_router(router)
     # added last: the outermost middleware, so it sees the guards' refusals too

@@ -9,6 +9,7 @@ from fastapi import Depends, Request
 
 from app.api.chat_service import ChatService
 from app.api.drain import Drain
+from app.api.responses_service import ResponsesService
 from app.api.tokenize_service import TokenizeService
 from app.inputs.engine_client import EngineClient
 from app.metrics import ApiMetrics
@@ -24,6 +25,7 @@ class ApiState:
     chat: ChatService
     drain: Drain
     tokenize: TokenizeService
+    responses: ResponsesService
 
 
 def get_state(request: Request) -> ApiState:

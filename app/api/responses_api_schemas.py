@@ -1,0 +1,192 @@
+"""``POST /v1/responses`` bodies, in OpenAI's shapes, and their translation into the chat request every
+endpoint shares (docs/api.md, "Responses"). Fields are declared or refused: an unknown one is a 400
+naming it (``extra="forbid"``); those mmserve does not implement yet are refused by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from app.api.schemas import MAX_CACHE_SALT_CHARS
+
+_LATER = "not supported yet"
+# field -> (values accepted as "off", why it is refused otherwise)
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "previous_response_id": (
+        (None,),
+        "mmserve stores no responses yet: send the whole conversation as input",
+    ),
+    "conversation": ((None,), "mmserve stores no conversations yet"),
+    "tools": ((None, []), "mmserve has no tool calling yet"),
+    "tool_choice": ((None, "none", "auto"), "mmserve has no tool calling yet"),
+    "reasoning": ((None,), "the served model does not reason"),
+    "include": ((None, []), _LATER),
+    "background": ((None, False), _LATER),
+    "top_logprobs": ((None, 0), _LATER),
+    "max_tool_calls": ((None,), "mmserve has no tool calling yet"),
+    "prompt": ((None,), "prompt templates are not supported"),
+    "truncation": ((None, "disabled"), "only truncation 'disabled' is supported"),
+}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InputText(_Body):
+    type: Literal["input_text", "output_text"]  # output_text: an assistant turn of the history
+    text: str
+    annotations: list[Any] | None = None  # on output_text, as the SDK sends a previous answer back
+    logprobs: list[Any] | None = None
+
+
+class InputImage(_Body):
+    type: Literal["input_image"]
+    image_url: str  # an http(s) or data URL, under the chat request's media policy (no file ids)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, not used
+
+
+def _each(values: list[Any], validate: Callable[[Any], Any], title: str) -> list[Any]:
+    """``validate`` on every value; the errors located at their index (``input[1].content[0]``)."""
+    results: list[Any] = []
+    errors: list[InitErrorDetails] = []
+    for index, value in enumerate(values):
+        try:
+            results.append(validate(value))
+        except ValidationError as exc:
+            for error in exc.errors():
+                custom = PydanticCustomError(error["type"], error["msg"].replace("{", "(").replace("}", ")"))
+                errors.append({"type": custom, "loc": (index, *error["loc"]), "input": error["input"]})
+        except ValueError as exc:
+            custom = PydanticCustomError("invalid_value", str(exc).replace("{", "(").replace("}", ")"))
+            errors.append({"type": custom, "loc": (index,), "input": value})
+    if errors:
+        raise ValidationError.from_exception_data(title, errors)
+    return results
+
+
+def _part(part: Any) -> Any:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in ("input_text", "output_text"):
+        return InputText.model_validate(part)
+    if kind == "input_image":
+        return InputImage.model_validate(part)
+    raise ValueError(f"content part type {kind!r} is not supported (input_text, input_image, output_text)")
+
+
+class InputMessage(_Body):
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[Annotated[InputText | InputImage, Field()]]
+    id: str | None = None  # an earlier output item sent back
+    status: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            return _each(content, _part, "content")
+        return content
+
+
+def _item(item: Any) -> Any:
+    kind = item.get("type", "message") if isinstance(item, dict) else None
+    if kind == "message":
+        return InputMessage.model_validate(item)
+    raise ValueError(f"input item type {kind!r} is not supported yet (messages only)")
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None  # json_schema's
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted, without effect
+
+
+class ResponsesRequest(_Body):
+    model: str
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool | None = None  # nothing is stored yet: answered with store false
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    # vLLM's extensions, as on chat
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, strict=True)
+    mm_processor_kwargs: dict[str, Any] | None = None
+    # refused unless off (REFUSED); then accepted without effect: labels and hosted-service options
+    previous_response_id: Any = None
+    conversation: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    reasoning: Any = None
+    include: Any = None
+    background: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
+    prompt: Any = None
+    truncation: Any = None
+    user: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _items(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("input must not be empty")
+            return _each(value, _item, "input")
+        return value
+
+    @field_validator(*REFUSED)
+    @classmethod
+    def _refused(cls, value: Any, info: Any) -> Any:
+        accepted, reason = REFUSED[info.field_name]
+        if not any(value == ok and type(value) is type(ok) for ok in accepted):
+            raise ValueError(f"{info.field_name} is not supported: {reason}")
+        return value
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The chat-completions messages of this input (instructions first, as a system message)."""
+        messages: list[dict[str, Any]] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        for item in self.input:
+            if isinstance(item.content, str):
+                messages.append({"role": item.role, "content": item.content})
+                continue
+            parts: list[dict[str, Any]] = []
+            for part in item.content:
+                if isinstance(part, InputText):
+                    parts.append({"type": "text", "text": part.text})
+                else:
+                    parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+            messages.append({"role": item.role, "content": parts})
+        return messages
+
+    def response_format(self) -> dict[str, Any] | None:
+        """``text.format`` as chat's ``response_format``."""
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "json_object"}
+        schema: dict[str, Any] = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
+        return {"type": "json_schema", "json_schema": schema}

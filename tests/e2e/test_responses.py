@@ -1,0 +1,159 @@
+"""``POST /v1/responses`` through the openai SDK on the tiny LLaVA: a string or message items with images,
+instructions, ``text.format``; the answer is the chat endpoint's for the same conversation (one input
+path, one output path); the typed stream reassembles to it; what is not implemented yet is a 400 naming
+it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel
+
+from tests.e2e.conftest import data_url, make_image
+from tests.e2e.metrics import delta
+from tests.e2e.server import Server
+
+pytestmark = pytest.mark.slow
+
+IMAGE = data_url(make_image(6601))
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def chat_text(
+    server: Server, messages: list[dict[str, Any]], max_tokens: int, **extra: Any
+) -> dict[str, Any]:
+    body = {"model": "tiny-llava", "messages": messages, "max_tokens": max_tokens, "temperature": 0, **extra}
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
+def test_a_string_input_is_the_chat_answer(server: Server) -> None:
+    response = client(server).responses.create(
+        model="tiny-llava", input="Hello there", max_output_tokens=8, temperature=0
+    )
+    chat = chat_text(server, [{"role": "user", "content": "Hello there"}], 8)
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.output_text == chat["choices"][0]["message"]["content"]
+    assert response.status == "incomplete" and response.incomplete_details is not None
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage is not None
+    assert response.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert response.usage.output_tokens == 8
+
+
+def test_images_and_instructions_take_the_chat_path_and_its_caches(server: Server) -> None:
+    items: Any = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "What is in the picture?"},
+                {"type": "input_image", "image_url": IMAGE},
+            ],
+        }
+    ]
+    before = server.metrics()
+    response = client(server).responses.create(
+        model="tiny-llava", instructions="Be brief.", input=items, max_output_tokens=6, temperature=0
+    )
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is in the picture?"},
+                {"type": "image_url", "image_url": {"url": IMAGE}},
+            ],
+        },
+    ]
+    chat = chat_text(server, messages, 6)
+    after = server.metrics()
+    assert response.output_text == chat["choices"][0]["message"]["content"]
+    assert response.usage is not None and response.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert delta(before, after, "mmserve_mm_processor_seconds_count") == 1  # the chat request hit
+    assert delta(before, after, "mmserve_encoder_runs_total") == 1
+
+
+def test_the_stream_is_openais_event_sequence_and_reassembles(server: Server) -> None:
+    kwargs: Any = {
+        "model": "tiny-llava",
+        "input": "Tell me a story",
+        "max_output_tokens": 7,
+        "temperature": 0,
+    }
+    whole = client(server).responses.create(**kwargs)
+    with client(server).responses.stream(**kwargs) as stream:
+        events = list(stream)
+    kinds = [event.type for event in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",  # max_output_tokens reached, as OpenAI says it
+    ]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == whole.output_text
+    last = events[-1]
+    assert last.type == "response.incomplete" and last.response.usage is not None
+    assert last.response.usage.output_tokens == 7
+
+
+class Record(BaseModel):
+    n: int
+
+
+def test_text_format_is_a_structured_output(server: Server) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    parsed = client(server).responses.parse(
+        model="tiny-llava", input="A record, please.", max_output_tokens=40, temperature=0, text_format=Record
+    )
+    assert isinstance(parsed.output_parsed, Record)
+    chat = chat_text(
+        server,
+        [{"role": "user", "content": "A record, please."}],
+        40,
+        response_format={"type": "json_schema", "json_schema": {"name": "Record", "schema": schema}},
+    )
+    assert json.loads(parsed.output_text) == json.loads(chat["choices"][0]["message"]["content"])
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0]"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            "input[0].content[0]",
+        ),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"input": []}, "input"),
+        ({"model": "other"}, None),
+    ],
+)
+def test_what_is_not_implemented_is_a_400_naming_it(
+    server: Server, extra: dict[str, Any], param: Any
+) -> None:
+    body = {"model": "tiny-llava", "input": "x", "max_output_tokens": 2, **extra}
+    resp = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=60)
+    assert resp.status_code == (404 if "model" in extra else 400), resp.text
+    error = resp.json()["error"]
+    if param is not None:
+        assert error["param"] == param, error
