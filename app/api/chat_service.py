@@ -23,7 +23,6 @@ from app.api.schemas import ChatCompletionRequest
 from app.errors import EngineUnavailableError, InvalidRequestError, MMServeError, ModelNotFoundError
 from app.inputs.engine_client import EngineClient
 from app.inputs.input_processor import InputProcessor
-from app.inputs.media_ids import CacheScope
 from app.inputs.submission import RequestSpec, submit
 from app.metrics import ApiMetrics
 from wire.protocol import SamplingParams
@@ -102,11 +101,7 @@ class ChatService:
         if constraint is not None and body.allowed_token_ids is not None:  # they could leave no token
             msg = f"allowed_token_ids cannot be combined with an output constraint ({constraint.param})"
             raise InvalidRequestError(msg, param="allowed_token_ids")
-        scope = CacheScope.of(
-            tenant=request_tenant(raw.scope),
-            cache_salt=body.cache_salt,
-            isolate_tenants=self.inputs.settings.tenant_cache_isolation,
-        )
+        scope = self.inputs.cache_scope(request_tenant(raw.scope), body.cache_salt)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         return RequestSpec(
             messages=body.messages,

@@ -84,7 +84,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-def _is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
+def is_default(value: Any, defaults: tuple[Any, ...]) -> bool:
     # == would take 0 for False and 1.0 for 1: a default must match in type too
     return any(value == default and type(value) is type(default) for default in defaults)
 
@@ -105,7 +105,7 @@ def drop_known_fields(body: Any, declared: Collection[str]) -> Any:
             continue
         elif name in REFUSED:
             defaults, reason = REFUSED[name]
-            if not _is_default(value, defaults):
+            if not is_default(value, defaults):
                 msg = f"{name} is not supported" + (f": {reason}" if reason else "")
                 error = PydanticCustomError("unsupported_field", msg)
                 errors.append({"type": error, "loc": (name,), "input": value})

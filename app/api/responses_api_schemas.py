@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from app.api.request_fields import is_default
 from app.api.schemas import MAX_CACHE_SALT_CHARS
 
 _LATER = "not supported yet"
@@ -157,7 +158,7 @@ class ResponsesRequest(_Body):
     @classmethod
     def _refused(cls, value: Any, info: Any) -> Any:
         accepted, reason = REFUSED[info.field_name]
-        if not any(value == ok and type(value) is type(ok) for ok in accepted):
+        if not is_default(value, accepted):
             raise ValueError(f"{info.field_name} is not supported: {reason}")
         return value
 

@@ -5,6 +5,7 @@ answer is formatted as OpenAI's ``response`` object, or as its typed stream of e
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -77,7 +78,7 @@ class ResponsesService:
         self, body: ResponsesRequest, gen: Generation, outputs: ChoiceOutputs
     ) -> AsyncIterator[str]:
         message_id = f"msg_{uuid.uuid4().hex}"
-        sequence = iter(range(1 << 62))
+        sequence = itertools.count()
 
         def event(kind: str, **fields: Any) -> str:
             payload = {"type": kind, "sequence_number": next(sequence), **fields}
@@ -88,13 +89,7 @@ class ResponsesService:
             started = response_object(body, gen, message_id, status="in_progress", with_output=False)
             yield event("response.created", response=started)
             yield event("response.in_progress", response=started)
-            item = {
-                "id": message_id,
-                "type": "message",
-                "role": "assistant",
-                "status": "in_progress",
-                "content": [],
-            }
+            item = _message(message_id, "in_progress", [])
             yield event("response.output_item.added", output_index=0, item=item)
             yield event("response.content_part.added", part=_text_part(""), **where)
             async for delta in outputs.deltas():
@@ -113,8 +108,9 @@ class ResponsesService:
             outputs.release()
 
 
-def started_item(message_id: str) -> dict[str, Any]:
-    return {"id": message_id, "type": "message", "role": "assistant"}
+def _message(message_id: str, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one output item of a response: the assistant's message."""
+    return {"id": message_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -132,13 +128,7 @@ def response_object(
     ``max_output_tokens`` (or the context length)."""
     if status is None:
         status = "incomplete" if gen.finish_reason == "length" else "completed"
-    message = {
-        "id": message_id,
-        "type": "message",
-        "role": "assistant",
-        "status": status,
-        "content": [_text_part(gen.text)],
-    }
+    message = _message(message_id, status, [_text_part(gen.text)])
     text_format = (
         body.text.format.model_dump(by_alias=True, exclude_none=True)
         if body.text and body.text.format

@@ -64,6 +64,13 @@ def _check_uuid(uuid: Any) -> Any:
 MediaUuid = Annotated[str | None, BeforeValidator(_check_uuid)]
 
 
+def one_prompt_end(continue_final_message: bool, info: ValidationInfo) -> bool:
+    """A chat template either opens the assistant's turn or leaves the last message open, not both."""
+    if continue_final_message and info.data.get("add_generation_prompt"):
+        raise ValueError("continue_final_message needs add_generation_prompt false")
+    return continue_final_message
+
+
 class TextContentPart(_Request):
     type: Literal["text"]
     text: str
@@ -258,12 +265,7 @@ class ChatCompletionRequest(_Request):
             raise ValueError(f"{info.field_name} must be token ids (non-negative integers)")
         return token_ids
 
-    @field_validator("continue_final_message")
-    @classmethod
-    def _one_prompt_end(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("add_generation_prompt"):
-            raise ValueError("continue_final_message needs add_generation_prompt false")
-        return value
+    _one_prompt_end = field_validator("continue_final_message")(one_prompt_end)
 
     @field_validator("request_id")
     @classmethod

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from app.api.request_fields import drop_known_fields
-from app.api.schemas import MAX_CACHE_SALT_CHARS, ChatMessageParam
+from app.api.schemas import MAX_CACHE_SALT_CHARS, ChatMessageParam, one_prompt_end
 
 
 class TokenizeRequest(BaseModel):
@@ -46,12 +46,7 @@ class TokenizeRequest(BaseModel):
             raise ValueError("add_special_tokens must be false with messages: the chat template adds them")
         return value
 
-    @field_validator("continue_final_message")
-    @classmethod
-    def _one_prompt_end(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("add_generation_prompt"):
-            raise ValueError("continue_final_message needs add_generation_prompt false")
-        return value
+    _one_prompt_end = field_validator("continue_final_message")(one_prompt_end)
 
 
 class DetokenizeRequest(BaseModel):

@@ -14,7 +14,6 @@ from app.api.request_guards import request_tenant
 from app.api.tokenize_schemas import DetokenizeRequest, TokenizeRequest
 from app.errors import InvalidRequestError, ModelNotFoundError
 from app.inputs.input_processor import InputProcessor
-from app.inputs.media_ids import CacheScope
 from app.inputs.submission import prompt_token_ids
 from workers.families.processing import TemplateOptions
 
@@ -55,11 +54,7 @@ class TokenizeService:
         """The prompt ids a chat request with these messages would send (``usage.prompt_tokens`` is
         their number)."""
         assert body.messages is not None
-        scope = CacheScope.of(
-            tenant=request_tenant(raw.scope),
-            cache_salt=body.cache_salt,
-            isolate_tenants=self.inputs.settings.tenant_cache_isolation,
-        )
+        scope = self.inputs.cache_scope(request_tenant(raw.scope), body.cache_salt)
         template = TemplateOptions(body.add_generation_prompt, body.continue_final_message)
         return await prompt_token_ids(
             self.inputs, body.messages, body.mm_processor_kwargs or {}, scope, template

@@ -138,6 +138,11 @@ class InputProcessor:
         self._known_data_urls = KnownDataUrls()
         self._prompts = PromptBuilder(family)  # chat template and tokenizer, results cached
 
+    def cache_scope(self, tenant: str, cache_salt: str | None) -> CacheScope:
+        """A request's cache scope: its tenant and salt, under ``--tenant-cache-isolation``."""
+        isolate = self.settings.tenant_cache_isolation
+        return CacheScope.of(tenant=tenant, cache_salt=cache_salt, isolate_tenants=isolate)
+
     # -- stages 1-3 -------------------------------------------------------------------------------
 
     async def prepare(

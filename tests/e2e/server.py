@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -158,6 +160,18 @@ class Server:
 
     def metrics(self) -> Metrics:
         return parse_metrics(httpx.get(f"{self.base_url}/metrics").text)
+
+
+def stream_chunks(server: Server, body: dict[str, Any], timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """The ``data:`` events of a streamed ``/v1/chat/completions`` request (``[DONE]`` left out), once it
+    answered 200."""
+    chunks = []
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=timeout_s) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line.removeprefix("data: ")))
+    return chunks
 
 
 def wait_healthy(base_url: str, process: ServerProcess, timeout_s: float = 180.0) -> None:

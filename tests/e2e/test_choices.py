@@ -5,7 +5,6 @@ reassemble by ``index`` to the non-streamed answer; usage counts the prompt once
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
@@ -13,7 +12,7 @@ import pytest
 
 from tests.e2e.conftest import make_image, user_message
 from tests.e2e.metrics import delta
-from tests.e2e.server import Server
+from tests.e2e.server import Server, stream_chunks
 
 pytestmark = pytest.mark.slow
 
@@ -87,23 +86,16 @@ def test_streamed_choices_reassemble_by_index_with_logprobs_and_usage(server: Se
     finish: dict[int, str] = {}
     usage = None
     ids: set[str] = set()
-    with httpx.stream(
-        "POST", f"{server.base_url}/v1/chat/completions", json={**body, **streamed}, timeout=300
-    ) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line.removeprefix("data: "))
-            ids.add(event["id"])
-            if event.get("usage"):
-                usage = event["usage"]
-            for choice in event["choices"]:
-                index = choice["index"]
-                parts[index] = parts.get(index, "") + choice["delta"].get("content", "")
-                logprobs.setdefault(index, []).extend((choice.get("logprobs") or {}).get("content") or [])
-                if choice["finish_reason"] is not None:
-                    finish[index] = choice["finish_reason"]
+    for event in stream_chunks(server, {**body, **streamed}):
+        ids.add(event["id"])
+        if event.get("usage"):
+            usage = event["usage"]
+        for choice in event["choices"]:
+            index = choice["index"]
+            parts[index] = parts.get(index, "") + choice["delta"].get("content", "")
+            logprobs.setdefault(index, []).extend((choice.get("logprobs") or {}).get("content") or [])
+            if choice["finish_reason"] is not None:
+                finish[index] = choice["finish_reason"]
     assert len(ids) == 1  # one response, its choices interleaved
     assert [parts[i] for i in range(3)] == texts(whole)
     assert finish == {0: "length", 1: "length", 2: "length"}

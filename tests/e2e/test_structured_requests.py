@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 from tests.e2e.conftest import greedy_body, make_image, user_message
 from tests.e2e.metrics import delta
 from tests.e2e.parity import concurrent_bodies
-from tests.e2e.server import Server
+from tests.e2e.server import Server, stream_chunks
 
 pytestmark = pytest.mark.slow
 
@@ -49,18 +49,11 @@ def streamed(server: Server, **fields: Any) -> tuple[str, str | None]:
         "stream": True,
     }
     parts, reason = [], None
-    with httpx.stream(
-        "POST", f"{server.base_url}/v1/chat/completions", json={**payload, **fields}, timeout=120
-    ) as resp:
-        assert resp.status_code == 200
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            assert "error" not in chunk, chunk
-            for choice in chunk["choices"]:
-                parts.append(choice["delta"].get("content", ""))
-                reason = choice["finish_reason"] or reason
+    for chunk in stream_chunks(server, {**payload, **fields}, timeout_s=120):
+        assert "error" not in chunk, chunk
+        for choice in chunk["choices"]:
+            parts.append(choice["delta"].get("content", ""))
+            reason = choice["finish_reason"] or reason
     return "".join(parts), reason
 
 
