@@ -44,6 +44,9 @@ def image_only(processor_class: type[Any]) -> type[Any]:
 
 def stock_processor(model_dir: Path) -> Any:
     """transformers' processor for ``model_dir``'s images and text (see the module's docstring)."""
+    # The PIL backend, as the product: where torchvision is installed (the GPU tier's machine),
+    # transformers would otherwise pick its torchvision one, whose resize differs.
     if not (model_dir / "preprocessor_config.json").exists():  # LLaVA: processor_config.json only
-        return transformers.AutoProcessor.from_pretrained(model_dir, local_files_only=True)
-    return image_only(saved_processor_class(model_dir)).from_pretrained(model_dir, local_files_only=True)
+        return transformers.AutoProcessor.from_pretrained(model_dir, local_files_only=True, backend="pil")
+    processor_class = image_only(saved_processor_class(model_dir))
+    return processor_class.from_pretrained(model_dir, local_files_only=True, backend="pil")

@@ -66,11 +66,12 @@ class Oracle:
     model: Any  # the family's *ForConditionalGeneration
 
     @classmethod
-    def load(cls, model_dir: Path) -> Oracle:
+    def load(cls, model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Oracle:
         """transformers' own processor of the checkpoint (tests/stock_processor.py: the saved class, not
-        the product's processing) and its model class."""
-        model = family_for(model_dir).model.hf_class.from_pretrained(model_dir, dtype=torch.float32)
-        return cls(stock_processor(model_dir), model.eval())
+        the product's processing) and its model class, in ``dtype`` on ``device`` (the CUDA tier's
+        oracle is bf16 on the GPU the server uses: tests/gpu)."""
+        model = family_for(model_dir).model.hf_class.from_pretrained(model_dir, dtype=dtype)
+        return cls(stock_processor(model_dir), model.to(device).eval())
 
     def inputs(self, text: str, images: list[PIL.Image.Image]) -> Any:
         """The processor's full model inputs for one user turn (Qwen: with ``mm_token_type_ids``,
@@ -96,12 +97,14 @@ class Oracle:
             eos_token_id=None,
             pad_token_id=self.processor.tokenizer.pad_token_id,
         )
+        # a BatchFeature, or a dict of tensors from tests/reference
+        inputs = {k: v.to(self.model.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
         with torch.inference_mode():
             out = self.model.generate(
                 **inputs, generation_config=config, output_scores=True, return_dict_in_generate=True
             )
         ids = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-        logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)
+        logprobs = torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1).cpu()
         return ids, logprobs
 
 

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,15 +162,22 @@ class Server:
         return parse_metrics(httpx.get(f"{self.base_url}/metrics").text)
 
 
-def stream_chunks(server: Server, body: dict[str, Any], timeout_s: float = 300.0) -> list[dict[str, Any]]:
+def stream_chunks(
+    server: Server,
+    body: dict[str, Any],
+    timeout_s: float = 300.0,
+    on_chunk: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
     """The ``data:`` events of a streamed ``/v1/chat/completions`` request (``[DONE]`` left out), once it
-    answered 200."""
+    answered 200; ``on_chunk`` sees each as it arrives."""
     chunks = []
     with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=timeout_s) as resp:
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks.append(json.loads(line.removeprefix("data: ")))
+                if on_chunk is not None:
+                    on_chunk(chunks[-1])
     return chunks
 
 

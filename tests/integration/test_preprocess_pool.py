@@ -457,3 +457,22 @@ def _children(pid: int) -> list[int]:
 
 def _maps_a_semaphore(pid: int) -> bool:
     return "/dev/shm/sem." in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_large_image_through_a_pool_on_uvloop(tiny_model_dir: Path, families) -> None:
+    """uvicorn runs on uvloop where it is installed (``uvicorn[standard]``, the CUDA images), and uvloop
+    makes every fd it watches non-blocking: the pool's pipe then took a frame bigger than its buffer
+    (a 1.5 MB PNG) only part-way, and the process was killed as broken."""
+    import uvloop
+
+    data = png(3, (768, 640))
+    assert len(data) > 1_000_000
+    loop = uvloop.new_event_loop()
+    pool = PreprocessPool(str(tiny_model_dir), 1)
+    try:
+        run(loop, pool.start(), timeout=180)
+        assert_same(run(loop, pool.process(data, {}, PARAM)), in_process(loop, families["llava"], data, {}))
+        assert pool.num_processes == 1
+    finally:
+        run(loop, pool.close())
+        loop.close()

@@ -30,6 +30,19 @@ class ReferenceError(RuntimeError):
     """The reference subprocess failed as a whole (not HF refusing one request)."""
 
 
+# Set where the interpreter's own environment already has a torchvision that matches its torch (the GPU
+# machine's CUDA image: bench/gpu/run.sh): the reference subprocess then needs no folder of its own.
+OWN_TORCHVISION = "MMSERVE_REFERENCE_OWN_TORCHVISION"
+
+
+def reference_path() -> str:
+    """What the reference subprocess puts first on its ``PYTHONPATH``: ``.venv/hf-reference``, installed
+    on first use if missing (tests/reference/setup_env.py), or nothing under ``OWN_TORCHVISION``."""
+    if os.environ.get(OWN_TORCHVISION):
+        return ""
+    return str(reference_dir())
+
+
 def reference_dir() -> Path:
     """``.venv/hf-reference``, installed on first use if missing (tests/reference/setup_env.py)."""
     target = setup_env.default_target()
@@ -43,7 +56,7 @@ def run_reference(requests: Sequence[Mapping[str, Any]], *, timeout_s: float = 6
     """Answer ``requests`` (see hf_video.py) in one subprocess; arrays come back as numpy arrays."""
     env = {
         **os.environ,
-        "PYTHONPATH": str(reference_dir()),
+        "PYTHONPATH": os.pathsep.join(p for p in (reference_path(), os.environ.get("PYTHONPATH")) if p),
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }

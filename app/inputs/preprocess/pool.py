@@ -105,6 +105,9 @@ class _PoolProcess:
         self._sending: asyncio.Future[None] | None = None
         self._ending: asyncio.Task[None] | None = None
         self._loop.add_reader(self._fd, self._on_readable)
+        # uvloop (uvicorn's loop where it is installed) makes a watched fd non-blocking; ``_send`` writes
+        # whole frames from a thread and must block on a full pipe, not fail half-way with EAGAIN
+        os.set_blocking(self._fd, True)
 
     def _on_readable(self) -> None:
         # A reply is one small frame written at once, so it is all there when the first byte is.

@@ -15,7 +15,9 @@ from workers.families.processing import KWARGS_PARAM, FamilyProcessor
 class LlavaProcessing(FamilyProcessor):
     @classmethod
     def load_hf_processor(cls, model_dir: Path) -> Any:
-        return AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+        # PIL, as every family here: where torchvision is installed (the CUDA images) transformers would
+        # pick its torchvision backend, whose resize differs, so one image would process differently
+        return AutoProcessor.from_pretrained(model_dir, local_files_only=True, backend="pil")
 
     def item_layout(self, tensors: dict[str, torch.Tensor]) -> tuple[int, tuple[int, ...]]:
         """As ``LlavaProcessor.replace_image_token``: one token per patch of the processed image,

@@ -1,0 +1,42 @@
+"""The GPU kit's dry run (bench/gpu/run.sh --dry): every step the device machine runs — the CUDA tier (on
+the CPU in fp32, one family), the 7B-shaped checkpoint builder (at toy sizes), the benchmark and the
+decode profile — runs here, so the kit is known to work before device time is spent on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_kit_runs_dry_on_the_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", "bench/gpu/run.sh", "--dry", "--budget-s", "600"],
+        cwd=REPO,
+        env={**os.environ, "OUT": str(out)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+    for step in ("tier", "checkpoint", "bench", "profile"):
+        assert f"| {step} | ok |" in summary, summary
+    assert "passed" in summary and "failed" not in summary, summary
+    figures = json.loads((out / "gpu_bench.json").read_text())
+    for key in ("image_0pct", "image_90pct", "decode_1", "decode_3"):
+        assert figures[key]["num_ok"] == figures[key]["num_requests"] > 0, figures[key]
+        assert figures[key]["failures"] == "0"
+    assert figures["image_0pct"]["encoder_runs"] == figures["image_0pct"]["num_requests"]
+    assert 0 < figures["image_90pct"]["encoder_runs"] < figures["image_90pct"]["num_requests"]
+    assert figures["roofline"]["decode_3"]["step_ms"] > 0
+    assert "wall per step" in (out / "profile.txt").read_text()
+    assert len(list(out.iterdir())) <= 8  # what the device tool brings back
