@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ def test_the_kit_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     done = subprocess.run(
         ["bash", "bench/gpu/run.sh", "--dry", "--budget-s", "600"],
         cwd=REPO,
-        env={**os.environ, "OUT": str(out)},
+        env={**os.environ, "OUT": str(out), "PY": sys.executable},
         capture_output=True,
         text=True,
         timeout=900,

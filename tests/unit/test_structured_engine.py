@@ -168,21 +168,24 @@ def test_a_request_waits_for_its_grammar_without_holding_a_slot(grammars: Gramma
 def test_the_cache_shares_compiles_and_counts(grammars: GrammarCompiler) -> None:
     core = core_with(grammars)
     core.add_request(b"a", request("one", schema(POINT)), [])
-    core.add_request(b"a", request("two", schema(POINT)), [])  # while the first compile runs
+    core.add_request(b"a", request("two", schema(POINT)), [])  # most often while the first compile runs
     wait_for_grammars(core)
-    assert (grammars.stats.num_misses, grammars.stats.num_hits) == (2, 0)
+    # the second joined the running compile (a miss that compiles nothing), or, where that compile had
+    # already ended (its thread can finish before add_request returns), hit its result
+    misses, hits = grammars.stats.num_misses, grammars.stats.num_hits
+    assert (misses, hits) in ((2, 0), (1, 1))
     assert len(grammars.stats.compile_seconds) == 1  # one compile for both
     core.add_request(b"a", request("three", schema(POINT)), [])
     assert not core.grammar_tickets  # a hit is ready at once
-    assert (grammars.stats.num_misses, grammars.stats.num_hits) == (2, 1)
+    assert (grammars.stats.num_misses, grammars.stats.num_hits) == (misses, hits + 1)
     core.add_request(b"a", request("four", schema(POINT, any_whitespace=False)), [])  # another constraint
-    assert grammars.stats.num_misses == 3
+    assert grammars.stats.num_misses == misses + 1
     wait_for_grammars(core)
     found = answers(run_until_idle(core, MAX_STEPS))
     assert found["one"] == found["two"] == found["three"]
     stats = core.stats()
-    assert stats.counters["structured_output_cache_hits_total"] == 1
-    assert stats.counters["structured_output_cache_misses_total"] == 3
+    assert stats.counters["structured_output_cache_hits_total"] == hits + 1
+    assert stats.counters["structured_output_cache_misses_total"] == misses + 1
     assert len(stats.observations["structured_output_compile_seconds"]) == 2
     assert stats.gauges["structured_output_cache_bytes"] == grammars.cache_bytes > 0
 
