@@ -104,6 +104,9 @@ class ConstraintKind(enum.StrEnum):
     REGEX = "regex"  # spec: the regular expression
     CHOICE = "choice"  # spec: a JSON list of the strings allowed, one of which is the whole output
     GRAMMAR = "grammar"  # spec: an EBNF grammar as xgrammar reads it (GBNF), rule ``root`` first
+    # spec: JSON {"format": xgrammar's structural-tag format, "tools": OpenAI function tools,
+    # "tool_choice": "auto" | "required" | a named function, "parallel_tool_calls": bool}
+    TOOL_CALLS = "tool_calls"
 
 
 MAX_CONSTRAINT_CHARS = 65536  # a longer schema, regex or grammar is refused at the HTTP edge

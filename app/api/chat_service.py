@@ -8,29 +8,39 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.api.constraints import requested_constraint
+from app.api.constraints import RequestedConstraint, requested_constraint
 from app.api.detokenizer import IncrementalDetokenizer
 from app.api.error_handlers import sse_error_event
 from app.api.outputs import ChoiceOutputs, Generation
 from app.api.request_guards import request_tenant
-from app.api.responses import chunk, completion, final_usage_chunk, sse
+from app.api.responses import chunk, completion, final_usage_chunk, sse, tool_stream_deltas
 from app.api.sampling import SamplingDefaults, choice_sampling, sampling_params
 from app.api.schemas import ChatCompletionRequest
+from app.api.tool_calls import ToolCallStreamer
+from app.api.tool_schemas import check_tool_history, check_tools, tool_constraint, tools_json
 from app.errors import EngineUnavailableError, InvalidRequestError, MMServeError, ModelNotFoundError
 from app.inputs.engine_client import EngineClient
 from app.inputs.input_processor import InputProcessor
 from app.inputs.submission import RequestSpec, submit
 from app.metrics import ApiMetrics
-from wire.protocol import SamplingParams
+from wire.protocol import Constraint, SamplingParams
 from workers.families.processing import TemplateOptions
 
 log = logging.getLogger("mmserve.api")
 
 CLIENT_CLOSED_REQUEST = 499
+
+
+@dataclass(frozen=True)
+class RequestTools:
+    json: str | None = None  # TemplateOptions.tools
+    constraint: Constraint | None = None
+    parse: bool = False  # the answer's tool calls become message.tool_calls
 
 
 class ChatService:
@@ -56,6 +66,7 @@ class ChatService:
         self.check_ready(body)
         arrival = time.time()
         spec = self.spec(body, raw)
+        parse_tool_calls = bool(body.tools) and body.tool_choice != "none"
         submitted = await submit(self.inputs, self.engine, spec)
         self.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
         response_id = f"chatcmpl-{body.request_id}" if body.request_id is not None else spec.req_ids[0]
@@ -75,6 +86,7 @@ class ChatService:
                     stop=body.stop,
                     include_stop_str=body.include_stop_str_in_output,
                 ),
+                parse_tool_calls=parse_tool_calls,
             )
             for index, choice in enumerate(submitted.choices)
         ]
@@ -98,6 +110,9 @@ class ChatService:
     def spec(self, body: ChatCompletionRequest, raw: Request) -> RequestSpec:
         """The request as the input path takes it; its constraint is checked first, before any work."""
         constraint = requested_constraint(body.response_format, body.structured_outputs)
+        tools = self._tools(body, constraint)
+        if tools.constraint is not None:
+            constraint = RequestedConstraint(tools.constraint, "tools")
         if constraint is not None and body.allowed_token_ids is not None:  # they could leave no token
             msg = f"allowed_token_ids cannot be combined with an output constraint ({constraint.param})"
             raise InvalidRequestError(msg, param="allowed_token_ids")
@@ -107,12 +122,38 @@ class ChatService:
             messages=body.messages,
             mm_processor_kwargs=body.mm_processor_kwargs or {},
             scope=scope,
-            template=TemplateOptions(body.add_generation_prompt, body.continue_final_message),
+            template=TemplateOptions(body.add_generation_prompt, body.continue_final_message, tools.json),
             req_ids=[base_id, *(f"{base_id}-{index}" for index in range(1, body.n))],
             sampling=lambda num_prompt_tokens, index: self._sampling(body, num_prompt_tokens, index),
             constraint=constraint.constraint if constraint is not None else None,
             constraint_param=constraint.param if constraint is not None else None,
         )
+
+    def _tools(self, body: ChatCompletionRequest, constraint: RequestedConstraint | None) -> RequestTools:
+        """The request's tools for the template (with a history of calls, an empty list: the template
+        that renders them), the constraint its ``tool_choice`` asks for, and whether to parse calls."""
+        check_tools(body.tools, body.tool_choice)
+        in_history = check_tool_history(body.messages)
+        if not body.tools and not in_history:
+            return RequestTools()
+        family = self.inputs.family
+        if family.tool_chat_template is None or family.tool_call_parser is None:
+            raise InvalidRequestError(
+                f"This model ({family.config.get('model_type')}) has no tool format: its chat template "
+                "renders no tools, tool calls or tool messages.",
+                param="tools" if body.tools else "messages",
+            )
+        tool_cons = tool_constraint(
+            body.tools, body.tool_choice, body.parallel_tool_calls, family.tool_call_parser
+        )
+        if tool_cons is not None and constraint is not None:
+            raise InvalidRequestError(
+                f"tools with tool_choice {body.tool_choice or 'auto'!r} cannot be combined with "
+                f"{constraint.param}: both constrain the answer",
+                param=constraint.param,
+            )
+        parse = bool(body.tools) and body.tool_choice != "none"
+        return RequestTools(tools_json(body.tools or []), tool_cons, parse)
 
     def _sampling(self, body: ChatCompletionRequest, num_prompt_tokens: int, index: int) -> SamplingParams:
         family = self.inputs.family
@@ -139,11 +180,22 @@ class ChatService:
         try:
             for gen in gens:
                 yield sse(chunk(gen, {"role": "assistant", "content": ""}, include_usage))
+            calls = {gen.index: ToolCallStreamer() for gen in gens if gen.parse_tool_calls}
             async for delta in outputs.deltas():
                 gen = gens[delta.index]
                 logprobs = {"content": delta.logprobs} if gen.want_logprobs else None
-                content = {"content": delta.text} if delta.text else {}
-                yield sse(chunk(gen, content, include_usage, logprobs, delta.finish_reason))
+                streamer = calls.get(delta.index)
+                if streamer is None:
+                    content = {"content": delta.text} if delta.text else {}
+                    yield sse(chunk(gen, content, include_usage, logprobs, delta.finish_reason))
+                    continue
+                for event in tool_stream_deltas(streamer, delta.text, delta.finish_reason is not None):
+                    yield sse(chunk(gen, event, include_usage))
+                if logprobs is not None or delta.finish_reason is not None:
+                    reason = delta.finish_reason
+                    if reason == "stop" and streamer.num_tool_calls:
+                        reason = "tool_calls"
+                    yield sse(chunk(gen, {}, include_usage, logprobs, reason))
             if include_usage:
                 yield sse(final_usage_chunk(gens))
             yield "data: [DONE]\n\n"

@@ -44,6 +44,7 @@ class Generation:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     last_token_at: float | None = None  # unix time the latest output with tokens reached the API
+    parse_tool_calls: bool = False  # the request has tools it lets the model call (app/api/tool_calls.py)
 
     @property
     def created(self) -> int:

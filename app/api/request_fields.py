@@ -25,7 +25,6 @@ WITHOUT_EFFECT = frozenset(
         "prompt_cache_options",
         "reasoning_effort",
         "verbosity",
-        "parallel_tool_calls",
         "length_penalty",  # beam search only
         "spaces_between_special_tokens",  # not read by fast tokenizers, as in vLLM
         "include_reasoning",  # the tiny families have no reasoning parser
@@ -33,7 +32,7 @@ WITHOUT_EFFECT = frozenset(
     }
 )
 
-_TOOLS = "mmserve has no tool calling yet"
+_TOOLS = "it is OpenAI's deprecated form: use tools and tool_choice"
 _NOT_SUPPORTED = ""  # no more to say
 # Refused unless the value is one of the defaults given; the reason ends the 400's message.
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -42,8 +41,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prediction": ((None,), "predicted outputs are not supported"),
     "web_search_options": ((None,), "mmserve has no web search"),
     "moderation": ((None,), "mmserve runs no moderation"),
-    "tools": ((None, []), _TOOLS),
-    "tool_choice": ((None, "none"), _TOOLS),
     "functions": ((None, []), _TOOLS),
     "function_call": ((None, "none"), _TOOLS),
     "echo": ((None, False), _NOT_SUPPORTED),

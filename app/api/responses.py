@@ -7,6 +7,8 @@ import json
 from typing import Any
 
 from app.api.outputs import Generation
+from app.api.tool_calls import ToolCall, ToolCallDelta, ToolCallStreamer, parse_tool_calls
+from app.api.tool_calls import finish_reason as tool_finish_reason
 
 
 def usage(gens: list[Generation]) -> dict[str, Any]:
@@ -21,16 +23,47 @@ def usage(gens: list[Generation]) -> dict[str, Any]:
 
 
 def completion(gens: list[Generation]) -> dict[str, Any]:
-    choices = [
-        {
-            "index": gen.index,
-            "message": {"role": "assistant", "content": gen.text},
-            "logprobs": {"content": gen.logprobs} if gen.want_logprobs else None,
-            "finish_reason": gen.finish_reason,
-        }
-        for gen in gens
-    ]
+    choices = []
+    for gen in gens:
+        message: dict[str, Any] = {"role": "assistant", "content": gen.text}
+        reason = gen.finish_reason
+        if gen.parse_tool_calls:
+            parsed = parse_tool_calls(gen.text)
+            message["content"] = parsed.content
+            if parsed.tool_calls:
+                message["tool_calls"] = [tool_call_json(call) for call in parsed.tool_calls]
+            reason = tool_finish_reason(parsed, reason or "stop")
+        choices.append(
+            {
+                "index": gen.index,
+                "message": message,
+                "logprobs": {"content": gen.logprobs} if gen.want_logprobs else None,
+                "finish_reason": reason,
+            }
+        )
     return _envelope(gens[0], "chat.completion", choices, usage(gens))
+
+
+def tool_call_json(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_stream_deltas(streamer: ToolCallStreamer, text: str, last: bool) -> list[dict[str, Any]]:
+    """The stream chunks' ``delta`` objects for a choice's new text: content outside calls, and each call
+    as its id and name, then its arguments (``last``: the choice's final text; held text is released)."""
+    events = streamer.push(text) + (streamer.finish() if last else [])
+    return [
+        {"tool_calls": [tool_call_delta_json(e)]} if isinstance(e, ToolCallDelta) else {"content": e.content}
+        for e in events
+    ]
+
+
+def tool_call_delta_json(delta: ToolCallDelta) -> dict[str, Any]:
+    """One entry of a stream chunk's ``delta.tool_calls``: id, type and name first, then arguments."""
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    function = {"name": delta.name, "arguments": delta.arguments}
+    return {"index": delta.index, "id": delta.id, "type": "function", "function": function}
 
 
 def chunk(

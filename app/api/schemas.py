@@ -31,6 +31,7 @@ from pydantic_core import PydanticCustomError
 
 from app.api.constraint_schemas import ResponseFormat, StructuredOutputs
 from app.api.request_fields import drop_known_fields
+from app.api.tool_schemas import MAX_TOOLS, ChatTool, ToolCallParam, ToolChoice
 
 FinishReasonLiteral = Literal["stop", "length", "abort"]  # "abort" as in vLLM; the SDK's Literal lacks it
 # Integers that travel to the engine must fit its wire format and torch (a seed is a torch.long, as in vLLM).
@@ -150,19 +151,22 @@ _PARTS = TypeAdapter(list[Annotated[ContentPart, BeforeValidator(_validate_part)
 
 
 class ChatMessageParam(_Request):
-    """One request message. ``developer`` is read as ``system``; tool messages are refused."""
+    """One request message. ``developer`` is read as ``system``; a ``tool`` message answers an earlier
+    assistant message's call by its ``tool_call_id`` (docs/api.md, "Tool calling")."""
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None  # accepted, ignored
+    tool_calls: list[ToolCallParam] | None = None  # assistant messages only
+    tool_call_id: str | None = Field(None, validate_default=True)  # tool messages only
 
     @field_validator("role", mode="before")
     @classmethod
     def _map_role(cls, role: Any) -> Any:
         if role == "developer":
             return "system"
-        if role in ("tool", "function"):
-            raise ValueError(f"role {role!r} is not supported: mmserve has no tool calling")
+        if role == "function":
+            raise ValueError("role 'function' is OpenAI's deprecated form: send 'tool' messages")
         return role
 
     @field_validator("content", mode="before")
@@ -175,6 +179,24 @@ class ChatMessageParam(_Request):
         if not isinstance(content, list):
             raise ValueError("content must be a string or a list of content parts")
         return _PARTS.validate_python(content)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistant_calls(cls, calls: list[ToolCallParam] | None, info: ValidationInfo) -> Any:
+        if calls is not None and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return calls or None
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_answers(cls, call_id: str | None, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if role == "tool" and not call_id:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        content = info.data.get("content")
+        if role == "tool" and isinstance(content, list) and any(part.type != "text" for part in content):
+            raise ValueError("a tool message's content is text")
+        return call_id if role == "tool" else None
 
 
 class StreamOptions(_Request):
@@ -224,6 +246,10 @@ class ChatCompletionRequest(_Request):
     # structured outputs (docs/api.md): OpenAI's response_format, or vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # tool calling (docs/api.md, "Tool calling")
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -233,7 +259,7 @@ class ChatCompletionRequest(_Request):
     @field_validator(
         "stream", "n", "logprobs", "frequency_penalty", "presence_penalty", "ignore_eos", "min_tokens",
         "include_stop_str_in_output", "skip_special_tokens", "add_generation_prompt",
-        "continue_final_message", mode="before",
+        "continue_final_message", "parallel_tool_calls", mode="before",
     )  # fmt: skip
     @classmethod
     def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:

@@ -21,6 +21,7 @@ item. A client re-sending the same conversation with the same media renders and 
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -161,6 +162,9 @@ def messages_key(messages: list[dict[str, Any]]) -> tuple[MessagesKey, int]:
     num_chars = 0
     for message in messages:
         role, content = message["role"], message["content"]
+        if "tool_calls" in message or "tool_call_id" in message:  # their calls and call ids render too
+            extra = json.dumps([message.get("tool_calls"), message.get("tool_call_id")], sort_keys=True)
+            role = f"{role}\0{extra}"
         num_chars += len(role)
         if isinstance(content, str):
             key.append((role, content))

@@ -16,6 +16,9 @@ from wire.protocol import Constraint, ConstraintKind
 # only the separators ", " and ": "). Enough for pretty-printed JSON (a newline and 4-space indents three
 # levels deep), and a model cannot fill its answer with whitespace (docs/api.md, "Structured outputs").
 JSON_MAX_WHITESPACE = 16
+# A tool call's arguments are written on one line: one whitespace character at most between elements
+# (``{"city": "Paris", "days": 3}``), so a call cannot run away in whitespace either.
+TOOL_CALL_MAX_WHITESPACE = 1
 # json_object: any object, with any properties (strict mode would allow only "{}")
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: "; the rest is for the user
@@ -83,9 +86,25 @@ class XGrammarBackend:
                     return compiler.compile_grammar(choice_grammar(json.loads(constraint.spec)))
                 case ConstraintKind.GRAMMAR:
                     return compiler.compile_grammar(constraint.spec)
-        except (RuntimeError, ValueError) as exc:
+                case ConstraintKind.TOOL_CALLS:
+                    return compiler.compile_structural_tag(self.tool_calls_tag(constraint.spec))
+        except (RuntimeError, ValueError, KeyError, TypeError) as exc:
             raise CompileError(_LOCATION.sub("", str(exc)).strip()) from exc
         raise CompileError(f"unknown constraint kind {constraint.kind!r}")
+
+    def tool_calls_tag(self, spec: str) -> Any:
+        """A ``TOOL_CALLS`` constraint's structural tag: xgrammar's own for the model's call syntax (free
+        text, then calls under ``auto``; calls only under ``required``; the one named call), the arguments
+        by each tool's schema, on one line."""
+        fields = json.loads(spec)
+        return self._xgr.get_model_structural_tag(
+            fields["format"],
+            tools=fields["tools"],
+            tool_choice=fields["tool_choice"],
+            reasoning="disabled",
+            max_whitespace_cnt=TOOL_CALL_MAX_WHITESPACE,
+            parallel_tool_calls=fields["parallel_tool_calls"],
+        )
 
     def matcher(self, compiled: Any, stop_token_ids: list[int]) -> RequestGrammar:
         """A fresh matcher for one request; ``stop_token_ids`` end its grammar (the model's EOS)."""

@@ -5,6 +5,7 @@ bugs would hide)."""
 
 from __future__ import annotations
 
+import json
 import string
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from transformers import (
 )
 
 from tests.stock_processor import saved_processor_class, stock_processor
+from workers.families import load_processing
 from workers.families.qwen_vl.hf_processor import ImageOnlyQwenVLProcessor
 from workers.families.tiny import TINY_FAMILIES, build_tiny_model
 
@@ -238,7 +240,27 @@ def test_the_oracles_processor_is_the_saved_class(family: str, family_dir: Path)
     assert isinstance(stock, saved_processor_class(family_dir)) and isinstance(stock, HF_CLASSES[family][1])
     assert not isinstance(stock, ImageOnlyQwenVLProcessor)
     assert type(stock.image_processor).__module__.startswith("transformers.")
-    assert stock.chat_template == (family_dir / "chat_template.jinja").read_text()
+    jinja, json_file = family_dir / "chat_template.jinja", family_dir / "chat_template.json"
+    saved = jinja.read_text() if jinja.exists() else json.loads(json_file.read_text())["chat_template"]
+    assert stock.chat_template == saved
+
+
+def test_qwen2_5_vl_keeps_tools_in_its_tokenizers_template_as_the_real_checkpoint(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """A real Qwen2.5-VL: the processor's template (chat_template.json) has no tools, the tokenizer's
+    (tokenizer_config.json, Qwen2.5's) has; the tool tokens are added, not special, and split out whole."""
+    folder = tiny_model("qwen2_5_vl")
+    processor = load_processing(folder)
+    assert "tools" not in processor.hf_processor.chat_template
+    assert (
+        processor.tool_chat_template == processor.tokenizer.chat_template
+        and "tools" in processor.tool_chat_template
+    )
+    added = processor.tokenizer.added_tokens_decoder
+    ids = processor.tokenizer.convert_tokens_to_ids(["<tool_call>", "</tool_call>"])
+    assert all(not added[i].special for i in ids)
+    assert processor.tokenizer("a<tool_call>b")["input_ids"][1] == ids[0]
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,10 +96,13 @@ class ProcessedItem:
 
 
 class TemplateOptions(NamedTuple):
-    """How a chat template ends the prompt (vLLM's request fields of the same names)."""
+    """How a chat template ends the prompt (vLLM's request fields of the same names), and the request's
+    tools as JSON text: None renders with the processor's template; a list (``"[]"`` where only the
+    history has tool calls or results) with the family's template that has tools."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: str | None = None
 
 
 DEFAULT_TEMPLATE = TemplateOptions()
@@ -113,6 +117,8 @@ class FamilyProcessor:
     size_kwargs: ClassVar[frozenset[str]] = frozenset({"size", "crop_size", "pad_size"})
     # Options this family's model cannot take from a request (they must match the weights).
     reserved_kwargs: ClassVar[frozenset[str]] = frozenset()
+    # How the family's models write tool calls (app/api/tool_calls.py), where its template has tools.
+    tool_call_parser: ClassVar[str | None] = None
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
@@ -142,6 +148,12 @@ class FamilyProcessor:
             type(self.image_processor).__name__,
             transformers.__version__,
             video_config.read_bytes() if video_config.is_file() else b"",
+        )
+        # the template that renders tools: the processor's where it has them, else the tokenizer's (a real
+        # Qwen2.5-VL's processor template has none; its tokenizer's, Qwen2.5's, has)
+        self.tool_chat_template: str | None = next(
+            (t for t in (self.hf_processor.chat_template, self.tokenizer.chat_template) if _has_tools(t)),
+            None,
         )
         accepted = set(getattr(self.image_processor.valid_kwargs, "__annotations__", {}))
         self.accepted_kwargs: frozenset[str] = frozenset(accepted - _RESERVED_KWARGS - self.reserved_kwargs)
@@ -187,12 +199,25 @@ class FamilyProcessor:
         of ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` parts. Each image part becomes one
         ``image_token`` (inside the family's image markers). ``template``: the generation prompt added
         (the default), or the last message left open for the model to continue."""
+        tool_kwargs: dict[str, Any] = {}
+        if template.tools is not None:
+            if self.tool_chat_template is None:
+                raise FamilyInputError(
+                    "This model's chat template has no tool format: tools, tool calls and tool messages "
+                    "cannot be rendered.",
+                    param="tools",
+                )
+            tool_kwargs = {
+                "chat_template": self.tool_chat_template,
+                "tools": json.loads(template.tools) or None,
+            }
         try:
             return self.hf_processor.apply_chat_template(
                 messages,
                 add_generation_prompt=template.add_generation_prompt,
                 continue_final_message=template.continue_final_message,
                 tokenize=False,
+                **tool_kwargs,
             )
         except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
             raise FamilyInputError(
@@ -362,6 +387,13 @@ class FamilyProcessor:
 
     def check_processed(self, tensors: dict[str, torch.Tensor]) -> None:
         """Refuse a processed item the model could not encode (FamilyInputError)."""
+
+
+def _has_tools(template: Any) -> bool:
+    """Whether a chat template renders the request's ``tools`` (and so tool calls and results)."""
+    return (
+        isinstance(template, str) and re.search(r"\bif tools\b|\btools\s*(\||is|%|\))", template) is not None
+    )
 
 
 def _find_all(text: str, token: str) -> list[int]:

@@ -44,6 +44,8 @@ class QwenVLProcessing(FamilyProcessor):
     size_kwargs = frozenset()
     # The patch geometry must match the vision tower's weights.
     reserved_kwargs = frozenset({"patch_size", "temporal_patch_size", "merge_size"})
+    # Qwen2.5's and Qwen3's tool calls: <tool_call>{"name": ..., "arguments": ...}</tool_call>
+    tool_call_parser = "hermes"
 
     def __init__(self, model_dir: str | Path) -> None:
         super().__init__(model_dir)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Regex, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, normalizers, pre_tokenizers
 from transformers import (
     GenerationConfig,
     PreTrainedModel,
@@ -36,6 +36,11 @@ from transformers import (
 )
 from transformers.image_utils import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 
+from workers.families.qwen_vl.tiny_templates import (
+    QWEN2_5_TOOLS_CHAT_TEMPLATE,
+    QWEN2_CHAT_TEMPLATE,
+    QWEN3_CHAT_TEMPLATE,
+)
 from workers.families.tiny_common import (
     construct,
     init_weights,
@@ -57,6 +62,14 @@ SPECIALS = [
     ENDOFTEXT, IM_START, IM_END, "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
     "<|quad_start|>", "<|quad_end|>", VISION_START, VISION_END, "<|vision_pad|>", IMAGE_PAD, VIDEO_PAD,
 ]  # fmt: skip
+# The tokens the real tokenizers add after the 14 specials, in their order, none of them special:
+# Qwen2.5's (Qwen2.5-VL's) tool-call and fill-in-the-middle tokens, and Qwen3's tool responses and
+# thinking markers on top (Qwen3-VL's). Qwen2-VL's tokenizer has none of them.
+QWEN2_5_ADDED = (
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>",
+)  # fmt: skip
+QWEN3_ADDED = (*QWEN2_5_ADDED, "<tool_response>", "</tool_response>", "<think>", "</think>")
 MAX_POSITION_EMBEDDINGS = 32768
 
 # Why these gains (tiny_common.init_weights has the rest): a variance-preserving init alone already
@@ -71,64 +84,6 @@ MAX_POSITION_EMBEDDINGS = 32768
 GAINS = {"q_proj": 2.0, "k_proj": 2.0, "q_norm": 2.0, "k_norm": 2.0, "lm_head": 6.0}
 VISION_QK_GAIN = 2.0
 EMBEDDINGS = ("embed_tokens", "pos_embed")
-
-
-# Qwen2-VL's template, which Qwen2.5-VL shares: a default system prompt unless the first message is one.
-# Content is a string or an OpenAI-like part list; "image" / "image_url" parts become one
-# <|vision_start|><|image_pad|><|vision_end|>, "video" / "video_url" parts one
-# <|vision_start|><|video_pad|><|vision_end|> (the processor expands each pad token to the item's tokens;
-# Qwen3-VL's processor also writes each frame's timestamp there), "text" parts their text.
-_RENDER_CONTENT = r"""
-{%- macro render_content(content) -%}
-    {%- if content is string -%}
-        {{- content -}}
-    {%- elif content is not none -%}
-        {%- for part in content -%}
-            {%- if part['type'] in ['image', 'image_url'] or 'image' in part or 'image_url' in part -%}
-                {%- set image_count.value = image_count.value + 1 -%}
-                {%- if add_vision_id -%}{{- 'Picture ' ~ image_count.value ~ ': ' -}}{%- endif -%}
-                {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
-            {%- elif part['type'] in ['video', 'video_url'] or 'video' in part or 'video_url' in part -%}
-                {%- set video_count.value = video_count.value + 1 -%}
-                {%- if add_vision_id -%}{{- 'Video ' ~ video_count.value ~ ': ' -}}{%- endif -%}
-                {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
-            {%- elif part['type'] == 'text' -%}
-                {{- part['text'] -}}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- endif -%}
-{%- endmacro -%}
-{%- set image_count = namespace(value=0) -%}
-{%- set video_count = namespace(value=0) -%}
-"""
-_QWEN2_TURNS = r"""
-{%- for message in messages -%}
-    {%- if loop.first and message['role'] != 'system' -%}
-        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
-    {%- endif -%}
-    {{- '<|im_start|>' + message['role'] + '\n' + render_content(message['content']) + '<|im_end|>\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n' -}}
-{%- endif -%}
-"""
-# Qwen3-VL's (tools left out): no default system prompt, and a system message may not carry images or videos.
-_QWEN3_TURNS = r"""
-{%- for message in messages -%}
-    {%- set content = render_content(message['content']) -%}
-    {%- if message['role'] == 'system' and '<|video_pad|>' in content -%}
-        {{- raise_exception('System message cannot contain videos.') -}}
-    {%- elif message['role'] == 'system' and '<|vision_start|>' in content -%}
-        {{- raise_exception('System message cannot contain images.') -}}
-    {%- endif -%}
-    {{- '<|im_start|>' + message['role'] + '\n' + content + '<|im_end|>\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n' -}}
-{%- endif -%}
-"""
-QWEN2_CHAT_TEMPLATE = _RENDER_CONTENT + _QWEN2_TURNS
-QWEN3_CHAT_TEMPLATE = _RENDER_CONTENT + _QWEN3_TURNS
 
 
 @dataclass(frozen=True)
@@ -155,10 +110,12 @@ class _Family:
     vision: dict[str, Any]
     rope_parameters: dict[str, Any]
     text: dict[str, Any]
+    added_tokens: tuple[str, ...] = ()  # non-special tokens after the specials
+    tokenizer_chat_template: str | None = None  # the tokenizer's own, where it differs from the processor's
 
 
 CLIP_MEAN, CLIP_STD = tuple(OPENAI_CLIP_MEAN), tuple(OPENAI_CLIP_STD)  # Qwen2 and Qwen2.5 normalize as CLIP
-_QWEN2_PIXELS = {"min_pixels": 56 * 56, "max_pixels": 12845056}  # 4..16384 tokens of 28x28 px
+_QWEN2_MIN_PIXELS, _QWEN2_MAX_PIXELS = 56 * 56, 12845056  # 4..16384 tokens of 28x28 px
 # Video pixel bounds, small for the tiny vision tower (the real ones allow up to 768 tokens per frame).
 # Qwen2VLVideoProcessor bounds each frame: 64..256 tokens of 28x28 px (256..1024 patches) per frame.
 # Qwen3VLVideoProcessor bounds all sampled frames together: 4..2048 tokens of 32x32 px over the clip
@@ -176,7 +133,8 @@ _QWEN3_VIDEO = _Video(
 FAMILIES: dict[str, _Family] = {
     "qwen2_vl": _Family(
         Qwen2VLConfig, Qwen2VLForConditionalGeneration, "Qwen2VLProcessor", _QWEN2_VIDEO, QWEN2_CHAT_TEMPLATE,
-        patch_size=14, **_QWEN2_PIXELS, image_mean=CLIP_MEAN, image_std=CLIP_STD,
+        patch_size=14, min_pixels=_QWEN2_MIN_PIXELS, max_pixels=_QWEN2_MAX_PIXELS,
+        image_mean=CLIP_MEAN, image_std=CLIP_STD,
         vision={"depth": 2, "embed_dim": 64, "hidden_size": 128, "num_heads": 4, "mlp_ratio": 4},
         # the real [16, 24, 24] of head_dim 128, scaled to 32
         rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e6},
@@ -184,12 +142,13 @@ FAMILIES: dict[str, _Family] = {
     ),
     "qwen2_5_vl": _Family(
         Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, "Qwen2_5_VLProcessor", _QWEN2_VIDEO,
-        QWEN2_CHAT_TEMPLATE, patch_size=14, **_QWEN2_PIXELS, image_mean=CLIP_MEAN, image_std=CLIP_STD,
+        QWEN2_CHAT_TEMPLATE, patch_size=14, min_pixels=_QWEN2_MIN_PIXELS, max_pixels=_QWEN2_MAX_PIXELS,
+        image_mean=CLIP_MEAN, image_std=CLIP_STD,
         # window_size 112 px = 4x4 merged tokens per window; blocks 1 and 3 attend over the whole image
         vision={"depth": 4, "hidden_size": 64, "out_hidden_size": 128, "intermediate_size": 128,
                 "num_heads": 4, "window_size": 112, "fullatt_block_indexes": [1, 3]},
         rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e6},
-        text={},
+        text={}, added_tokens=QWEN2_5_ADDED, tokenizer_chat_template=QWEN2_5_TOOLS_CHAT_TEMPLATE,
     ),
     "qwen3_vl": _Family(
         Qwen3VLConfig, Qwen3VLForConditionalGeneration, "Qwen3VLProcessor", _QWEN3_VIDEO, QWEN3_CHAT_TEMPLATE,
@@ -200,7 +159,7 @@ FAMILIES: dict[str, _Family] = {
         # the real [24, 20, 20] of head_dim 128, interleaved (THWTHW...) rather than in blocks
         rope_parameters={"rope_type": "default", "mrope_section": [6, 5, 5], "mrope_interleaved": True,
                          "rope_theta": 5e6},
-        text={"head_dim": 32, "rms_norm_eps": 1e-6},
+        text={"head_dim": 32, "rms_norm_eps": 1e-6}, added_tokens=QWEN3_ADDED,
     ),
 }  # fmt: skip
 
@@ -218,9 +177,15 @@ def build_tiny(out_dir: str | Path, family: str, seed: int = 0) -> Path:
 
 
 def _write(out_path: Path, spec: _Family, seed: int) -> None:
-    tokenizer = _build_tokenizer()
-    tokenizer.chat_template = spec.chat_template
-    tokenizer.save_pretrained(out_path)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    tokenizer = _build_tokenizer(spec.added_tokens)
+    if spec.tokenizer_chat_template is None:
+        tokenizer.chat_template = spec.chat_template
+        tokenizer.save_pretrained(out_path)  # tokenizer.json, tokenizer_config.json, chat_template.jinja
+    else:  # as the real checkpoint: the processor's in chat_template.json, the tokenizer's in its config
+        tokenizer.chat_template = spec.tokenizer_chat_template
+        tokenizer.save_pretrained(out_path, save_jinja_files=False)
+        text = json.dumps({"chat_template": spec.chat_template}, indent=2) + "\n"
+        (out_path / "chat_template.json").write_text(text, encoding="utf-8")
     image_processor = Qwen2VLImageProcessorPil(
         size={"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
         patch_size=spec.patch_size,
@@ -240,7 +205,8 @@ def _write(out_path: Path, spec: _Family, seed: int) -> None:
         seed,
         gains=GAINS,
         embeddings=EMBEDDINGS,
-        silent_token_ids=silent_token_ids(tokenizer),
+        # nor a tool call: a random model would open one at random; tests push it with logit_bias
+        silent_token_ids=[*silent_token_ids(tokenizer), *_ids(tokenizer, spec.added_tokens)],
         rows_gain=_vision_qkv_gain,
     )
     model.generation_config = GenerationConfig(
@@ -249,6 +215,10 @@ def _write(out_path: Path, spec: _Family, seed: int) -> None:
         pad_token_id=tokenizer.pad_token_id,
     )
     model.save_pretrained(out_path)
+
+
+def _ids(tokenizer: PreTrainedTokenizerFast, tokens: tuple[str, ...]) -> list[int]:
+    return [int(tokenizer.convert_tokens_to_ids(token)) for token in tokens]  # type: ignore[arg-type]
 
 
 def _write_video_processor_config(out_path: Path, spec: _Family) -> None:
@@ -288,9 +258,10 @@ def _vision_qkv_gain(name: str, param: torch.Tensor) -> torch.Tensor | None:
     return gains
 
 
-def _build_tokenizer() -> PreTrainedTokenizerFast:
+def _build_tokenizer(added_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """Qwen2's tokenizer shape: byte-level BPE with NFC and Qwen2's split, no BOS, <|im_end|> as EOS and
-    <|endoftext|> as pad; the image, video and vision marker tokens reachable by name."""
+    <|endoftext|> as pad; the image, video and vision marker tokens reachable by name; ``added_tokens``
+    after the specials, not special (split out of text whole, kept by ``skip_special_tokens``)."""
     pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
@@ -298,6 +269,7 @@ def _build_tokenizer() -> PreTrainedTokenizerFast:
         ]
     )
     tok = train_byte_level_bpe(BPE_VOCAB_SIZE, [], SPECIALS, pre_tokenizer)
+    tok.add_tokens([AddedToken(token, special=False, normalized=False) for token in added_tokens])
     tok.normalizer = normalizers.NFC()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -1,0 +1,159 @@
+"""Tool calling on the chat API (docs/api.md, "Tool calling"): the request's ``tools`` and ``tool_choice``,
+the history's assistant ``tool_calls`` and ``tool`` messages, checked at the HTTP edge, and the
+constraint that makes a call well-formed.
+
+``required`` makes the answer start with a call, a named function makes it that one call; ``auto``
+leaves the text free until the model opens a call, then constrains the call to a declared tool's name
+and arguments schema until it closes (xgrammar's structural tags, engine/structured/backend.py).
+``none`` renders the tools and constrains nothing; the answer is then plain content.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from app.api.json_schema_support import check_json_schema
+from app.errors import InvalidRequestError
+from wire.protocol import MAX_CONSTRAINT_CHARS, Constraint, ConstraintKind
+
+MAX_TOOLS = 128
+# the tool-call syntax of each parser, as xgrammar's structural tags name it
+STRUCTURAL_TAG_FORMATS = {"hermes": "qwen_3"}
+# what a function's missing ``parameters`` means (OpenAI: a function without parameters)
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = (
+        None  # the arguments are always constrained to the schema (a call is never malformed)
+    )
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCallParam(_Strict):
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _an_object(cls, arguments: str) -> str:
+        try:
+            value = json.loads(arguments)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"arguments must be JSON text of an object: {exc}") from exc
+        if not isinstance(value, dict):
+            raise ValueError("arguments must be JSON text of an object")
+        return arguments
+
+
+class ToolCallParam(_Strict):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+def tools_json(tools: list[ChatTool]) -> str:
+    """The tools as the chat template reads them (OpenAI's shape), as JSON text."""
+    return json.dumps([tool.model_dump(exclude_none=True) for tool in tools], ensure_ascii=False)
+
+
+def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) -> None:
+    """Each tool's parameters a JSON schema whose every part is enforced, no two tools of one name, and a
+    ``tool_choice`` that names a declared tool; ``InvalidRequestError`` naming the field otherwise."""
+    names: set[str] = set()
+    for i, tool in enumerate(tools or []):
+        if tool.function.name in names:
+            raise InvalidRequestError(
+                f"two tools are named {tool.function.name!r}", param=f"tools[{i}].function.name"
+            )
+        names.add(tool.function.name)
+        if tool.function.parameters is not None:
+            check_json_schema(tool.function.parameters, f"tools[{i}].function.parameters")
+    if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in names:
+        raise InvalidRequestError(
+            f"tool_choice names {tool_choice.function.name!r}, which is not among the request's tools",
+            param="tool_choice.function.name",
+        )
+    if tool_choice == "required" and not names:
+        raise InvalidRequestError("tool_choice 'required' needs tools", param="tool_choice")
+
+
+def check_tool_history(messages: list[Any]) -> bool:
+    """Each tool message answers a call an earlier assistant message made (``InvalidRequestError``
+    naming its ``tool_call_id`` otherwise). Returns whether the history has tool calls or results."""
+    made: set[str] = set()
+    found = False
+    for i, message in enumerate(messages):
+        for call in message.tool_calls or []:
+            made.add(call.id)
+            found = True
+        if message.role == "tool":
+            found = True
+            if message.tool_call_id not in made:
+                raise InvalidRequestError(
+                    f"no earlier assistant message made a tool call with id {message.tool_call_id!r}",
+                    param=f"messages[{i}].tool_call_id",
+                )
+    return found
+
+
+def tool_constraint(
+    tools: list[ChatTool] | None, tool_choice: ToolChoice | None, parallel: bool, parser: str
+) -> Constraint | None:
+    """The constraint of a request with tools (None where nothing is constrained: no tools, or
+    ``tool_choice`` none)."""
+    if not tools or tool_choice == "none":
+        return None
+    if isinstance(tool_choice, NamedToolChoice):
+        choice: Any = tool_choice.model_dump()
+    else:
+        choice = tool_choice or "auto"
+    functions = [
+        {
+            "type": "function",
+            "function": {"name": t.function.name, "parameters": t.function.parameters or NO_PARAMETERS},
+        }
+        for t in tools
+    ]
+    spec = json.dumps(
+        {
+            "format": STRUCTURAL_TAG_FORMATS[parser],
+            "tools": functions,
+            "tool_choice": choice,
+            "parallel_tool_calls": parallel,
+        },
+        ensure_ascii=False,
+        separators=(",", ":"),
+    )
+    if len(spec) > MAX_CONSTRAINT_CHARS:
+        raise InvalidRequestError(
+            f"the tools are {len(spec)} characters long as a constraint; at most {MAX_CONSTRAINT_CHARS}",
+            param="tools",
+        )
+    return Constraint(ConstraintKind.TOOL_CALLS, spec)

@@ -1,0 +1,273 @@
+"""Tool calling on the chat API, served by the tiny Qwen2.5-VL and Qwen3-VL with an image: ``required``, a
+named function and ``auto`` are constrained by xgrammar's structural tags, so the call's arguments always
+parse and validate; greedy answers equal transformers' ``generate`` with xgrammar's HF logits processor on
+the same structural tag; streamed deltas reassemble (the openai SDK's own stream state) to the
+non-streamed message; a history of calls and results renders and is answered; bad tool requests are
+400s naming their field. The tiny models never open a call by themselves (their LM-head rows for the tool
+tokens are zero); ``auto`` is pushed into one with ``logit_bias``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+from openai import OpenAI
+from openai.lib.streaming.chat import ChatCompletionStreamState
+
+from engine.structured.backend import TOOL_CALL_MAX_WHITESPACE
+from tests.e2e.conftest import Oracle, data_url, make_image
+from tests.e2e.parity import NEAR_TIE
+from tests.e2e.server import Server
+from tests.e2e.structured_oracle import constrained_greedy, eos_ids
+from tests.near_tie import accept_near_tie
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = ["qwen2_5_vl", "qwen3_vl"]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+CLOCK = {
+    "type": "object",
+    "properties": {"unit": {"enum": ["h", "m"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["unit", "n"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "The forecast", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+TEXT = "What is the weather where this picture was taken?"
+IMAGE = make_image(960, (320, 240))
+MAX_TOKENS = 96  # a call here is about 40 tokens
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def messages(text: str = TEXT) -> list[dict[str, Any]]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(IMAGE)}}, {"type": "text", "text": text}]
+    return [{"role": "user", "content": parts}]
+
+
+def body(family: str, tool_choice: Any, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": f"tiny-{family}",
+        "messages": messages(),
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        **extra,
+    }
+
+
+def ask(server: Server, payload: dict[str, Any]) -> dict[str, Any]:
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=payload, timeout=300)
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
+def tool_template(oracle: Oracle) -> str:
+    """The template with tools: the processor's (Qwen3-VL) or, as on a real Qwen2.5-VL, the tokenizer's."""
+    for template in (oracle.processor.chat_template, oracle.processor.tokenizer.chat_template):
+        if "tools" in template:
+            return str(template)
+    raise AssertionError("no template with tools")
+
+
+def oracle_answer(oracle: Oracle, tool_choice: Any, parallel: bool = True) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy answer to the same prompt (the checkpoint's own template with the tools),
+    under the structural tag xgrammar builds for these tools and this tool choice."""
+    parts = [{"type": "image"}, {"type": "text", "text": TEXT}]
+    prompt = oracle.processor.apply_chat_template(
+        [{"role": "user", "content": parts}],
+        tools=TOOLS,
+        chat_template=tool_template(oracle),
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    inputs = oracle.processor(text=[prompt], images=[IMAGE], return_tensors="pt")
+    vocab_size = oracle.model.get_output_embeddings().weight.shape[0]
+    info = xgr.TokenizerInfo.from_huggingface(
+        oracle.processor.tokenizer, vocab_size=vocab_size, stop_token_ids=eos_ids(oracle)
+    )
+    tag = xgr.get_model_structural_tag(
+        "qwen_3",
+        tools=TOOLS,
+        tool_choice=tool_choice,
+        reasoning="disabled",
+        max_whitespace_cnt=TOOL_CALL_MAX_WHITESPACE,
+        parallel_tool_calls=parallel,
+    )
+    grammar = xgr.GrammarCompiler(info, cache_enabled=False).compile_structural_tag(tag)
+    return constrained_greedy(oracle, inputs, grammar, MAX_TOKENS)
+
+
+def assert_served_tokens_are_the_oracles(
+    response: dict[str, Any], oracle: Oracle, hf_ids: list[int], hf_logprobs: torch.Tensor
+) -> bool:
+    """Token for token, but for a true near-tie (tests/near_tie.py); False where one was accepted (then
+    nothing after it compares)."""
+    tokenizer = oracle.processor.tokenizer
+    served = [entry["token"] for entry in response["choices"][0]["logprobs"]["content"]]
+    ended = bool(hf_ids) and hf_ids[-1] in eos_ids(oracle)
+    expected = hf_ids[:-1] if ended else hf_ids
+
+    def spell(token_id: int) -> str:
+        return str(tokenizer.decode([token_id]))
+
+    wanted = [spell(token_id) for token_id in expected]
+    pos = next((i for i, (a, b) in enumerate(zip(served, wanted, strict=False)) if a != b), None)
+    if pos is not None:
+        accept_near_tie(pos, served[pos], expected[pos], hf_logprobs[pos], NEAR_TIE, spell)
+        return False
+    assert served == wanted
+    return True
+
+
+def calls_of(response: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Each call's name and decoded arguments, which validate against its tool's schema."""
+    calls = []
+    for call in response["choices"][0]["message"].get("tool_calls") or []:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        arguments = json.loads(call["function"]["arguments"])
+        jsonschema.validate(arguments, SCHEMAS[call["function"]["name"]])
+        calls.append((call["function"]["name"], arguments))
+    return calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+def test_a_constrained_call_validates_and_equals_generate(
+    family: str,
+    tool_choice: Any,
+    family_server: Callable[..., Server],
+    family_oracle: Callable[[str], Oracle],
+) -> None:
+    """One call (``required`` without parallel calls ends after its first), then the end."""
+    oracle = family_oracle(family)
+    response = ask(family_server(family), body(family, tool_choice, parallel_tool_calls=False))
+    calls = calls_of(response)
+    assert len(calls) == 1, response["choices"][0]
+    if tool_choice == NAMED:
+        assert calls[0][0] == "get_weather"
+    assert response["choices"][0]["message"]["content"] is None
+    assert response["choices"][0]["finish_reason"] == "tool_calls"
+    hf_ids, hf_logprobs = oracle_answer(oracle, tool_choice, parallel=False)
+    if assert_served_tokens_are_the_oracles(response, oracle, hf_ids, hf_logprobs):
+        text = oracle.processor.tokenizer.decode(hf_ids, skip_special_tokens=True)
+        assert text.startswith("<tool_call>") and text.endswith("</tool_call>"), text
+        call = json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+        assert [(call["name"], call["arguments"])] == calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_deltas_reassemble_to_the_message(family: str, family_server: Callable[..., Server]) -> None:
+    server = family_server(family)
+    whole = ask(server, body(family, NAMED))["choices"][0]
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    state = ChatCompletionStreamState()
+    chunks = list(client.chat.completions.create(**body(family, NAMED), stream=True))
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    streamed = state.get_final_completion().choices[0]
+    assert streamed.finish_reason == whole["finish_reason"] == "tool_calls"
+    assert streamed.message.content in (None, "")
+    [call] = streamed.message.tool_calls or []
+    [want] = whole["message"]["tool_calls"]
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        want["function"]["name"],
+        json.loads(want["function"]["arguments"]),
+    )
+    first = next(
+        c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls
+    )
+    assert first.id and first.function.name == "get_weather"  # id and name come first
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_auto_is_free_text_until_a_call_opens_then_the_call_is_well_formed(
+    family: str, family_server: Callable[..., Server], family_oracle: Callable[[str], Oracle]
+) -> None:
+    server = family_server(family)
+    plain = ask(server, body(family, "auto"))["choices"][0]
+    assert plain["message"]["content"] and not plain["message"].get("tool_calls")
+    assert "<tool_call>" not in plain["message"]["content"]
+    open_id = family_oracle(family).processor.tokenizer.convert_tokens_to_ids("<tool_call>")
+    pushed = ask(server, body(family, "auto", logit_bias={str(open_id): 100}, parallel_tool_calls=False))
+    assert [name for name, _ in calls_of(pushed)] in (["get_weather"], ["get_time"])
+    assert pushed["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_history_of_calls_and_results_is_answered(
+    family: str, family_server: Callable[..., Server]
+) -> None:
+    server = family_server(family)
+    first = ask(server, body(family, NAMED))["choices"][0]["message"]
+    history = [
+        *messages(),
+        {"role": "assistant", "content": None, "tool_calls": first["tool_calls"]},
+        {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": '{"forecast": "sunny"}'},
+    ]
+    follow = {**body(family, "none"), "messages": history}
+    answer = ask(server, follow)
+    assert answer["choices"][0]["message"]["content"] and not answer["choices"][0]["message"].get(
+        "tool_calls"
+    )
+    alone = ask(server, body(family, "none"))
+    assert answer["usage"]["prompt_tokens"] > alone["usage"]["prompt_tokens"]  # the history is in the prompt
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the image's blocks: cached
+
+
+def bad(server: Server, payload: dict[str, Any]) -> dict[str, Any]:
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=payload, timeout=60)
+    assert resp.status_code == 400, resp.text
+    return dict(resp.json()["error"])
+
+
+def test_bad_tool_requests_are_400s_naming_their_field(family_server: Callable[..., Server]) -> None:
+    server = family_server("qwen2_5_vl")
+    unknown = {"type": "function", "function": {"name": "nowhere"}}
+    assert bad(server, body("qwen2_5_vl", unknown))["param"] == "tool_choice.function.name"
+    schema = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "minProperties": "x"}},
+        }
+    ]
+    assert bad(server, {**body("qwen2_5_vl", "auto"), "tools": schema})["param"].startswith(
+        "tools[0].function.parameters"
+    )
+    orphan = [*messages(), {"role": "tool", "tool_call_id": "call_nobody", "content": "42"}]
+    assert (
+        bad(server, {**body("qwen2_5_vl", "auto"), "messages": orphan})["param"] == "messages[1].tool_call_id"
+    )
+    both = {**body("qwen2_5_vl", "required"), "response_format": {"type": "json_object"}}
+    assert bad(server, both)["param"] == "response_format"
+    assert bad(server, {**body("qwen2_5_vl", "required"), "tools": []})["param"] == "tool_choice"
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
+def test_tools_on_a_model_without_a_tool_format_are_refused(
+    family: str, family_server: Callable[..., Server]
+) -> None:
+    error = bad(family_server(family), body(family, "auto"))
+    assert error["param"] == "tools" and "no tool format" in error["message"]
