@@ -22,7 +22,7 @@ from app.api.responses import chunk, completion, final_usage_chunk, sse, tool_st
 from app.api.sampling import SamplingDefaults, choice_sampling, sampling_params
 from app.api.schemas import ChatCompletionRequest
 from app.api.tool_calls import ToolCallStreamer
-from app.api.tool_schemas import check_tool_history, check_tools, tool_constraint, tools_json
+from app.api.tool_schemas import check_tools, template_tools, tool_constraint
 from app.errors import EngineUnavailableError, InvalidRequestError, MMServeError, ModelNotFoundError
 from app.inputs.engine_client import EngineClient
 from app.inputs.input_processor import InputProcessor
@@ -133,19 +133,13 @@ class ChatService:
         """The request's tools for the template (with a history of calls, an empty list: the template
         that renders them), the constraint its ``tool_choice`` asks for, and whether to parse calls."""
         check_tools(body.tools, body.tool_choice)
-        in_history = check_tool_history(body.messages)
-        if not body.tools and not in_history:
-            return RequestTools()
         family = self.inputs.family
-        if family.tool_chat_template is None or family.tool_call_parser is None:
-            raise InvalidRequestError(
-                f"This model ({family.config.get('model_type')}) has no tool format: its chat template "
-                "renders no tools, tool calls or tool messages.",
-                param="tools" if body.tools else "messages",
-            )
-        tool_cons = tool_constraint(
-            body.tools, body.tool_choice, body.parallel_tool_calls, family.tool_call_parser
-        )
+        rendered = template_tools(family, body.tools, body.messages)
+        if rendered is None:
+            return RequestTools()
+        parser = family.tool_call_parser
+        assert parser is not None  # template_tools refuses a family without one
+        tool_cons = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls, parser)
         if tool_cons is not None and constraint is not None:
             raise InvalidRequestError(
                 f"tools with tool_choice {body.tool_choice or 'auto'!r} cannot be combined with "
@@ -153,7 +147,7 @@ class ChatService:
                 param=constraint.param,
             )
         parse = bool(body.tools) and body.tool_choice != "none"
-        return RequestTools(tools_json(body.tools or []), tool_cons, parse)
+        return RequestTools(rendered, tool_cons, parse)
 
     def _sampling(self, body: ChatCompletionRequest, num_prompt_tokens: int, index: int) -> SamplingParams:
         family = self.inputs.family

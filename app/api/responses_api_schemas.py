@@ -21,13 +21,11 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
         "mmserve stores no responses yet: send the whole conversation as input",
     ),
     "conversation": ((None,), "mmserve stores no conversations yet"),
-    "tools": ((None, []), "not on /v1/responses yet: /v1/chat/completions takes tools"),
-    "tool_choice": ((None, "none", "auto"), "not on /v1/responses yet: /v1/chat/completions takes tools"),
     "reasoning": ((None,), "the served model does not reason"),
     "include": ((None, []), _LATER),
     "background": ((None, False), _LATER),
     "top_logprobs": ((None, 0), _LATER),
-    "max_tool_calls": ((None,), "not on /v1/responses yet: /v1/chat/completions takes tools"),
+    "max_tool_calls": ((None,), _LATER),
     "prompt": ((None,), "prompt templates are not supported"),
     "truncation": ((None, "disabled"), "only truncation 'disabled' is supported"),
 }
@@ -93,11 +91,63 @@ class InputMessage(_Body):
         return content
 
 
+class FunctionCallItem(_Body):
+    """An earlier answer's call, sent back as history."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_Body):
+    """The result of a call, for the model to read."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+_ITEMS: dict[str, type[_Body]] = {
+    "message": InputMessage,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+}
+
+
 def _item(item: Any) -> Any:
     kind = item.get("type", "message") if isinstance(item, dict) else None
-    if kind == "message":
-        return InputMessage.model_validate(item)
-    raise ValueError(f"input item type {kind!r} is not supported yet (messages only)")
+    if isinstance(kind, str) and kind in _ITEMS:
+        return _ITEMS[kind].model_validate(item)
+    raise ValueError(
+        f"input item type {kind!r} is not supported (message, function_call, function_call_output)"
+    )
+
+
+class FunctionTool(_Body):
+    """The Responses API's function tool (flat: no ``function`` object around its fields)."""
+
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+def _tool(tool: Any) -> Any:
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind == "function":
+        return FunctionTool.model_validate(tool)
+    raise ValueError(f"tool type {kind!r} is not supported: only function tools (no built-in tools)")
+
+
+class NamedFunction(_Body):
+    type: Literal["function"]
+    name: str
 
 
 class TextFormat(_Body):
@@ -128,10 +178,11 @@ class ResponsesRequest(_Body):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, strict=True)
     mm_processor_kwargs: dict[str, Any] | None = None
     # refused unless off (REFUSED); then accepted without effect: labels and hosted-service options
+    tools: list[Any] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
     previous_response_id: Any = None
     conversation: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     reasoning: Any = None
     include: Any = None
     background: Any = None
@@ -143,7 +194,6 @@ class ResponsesRequest(_Body):
     safety_identifier: Any = None
     prompt_cache_key: Any = None
     service_tier: Any = None
-    parallel_tool_calls: Any = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -153,6 +203,11 @@ class ResponsesRequest(_Body):
                 raise ValueError("input must not be empty")
             return _each(value, _item, "input")
         return value
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools(cls, value: Any) -> Any:
+        return _each(value, _tool, "tools") if isinstance(value, list) else value
 
     @field_validator(*REFUSED)
     @classmethod
@@ -170,6 +225,21 @@ class ResponsesRequest(_Body):
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
         for item in self.input:
+            if isinstance(item, FunctionCallItem):
+                call = {
+                    "id": item.call_id,
+                    "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments},
+                }
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                    last["tool_calls"].append(call)  # calls made together: one assistant turn
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                continue
+            if isinstance(item, FunctionCallOutputItem):
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+                continue
             if isinstance(item.content, str):
                 messages.append({"role": item.role, "content": item.content})
                 continue
@@ -181,6 +251,20 @@ class ResponsesRequest(_Body):
                     parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
             messages.append({"role": item.role, "content": parts})
         return messages
+
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` in the chat request's shape."""
+        if self.tools is None:
+            return None
+        return [
+            {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+            for t in self.tools
+        ]
+
+    def chat_tool_choice(self) -> Any:
+        if isinstance(self.tool_choice, NamedFunction):
+            return {"type": "function", "function": {"name": self.tool_choice.name}}
+        return self.tool_choice
 
     def response_format(self) -> dict[str, Any] | None:
         """``text.format`` as chat's ``response_format``."""

@@ -9,7 +9,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -22,8 +22,12 @@ from app.api.error_handlers import error_detail, validation_error_detail
 from app.api.outputs import ChoiceOutputs, Generation
 from app.api.responses_api_schemas import ResponsesRequest
 from app.api.schemas import ChatCompletionRequest
+from app.api.tool_calls import ContentDelta, ToolCall, ToolCallDelta, ToolCallStreamer, parse_tool_calls
 from app.errors import InvalidRequestError, MMServeError
 from app.inputs.submission import submit
+
+# a chat field's error names the Responses field it came from
+_PARAMS = (("response_format", "text.format"), ("tools", "tools"), ("tool_choice", "tool_choice"))
 
 
 class ResponsesService:
@@ -33,7 +37,12 @@ class ResponsesService:
     async def create(self, body: ResponsesRequest, raw: Request) -> Response:
         chat_body = self._as_chat(body)
         self.chat.check_ready(chat_body)
-        spec = self.chat.spec(chat_body, raw)
+        try:
+            spec = self.chat.spec(chat_body, raw)
+        except InvalidRequestError as exc:  # a chat message's field is somewhere in the input
+            if exc.param is not None and exc.param.startswith("messages"):
+                exc.param = "input"
+            raise
         arrival = time.time()
         submitted = await submit(self.chat.inputs, self.chat.engine, spec)
         self.chat.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
@@ -47,13 +56,14 @@ class ResponsesService:
             num_cached_tokens=submitted.choices[0].first.num_cached_tokens,
             want_logprobs=False,
             detok=IncrementalDetokenizer(self.chat.tokenizer),
+            parse_tool_calls=bool(body.tools) and body.tool_choice != "none",
         )
         outputs = ChoiceOutputs([gen], submitted, self.chat.engine, self.chat.metrics)
         if body.stream:
             return StreamingResponse(self._stream(body, gen, outputs), media_type="text/event-stream")
         if not await outputs.collect_while_connected(raw):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(response_object(body, gen, message_id=f"msg_{uuid.uuid4().hex}"))
+        return JSONResponse(response_object(body, gen, output_items(gen, f"msg_{uuid.uuid4().hex}")))
 
     def _as_chat(self, body: ResponsesRequest) -> ChatCompletionRequest:
         """The chat request with the same meaning; its validation errors name the Responses field."""
@@ -66,12 +76,16 @@ class ResponsesService:
             "response_format": body.response_format(),
             "cache_salt": body.cache_salt,
             "mm_processor_kwargs": body.mm_processor_kwargs,
+            "tools": body.chat_tools(),
+            "tool_choice": body.chat_tool_choice(),
+            "parallel_tool_calls": body.parallel_tool_calls,
         }
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
         except ValidationError as exc:
             detail = validation_error_detail(exc.errors())
-            param = "text.format" if str(detail.param).startswith("response_format") else "input"
+            where = str(detail.param)
+            param = next((name for prefix, name in _PARAMS if where.startswith(prefix)), "input")
             raise InvalidRequestError(detail.message, param=param) from exc
 
     async def _stream(
@@ -84,21 +98,18 @@ class ResponsesService:
             payload = {"type": kind, "sequence_number": next(sequence), **fields}
             return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
-        where = {"item_id": message_id, "output_index": 0, "content_index": 0}
         try:
-            started = response_object(body, gen, message_id, status="in_progress", with_output=False)
+            started = response_object(body, gen, [], status="in_progress", with_output=False)
             yield event("response.created", response=started)
             yield event("response.in_progress", response=started)
-            item = _message(message_id, "in_progress", [])
-            yield event("response.output_item.added", output_index=0, item=item)
-            yield event("response.content_part.added", part=_text_part(""), **where)
+            stream = _OutputStream(message_id, event, ToolCallStreamer() if gen.parse_tool_calls else None)
             async for delta in outputs.deltas():
-                if delta.text:
-                    yield event("response.output_text.delta", delta=delta.text, logprobs=[], **where)
-            yield event("response.output_text.done", text=gen.text, logprobs=[], **where)
-            yield event("response.content_part.done", part=_text_part(gen.text), **where)
-            finished = response_object(body, gen, message_id)
-            yield event("response.output_item.done", output_index=0, item=finished["output"][0])
+                for text in stream.push(delta.text, last=delta.finish_reason is not None):
+                    yield text
+            closing, items = stream.finish(gen)
+            for text in closing:
+                yield text
+            finished = response_object(body, gen, items)
             kind = "response.completed" if finished["status"] == "completed" else "response.incomplete"
             yield event(kind, response=finished)
         except MMServeError as exc:
@@ -109,8 +120,112 @@ class ResponsesService:
 
 
 def _message(message_id: str, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
-    """The one output item of a response: the assistant's message."""
+    """The output item of a response's text: the assistant's message."""
     return {"id": message_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def _function_call(call: ToolCall, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
+    """The output item of one call: its ``call_id`` is what a ``function_call_output`` answers."""
+    return {
+        "id": f"fc_{call.id.removeprefix('call_')}",
+        "type": "function_call",
+        "status": status,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if arguments is None else arguments,
+    }
+
+
+def output_items(gen: Generation, message_id: str) -> list[dict[str, Any]]:
+    """A finished answer's output items: its text as a message (unless a call-parsing answer has none),
+    then its calls."""
+    if not gen.parse_tool_calls:
+        return [_message(message_id, _status(gen), [_text_part(gen.text)])]
+    parsed = parse_tool_calls(gen.text)
+    items = [_function_call(call) for call in parsed.tool_calls]
+    if parsed.content is not None or not items:
+        items.insert(0, _message(message_id, _status(gen), [_text_part(parsed.content or "")]))
+    return items
+
+
+def _status(gen: Generation) -> str:
+    return "incomplete" if gen.finish_reason == "length" else "completed"
+
+
+Event = Callable[..., str]
+
+
+class _OutputStream:
+    """A streamed answer's output-item events, built as its text arrives: the message opened with its
+    first text (at once for an answer that parses no calls) and each call once it closed (app/api/
+    tool_calls.py), in output order; ``finish`` closes what is open and returns the items, with the
+    ids the events used, for the final ``response`` object."""
+
+    def __init__(self, message_id: str, event: Event, calls: ToolCallStreamer | None) -> None:
+        self.message_id, self.event, self.calls = message_id, event, calls
+        self.items: list[dict[str, Any]] = []
+        self.text: str | None = None  # the message's text, once opened
+        self.where: dict[str, Any] = {}
+        self.opened: list[str] = [] if calls is not None else self._open()
+
+    def _open(self) -> list[str]:
+        self.text = ""
+        self.where = {"item_id": self.message_id, "output_index": len(self.items), "content_index": 0}
+        self.items.append(_message(self.message_id, "in_progress", []))
+        return [
+            self.event("response.output_item.added", output_index=len(self.items) - 1, item=self.items[-1]),
+            self.event("response.content_part.added", part=_text_part(""), **self.where),
+        ]
+
+    def push(self, text: str, last: bool) -> list[str]:
+        events, self.opened = self.opened, []
+        pieces: list[ContentDelta | ToolCallDelta]
+        if self.calls is None:
+            pieces = [ContentDelta(text)] if text else []
+        else:
+            pieces = self.calls.push(text) + (self.calls.finish() if last else [])
+        for piece in pieces:
+            if isinstance(piece, ContentDelta):
+                if self.text is None:
+                    events += self._open()
+                self.text = (self.text or "") + piece.content
+                events.append(
+                    self.event("response.output_text.delta", delta=piece.content, logprobs=[], **self.where)
+                )
+            elif piece.id is not None:  # a call's first delta: its id and name
+                call = ToolCall(piece.id, piece.name or "", "")
+                self.items.append(_function_call(call, "in_progress", ""))
+                events.append(
+                    self.event(
+                        "response.output_item.added", output_index=len(self.items) - 1, item=self.items[-1]
+                    )
+                )
+            else:
+                index, item = len(self.items) - 1, self.items[-1]
+                item.update(arguments=piece.arguments, status="completed")
+                where = {"item_id": item["id"], "output_index": index}
+                events.append(
+                    self.event("response.function_call_arguments.delta", delta=piece.arguments, **where)
+                )
+                events.append(
+                    self.event("response.function_call_arguments.done", arguments=piece.arguments, **where)
+                )
+                events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def finish(self, gen: Generation) -> tuple[list[str], list[dict[str, Any]]]:
+        events = self.opened
+        if self.text is None and not self.items:  # nothing at all: an empty message, as without calls
+            events += self._open()
+        if self.text is not None:
+            index = self.where["output_index"]
+            self.items[index] = _message(self.message_id, _status(gen), [_text_part(self.text)])
+            events += [
+                self.event("response.output_text.done", text=self.text, logprobs=[], **self.where),
+                self.event("response.content_part.done", part=_text_part(self.text), **self.where),
+                self.event("response.output_item.done", output_index=index, item=self.items[index]),
+            ]
+        return events, self.items
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -120,15 +235,14 @@ def _text_part(text: str) -> dict[str, Any]:
 def response_object(
     body: ResponsesRequest,
     gen: Generation,
-    message_id: str,
+    items: list[dict[str, Any]],
     status: str | None = None,
     with_output: bool = True,
 ) -> dict[str, Any]:
-    """OpenAI's ``response`` object for ``gen``: ``completed``, or ``incomplete`` when the answer reached
-    ``max_output_tokens`` (or the context length)."""
+    """OpenAI's ``response`` object for ``gen`` with its output ``items``: ``completed``, or
+    ``incomplete`` when the answer reached ``max_output_tokens`` (or the context length)."""
     if status is None:
-        status = "incomplete" if gen.finish_reason == "length" else "completed"
-    message = _message(message_id, status, [_text_part(gen.text)])
+        status = _status(gen)
     text_format = (
         body.text.format.model_dump(by_alias=True, exclude_none=True)
         if body.text and body.text.format
@@ -141,7 +255,7 @@ def response_object(
         "created_at": gen.created,
         "status": status,
         "model": gen.model_name,
-        "output": [message] if with_output else [],
+        "output": items if with_output else [],
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "error": None,
         "instructions": body.instructions,
@@ -149,9 +263,9 @@ def response_object(
         "temperature": body.temperature,
         "top_p": body.top_p,
         "metadata": body.metadata or {},
-        "parallel_tool_calls": True,
-        "tool_choice": "auto",
-        "tools": [],
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "tool_choice": _tool_choice(body),
+        "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
         "text": {"format": text_format},
         "truncation": "disabled",
         "store": False,
@@ -166,3 +280,9 @@ def response_object(
         if with_output
         else None,
     }
+
+
+def _tool_choice(body: ResponsesRequest) -> Any:
+    if body.tool_choice is None:
+        return "auto"
+    return body.tool_choice if isinstance(body.tool_choice, str) else body.tool_choice.model_dump()

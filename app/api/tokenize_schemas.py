@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from app.api.request_fields import drop_known_fields
 from app.api.schemas import MAX_CACHE_SALT_CHARS, ChatMessageParam, one_prompt_end
+from app.api.tool_schemas import MAX_TOOLS, ChatTool
 
 
 class TokenizeRequest(BaseModel):
@@ -26,11 +27,12 @@ class TokenizeRequest(BaseModel):
     return_token_strs: bool = False
     mm_processor_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, strict=True)
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)  # rendered as the chat request does
 
     @model_validator(mode="before")
     @classmethod
     def _sort_fields(cls, body: Any) -> Any:
-        return drop_known_fields(body, cls.model_fields)  # chat_template, tools, ...: refused here as on chat
+        return drop_known_fields(body, cls.model_fields)  # chat_template, ...: refused here as on chat
 
     @field_validator("messages")
     @classmethod

@@ -12,6 +12,7 @@ from fastapi import Request
 
 from app.api.request_guards import request_tenant
 from app.api.tokenize_schemas import DetokenizeRequest, TokenizeRequest
+from app.api.tool_schemas import check_tools, template_tools
 from app.errors import InvalidRequestError, ModelNotFoundError
 from app.inputs.input_processor import InputProcessor
 from app.inputs.submission import prompt_token_ids
@@ -55,7 +56,9 @@ class TokenizeService:
         their number)."""
         assert body.messages is not None
         scope = self.inputs.cache_scope(request_tenant(raw.scope), body.cache_salt)
-        template = TemplateOptions(body.add_generation_prompt, body.continue_final_message)
+        check_tools(body.tools, None)
+        tools = template_tools(self.inputs.family, body.tools, body.messages)
+        template = TemplateOptions(body.add_generation_prompt, body.continue_final_message, tools)
         return await prompt_token_ids(
             self.inputs, body.messages, body.mm_processor_kwargs or {}, scope, template
         )

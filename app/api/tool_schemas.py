@@ -123,6 +123,22 @@ def check_tool_history(messages: list[Any]) -> bool:
     return found
 
 
+def template_tools(family: Any, tools: list[ChatTool] | None, messages: list[Any]) -> str | None:
+    """``TemplateOptions.tools`` for a request with these tools and messages: None without tools or calls
+    in the history, else the tools as JSON text (``"[]"``: only the history has calls). A family whose
+    template renders no tools refuses either (``InvalidRequestError`` naming ``tools`` or ``messages``)."""
+    in_history = check_tool_history(messages)
+    if not tools and not in_history:
+        return None
+    if family.tool_chat_template is None or family.tool_call_parser is None:
+        raise InvalidRequestError(
+            f"This model ({family.config.get('model_type')}) has no tool format: its chat template "
+            "renders no tools, tool calls or tool messages.",
+            param="tools" if tools else "messages",
+        )
+    return tools_json(tools or [])
+
+
 def tool_constraint(
     tools: list[ChatTool] | None, tool_choice: ToolChoice | None, parallel: bool, parser: str
 ) -> Constraint | None:

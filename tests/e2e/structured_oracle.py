@@ -71,17 +71,15 @@ def constrained_greedy(
     return ids, torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)
 
 
-def assert_matches_constrained(
+def served_tokens_are_the_oracles(
     response: dict[str, Any], oracle: Oracle, hf_ids: list[int], hf_logprobs: torch.Tensor
-) -> None:
-    """The served answer is the oracle's, token for token, but for a true near-tie (tests/near_tie.py;
-    nothing after it is compared). Where the oracle sampled EOS the server ended with ``stop`` without
-    it (the grammar allowed nothing else); where it ran out of tokens, so did the server (``length``)."""
+) -> bool:
+    """The served tokens are the oracle's (its EOS left out: the server ends without it), token for
+    token, but for a true near-tie (tests/near_tie.py): False where one was accepted, and nothing after
+    it can be compared."""
     tokenizer = oracle.processor.tokenizer
-    choice = response["choices"][0]
-    served = [entry["token"] for entry in choice["logprobs"]["content"]]
-    ended = bool(hf_ids) and hf_ids[-1] in eos_ids(oracle)
-    expected = hf_ids[:-1] if ended else hf_ids
+    served = [entry["token"] for entry in response["choices"][0]["logprobs"]["content"]]
+    expected = _without_eos(oracle, hf_ids)
 
     def spell(token_id: int) -> str:
         return str(tokenizer.decode([token_id]))
@@ -90,8 +88,28 @@ def assert_matches_constrained(
     pos = next((i for i, (a, b) in enumerate(zip(served, wanted, strict=False)) if a != b), None)
     if pos is not None:
         accept_near_tie(pos, served[pos], expected[pos], hf_logprobs[pos], NEAR_TIE, spell)
+        return False
+    assert served == wanted, f"served {len(served)} tokens, the oracle {len(wanted)}"
+    return True
+
+
+def _without_eos(oracle: Oracle, hf_ids: list[int]) -> list[int]:
+    ended = bool(hf_ids) and hf_ids[-1] in eos_ids(oracle)
+    return hf_ids[:-1] if ended else hf_ids
+
+
+def assert_matches_constrained(
+    response: dict[str, Any], oracle: Oracle, hf_ids: list[int], hf_logprobs: torch.Tensor
+) -> None:
+    """The served answer is the oracle's (``served_tokens_are_the_oracles``). Where the oracle sampled
+    EOS the server ended with ``stop`` (the grammar allowed nothing else); where it ran out of tokens,
+    so did the server (``length``)."""
+    if not served_tokens_are_the_oracles(response, oracle, hf_ids, hf_logprobs):
         return
-    assert served == wanted, f"served {len(served)} tokens, the oracle {len(wanted)} (ended: {ended})"
-    assert choice["finish_reason"] == ("stop" if ended else "length")
-    assert choice["message"]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
-    assert response["usage"]["completion_tokens"] == len(served)
+    choice = response["choices"][0]
+    expected = _without_eos(oracle, hf_ids)
+    assert choice["finish_reason"] == ("stop" if expected != hf_ids else "length")
+    assert choice["message"]["content"] == oracle.processor.tokenizer.decode(
+        expected, skip_special_tokens=True
+    )
+    assert response["usage"]["completion_tokens"] == len(expected)

@@ -137,7 +137,9 @@ def test_text_format_is_a_structured_output(server: Server) -> None:
     [
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0]"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),  # no call c
+        ({"input": [{"type": "computer_call", "call_id": "c"}]}, "input[0]"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
             "input[0].content[0]",

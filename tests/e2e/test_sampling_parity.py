@@ -31,7 +31,7 @@ FAMILIES = ["llava", "qwen2_5_vl"]
 QWEN = "qwen2_5_vl"
 NUM_TOKENS = 32
 TEXT = "Describe the picture in a few words."
-# Each changes the tiny models' greedy answer to TEXT and make_image(1300) (the oracle's differs from
+# Each changes the tiny models' greedy answer to TEXT and make_image(1313) (the oracle's differs from
 # plain greedy: checked); frequency 0.5 lets a token repeat once at a growing cost, presence -0.5 in the
 # mix rewards a first repeat that frequency then outweighs.
 PENALTIES: dict[str, dict[str, Any]] = {
@@ -64,14 +64,14 @@ def penalised_body(family: str, image: Any, params: dict[str, Any], max_tokens: 
 @pytest.fixture(scope="module")
 def plain_greedy(family_oracle: Callable[[str], Oracle]) -> Callable[[str], tuple[list[int], torch.Tensor]]:
     """``plain_greedy(family)``: the oracle's unpenalised greedy ids and logprobs for TEXT and
-    make_image(1300), computed once per family."""
+    make_image(1313), computed once per family."""
     answers: dict[str, tuple[list[int], torch.Tensor]] = {}
 
     def get(family: str) -> tuple[list[int], torch.Tensor]:
         if family not in answers:
             oracle = family_oracle(family)
             ids, logprobs, _ = penalised_greedy(
-                oracle, oracle.inputs(TEXT, [make_image(1300)]), {}, NUM_TOKENS
+                oracle, oracle.inputs(TEXT, [make_image(1313)]), {}, NUM_TOKENS
             )
             answers[family] = ids, logprobs
         return answers[family]
@@ -130,7 +130,7 @@ def test_penalised_greedy_equals_generate(
     """The bias with the repetition penalty pins their order: a biased positive logit is divided after
     the bias is added (the oracle with the two the other way round answers otherwise: checked). A
     counted frequency pins the count: the same penalty once per id answers otherwise (checked)."""
-    oracle, image = family_oracle(family), make_image(1300)
+    oracle, image = family_oracle(family), make_image(1313)
     inputs = oracle.inputs(TEXT, [image])
     plain_ids, plain_logprobs = plain_greedy(family)
     if case == "logit_bias":

@@ -108,7 +108,15 @@ def test_template_options_change_the_count(server: Server) -> None:
         ({}, 400, None),
         ({"model": "other", "prompt": "a"}, 404, None),
         ({"messages": [{"role": "user", "content": "a"}], "add_special_tokens": True}, 400, None),
-        ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, "tools"),
+        ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, 400, None),
+        (  # LLaVA's template renders no tools
+            {
+                "messages": [{"role": "user", "content": "a"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            400,
+            "tools",
+        ),
         (
             {"messages": [{"role": "user", "content": [image(7305)]}], "mm_processor_kwargs": {"x": 1}},
             400,

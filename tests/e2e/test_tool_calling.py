@@ -22,10 +22,8 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from engine.structured.backend import TOOL_CALL_MAX_WHITESPACE
 from tests.e2e.conftest import Oracle, data_url, make_image
-from tests.e2e.parity import NEAR_TIE
 from tests.e2e.server import Server
-from tests.e2e.structured_oracle import constrained_greedy, eos_ids
-from tests.near_tie import accept_near_tie
+from tests.e2e.structured_oracle import constrained_greedy, eos_ids, served_tokens_are_the_oracles
 
 pytestmark = pytest.mark.slow
 
@@ -120,28 +118,6 @@ def oracle_answer(oracle: Oracle, tool_choice: Any, parallel: bool = True) -> tu
     return constrained_greedy(oracle, inputs, grammar, MAX_TOKENS)
 
 
-def assert_served_tokens_are_the_oracles(
-    response: dict[str, Any], oracle: Oracle, hf_ids: list[int], hf_logprobs: torch.Tensor
-) -> bool:
-    """Token for token, but for a true near-tie (tests/near_tie.py); False where one was accepted (then
-    nothing after it compares)."""
-    tokenizer = oracle.processor.tokenizer
-    served = [entry["token"] for entry in response["choices"][0]["logprobs"]["content"]]
-    ended = bool(hf_ids) and hf_ids[-1] in eos_ids(oracle)
-    expected = hf_ids[:-1] if ended else hf_ids
-
-    def spell(token_id: int) -> str:
-        return str(tokenizer.decode([token_id]))
-
-    wanted = [spell(token_id) for token_id in expected]
-    pos = next((i for i, (a, b) in enumerate(zip(served, wanted, strict=False)) if a != b), None)
-    if pos is not None:
-        accept_near_tie(pos, served[pos], expected[pos], hf_logprobs[pos], NEAR_TIE, spell)
-        return False
-    assert served == wanted
-    return True
-
-
 def calls_of(response: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """Each call's name and decoded arguments, which validate against its tool's schema."""
     calls = []
@@ -171,7 +147,7 @@ def test_a_constrained_call_validates_and_equals_generate(
     assert response["choices"][0]["message"]["content"] is None
     assert response["choices"][0]["finish_reason"] == "tool_calls"
     hf_ids, hf_logprobs = oracle_answer(oracle, tool_choice, parallel=False)
-    if assert_served_tokens_are_the_oracles(response, oracle, hf_ids, hf_logprobs):
+    if served_tokens_are_the_oracles(response, oracle, hf_ids, hf_logprobs):
         text = oracle.processor.tokenizer.decode(hf_ids, skip_special_tokens=True)
         assert text.startswith("<tool_call>") and text.endswith("</tool_call>"), text
         call = json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
@@ -271,3 +247,116 @@ def test_tools_on_a_model_without_a_tool_format_are_refused(
 ) -> None:
     error = bad(family_server(family), body(family, "auto"))
     assert error["param"] == "tools" and "no tool format" in error["message"]
+
+
+# ---------------------------------------------------------------- the Responses API
+
+
+def responses_body(family: str, tool_choice: Any, **extra: Any) -> dict[str, Any]:
+    content = [{"type": "input_image", "image_url": data_url(IMAGE)}, {"type": "input_text", "text": TEXT}]
+    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]
+    return {
+        "model": f"tiny-{family}",
+        "input": [{"role": "user", "content": content}],
+        "tools": tools,
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": False,
+        "max_output_tokens": MAX_TOKENS,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def test_responses_call_a_function_streamed_or_not_and_take_its_output(
+    family_server: Callable[..., Server],
+) -> None:
+    server = family_server("qwen2_5_vl")
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    named = {"type": "function", "name": "get_weather"}
+    chat = ask(server, body("qwen2_5_vl", NAMED, parallel_tool_calls=False))
+    response = client.responses.create(**responses_body("qwen2_5_vl", named))
+    assert response.status == "completed"
+    [call] = [item for item in response.output if item.type == "function_call"]
+    assert [item.type for item in response.output] == ["function_call"]  # no text besides the call
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    arguments = json.loads(call.arguments)
+    jsonschema.validate(arguments, WEATHER)
+    assert arguments == json.loads(chat["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
+
+    with client.responses.stream(**responses_body("qwen2_5_vl", named)) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert kinds[2:-1] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ]
+    [streamed] = final.output
+    assert streamed.type == "function_call" and json.loads(streamed.arguments) == arguments
+
+    follow_up = responses_body(
+        "qwen2_5_vl",
+        "none",
+        input=[
+            *responses_body("qwen2_5_vl", "none")["input"],
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": '{"forecast": "sunny"}'},
+        ],
+    )
+    answer = client.responses.create(**follow_up)
+    assert answer.output_text and answer.usage.input_tokens > response.usage.input_tokens
+    assert answer.usage.input_tokens_details.cached_tokens > 0
+
+
+# ---------------------------------------------------------------- an agent loop
+
+OFF = (
+    "--mm-processor-cache-gb", "0", "--mm-ipc-cache-gb", "0", "--encoder-cache-tokens", "0",
+    "--no-enable-prefix-caching",
+)  # fmt: skip
+
+
+def agent_turns(server: Server, family: str, num_turns: int) -> list[tuple[dict[str, Any], dict[str, float]]]:
+    """A computer-use-like loop: each turn a new screenshot and the whole history (earlier screenshots,
+    the assistant's calls, their results); the model must call ``get_weather``. Each turn's message and
+    the /metrics deltas around it."""
+    history: list[dict[str, Any]] = []
+    turns = []
+    for turn in range(num_turns):
+        screenshot = make_image(970 + turn, (320, 240))
+        parts = [{"type": "image_url", "image_url": {"url": data_url(screenshot)}}]
+        history.append(
+            {"role": "user", "content": [*parts, {"type": "text", "text": f"Step {turn}: go on."}]}
+        )
+        payload = {**body(family, NAMED, parallel_tool_calls=False), "messages": history}
+        before = server.metrics()
+        message = ask(server, payload)["choices"][0]["message"]
+        after = server.metrics()
+        deltas = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+        turns.append((message, deltas))
+        [call] = message["tool_calls"]
+        history.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        history.append({"role": "tool", "tool_call_id": call["id"], "content": f'{{"step": {turn}}}'})
+    return turns
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_five_turn_agent_loop_hits_the_caches_and_equals_a_cold_server(
+    family: str, family_server: Callable[..., Server]
+) -> None:
+    warm = agent_turns(family_server(family), family, 5)
+    cold = agent_turns(family_server(family, *OFF), family, 5)
+    for turn, ((message, deltas), (cold_message, _)) in enumerate(zip(warm, cold, strict=True)):
+        assert [c["function"] for c in message["tool_calls"]] == [
+            c["function"] for c in cold_message["tool_calls"]
+        ]
+        assert deltas["mmserve_encoder_runs_total"] == 1, turn  # only the new screenshot is encoded
+        assert deltas["mmserve_mm_processor_cache_hits_total"] == turn  # every earlier one is a hit
+        assert deltas["mmserve_mm_ipc_cache_hits_total"] == turn
