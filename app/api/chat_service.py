@@ -40,7 +40,6 @@ CLIENT_CLOSED_REQUEST = 499
 class RequestTools:
     json: str | None = None  # TemplateOptions.tools
     constraint: Constraint | None = None
-    parse: bool = False  # the answer's tool calls become message.tool_calls
 
 
 class ChatService:
@@ -66,7 +65,6 @@ class ChatService:
         self.check_ready(body)
         arrival = time.time()
         spec = self.spec(body, raw)
-        parse_tool_calls = bool(body.tools) and body.tool_choice != "none"
         submitted = await submit(self.inputs, self.engine, spec)
         self.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
         response_id = f"chatcmpl-{body.request_id}" if body.request_id is not None else spec.req_ids[0]
@@ -86,7 +84,7 @@ class ChatService:
                     stop=body.stop,
                     include_stop_str=body.include_stop_str_in_output,
                 ),
-                parse_tool_calls=parse_tool_calls,
+                parse_tool_calls=body.parses_tool_calls,
             )
             for index, choice in enumerate(submitted.choices)
         ]
@@ -131,7 +129,7 @@ class ChatService:
 
     def _tools(self, body: ChatCompletionRequest, constraint: RequestedConstraint | None) -> RequestTools:
         """The request's tools for the template (with a history of calls, an empty list: the template
-        that renders them), the constraint its ``tool_choice`` asks for, and whether to parse calls."""
+        that renders them) and the constraint its ``tool_choice`` asks for."""
         check_tools(body.tools, body.tool_choice)
         family = self.inputs.family
         rendered = template_tools(family, body.tools, body.messages)
@@ -146,8 +144,7 @@ class ChatService:
                 f"{constraint.param}: both constrain the answer",
                 param=constraint.param,
             )
-        parse = bool(body.tools) and body.tool_choice != "none"
-        return RequestTools(rendered, tool_cons, parse)
+        return RequestTools(rendered, tool_cons)
 
     def _sampling(self, body: ChatCompletionRequest, num_prompt_tokens: int, index: int) -> SamplingParams:
         family = self.inputs.family

@@ -177,10 +177,10 @@ class ResponsesRequest(_Body):
     # vLLM's extensions, as on chat
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, strict=True)
     mm_processor_kwargs: dict[str, Any] | None = None
-    # refused unless off (REFUSED); then accepted without effect: labels and hosted-service options
-    tools: list[Any] | None = Field(None, max_length=128)
+    tools: list[Any] | None = Field(None, max_length=128)  # function tools (``_tool``), as on chat
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
+    # refused unless off (REFUSED); then accepted without effect: labels and hosted-service options
     previous_response_id: Any = None
     conversation: Any = None
     reasoning: Any = None

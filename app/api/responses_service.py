@@ -56,7 +56,7 @@ class ResponsesService:
             num_cached_tokens=submitted.choices[0].first.num_cached_tokens,
             want_logprobs=False,
             detok=IncrementalDetokenizer(self.chat.tokenizer),
-            parse_tool_calls=bool(body.tools) and body.tool_choice != "none",
+            parse_tool_calls=chat_body.parses_tool_calls,
         )
         outputs = ChoiceOutputs([gen], submitted, self.chat.engine, self.chat.metrics)
         if body.stream:

@@ -256,6 +256,11 @@ class ChatCompletionRequest(_Request):
     def _sort_fields(cls, body: Any) -> Any:
         return drop_known_fields(body, cls.model_fields)
 
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the answer's calls become ``tool_calls``: it has tools it lets the model call."""
+        return bool(self.tools) and self.tool_choice != "none"
+
     @field_validator(
         "stream", "n", "logprobs", "frequency_penalty", "presence_penalty", "ignore_eos", "min_tokens",
         "include_stop_str_in_output", "skip_special_tokens", "add_generation_prompt",

@@ -129,31 +129,25 @@ def main() -> None:
         tier_cmd = [py, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider", "-rfE"]
         steps.run("tier", tier_cmd, "tier.log", limit_s=200, env=tier_env)
     built = building is not None and steps.finish("checkpoint", building, 240, ckpt_started)
+
+    def script(name: str, *extra: str) -> list[str]:  # a bench/gpu script on the checkpoint
+        return [
+            py,
+            f"bench/gpu/{name}.py",
+            "--model",
+            str(checkpoint),
+            "--out",
+            str(args.out),
+            "--device",
+            device,
+            *extra,
+        ]
+
     if built and "bench" not in skip:
-        bench_cmd = [
-            py,
-            "bench/gpu/bench_gpu.py",
-            "--model",
-            str(checkpoint),
-            "--out",
-            str(args.out),
-            "--device",
-            device,
-        ]
-        steps.run("bench", bench_cmd + (["--dry"] if args.dry else []), "bench.log", limit_s=200)
+        steps.run("bench", script("bench_gpu", *(["--dry"] if args.dry else [])), "bench.log", limit_s=200)
     if built and "profile" not in skip:
-        profile_cmd = [
-            py,
-            "bench/gpu/profile_decode.py",
-            "--model",
-            str(checkpoint),
-            "--out",
-            str(args.out),
-            "--device",
-            device,
-        ]
-        profile_cmd += ["--batch", "3", "--prompt-tokens", "64", "--steps", "2"] if args.dry else []
-        steps.run("profile", profile_cmd, "bench.log", limit_s=90)
+        toy = ["--batch", "3", "--prompt-tokens", "64", "--steps", "2"] if args.dry else []
+        steps.run("profile", script("profile_decode", *toy), "bench.log", limit_s=90)
     write_summary(args.out, steps)
 
 
