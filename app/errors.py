@@ -77,6 +77,14 @@ class ContextLengthError(InvalidRequestError):
         super().__init__(message, param=param, code=code)
 
 
+class NotFoundError(InvalidRequestError):
+    """A stored object (a response) that does not exist for this API key: never stored, evicted,
+    deleted, or another key's (404)."""
+
+    http_status = 404
+    default_code = "not_found"
+
+
 class AuthenticationError(MMServeError):
     """Missing or wrong ``Authorization: Bearer <key>`` on a guarded route (401, as OpenAI answers)."""
 

@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from wire.curve import CurveKeys, load_keys
 from wire.shm_ring import HEADER_BYTES  # a ring chunk's header
 from workers.config import CPU_DEFAULT_KV_CACHE_TOKENS
+from workers.families import STRUCTURAL_TAG_FORMATS, check_tool_call_parser
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -100,6 +101,18 @@ class Settings(BaseSettings):
         description="Where a request's sampling defaults come from: auto takes the model folder's "
         "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) "
         "as vLLM does; vllm ignores it (temperature 1, no top-k/top-p/min-p, no penalty).",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="A Jinja chat template file (or, as vLLM accepts, the template itself when it holds "
+        "a {, } or newline) that replaces the model's for every request; where it renders tools it is "
+        "also the tool template, else the model has none. Read at start-up (default: the model's own).",
+    )
+    tool_call_parser: str | None = Field(
+        None,
+        description=f"The syntax of the model's tool calls ({', '.join(sorted(STRUCTURAL_TAG_FORMATS))}), "
+        "over its family's default (hermes for Qwen2.5-VL and Qwen3-VL; none for LLaVA and Qwen2-VL, which "
+        "also need a --chat-template with tools).",
     )
     limit_mm_per_prompt: Annotated[dict[str, int], NoDecode] = Field(
         DEFAULT_MM_LIMITS,
@@ -226,6 +239,24 @@ class Settings(BaseSettings):
         "it (serve --api-server-count N > 1 sets one in its temporary folder); unset: each API process "
         "keeps its own in memory.",
     )
+    responses_store_entries: int = Field(
+        4096,
+        ge=0,
+        description="Stored responses kept for previous_response_id and GET /v1/responses/{id}, least "
+        "recently used first out; 0 stores none (answers say store false).",
+    )
+    responses_store_mb: int = Field(
+        256,
+        ge=0,
+        description="Most megabytes the stored responses hold, their conversations and images included "
+        "(each image once however many conversations hold it).",
+    )
+    responses_store: str | None = Field(
+        None,
+        description="A SQLite file holding the stored responses, shared by every API process that names "
+        "it (serve --api-server-count N > 1 sets one in its temporary folder); a file named here outlives "
+        "the server. Unset: each API process keeps its own in memory.",
+    )
     tenant_cache_isolation: bool = Field(
         False,
         description="Make each API key's own cache salt the default, so tenants share no cache hit of "
@@ -289,6 +320,21 @@ class Settings(BaseSettings):
         if not addr.startswith(("ipc://", "tcp://", "inproc://")):
             raise ValueError(f"ZeroMQ address must start with ipc://, tcp:// or inproc://: {addr!r}")
         return addr
+
+    @field_validator("chat_template")
+    @classmethod
+    def _check_chat_template(cls, value: str | None) -> str | None:
+        """Read and parsed here, so a template that cannot serve stops the start, not a request."""
+        if value is not None:
+            from workers.families.chat_template import load_chat_template  # jinja2: only where one is given
+
+            load_chat_template(value)
+        return value
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _check_tool_call_parser(cls, name: str | None) -> str | None:
+        return check_tool_call_parser(name) if name is not None else None
 
     @field_validator("allowed_media_domains", mode="before")
     @classmethod
@@ -378,6 +424,14 @@ class Settings(BaseSettings):
         if self.ec_connector == "shared-storage" and not self.ec_storage_path:
             raise ValueError("--ec-connector shared-storage needs --ec-storage-path (a folder)")
         return self
+
+    def chat_template_text(self) -> str | None:
+        """``--chat-template``'s template (None: the model's own), read from its file again."""
+        if self.chat_template is None:
+            return None
+        from workers.families.chat_template import load_chat_template
+
+        return load_chat_template(self.chat_template)
 
     @property
     def model_name(self) -> str:

@@ -16,11 +16,10 @@ from app.api.schemas import MAX_CACHE_SALT_CHARS
 _LATER = "not supported yet"
 # field -> (values accepted as "off", why it is refused otherwise)
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "previous_response_id": (
+    "conversation": (
         (None,),
-        "mmserve stores no responses yet: send the whole conversation as input",
+        "conversation objects are not supported: chain responses by previous_response_id",
     ),
-    "conversation": ((None,), "mmserve stores no conversations yet"),
     "reasoning": ((None,), "the served model does not reason"),
     "include": ((None, []), _LATER),
     "background": ((None, False), _LATER),
@@ -119,6 +118,16 @@ _ITEMS: dict[str, type[_Body]] = {
 }
 
 
+def parse_items(items: list[dict[str, Any]]) -> list[Any]:
+    """Input items as stored (``model_dump``'s dicts) back as their models."""
+    return _each(items, _item, "input")
+
+
+def dump_items(items: list[Any]) -> list[dict[str, Any]]:
+    """Parsed input (or output) items as the plain dicts a store keeps."""
+    return [item.model_dump(by_alias=True, exclude_none=True) for item in items]
+
+
 def _item(item: Any) -> Any:
     kind = item.get("type", "message") if isinstance(item, dict) else None
     if isinstance(kind, str) and kind in _ITEMS:
@@ -172,7 +181,8 @@ class ResponsesRequest(_Body):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     text: TextConfig | None = None
     stream: bool = False
-    store: bool | None = None  # nothing is stored yet: answered with store false
+    store: bool | None = None  # None: true, as OpenAI's
+    previous_response_id: str | None = Field(None, min_length=1, max_length=128)
     metadata: dict[str, str] | None = Field(None, max_length=16)
     # vLLM's extensions, as on chat
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, strict=True)
@@ -181,7 +191,6 @@ class ResponsesRequest(_Body):
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     # refused unless off (REFUSED); then accepted without effect: labels and hosted-service options
-    previous_response_id: Any = None
     conversation: Any = None
     reasoning: Any = None
     include: Any = None
@@ -217,14 +226,20 @@ class ResponsesRequest(_Body):
             raise ValueError(f"{info.field_name} is not supported: {reason}")
         return value
 
-    def chat_messages(self) -> list[dict[str, Any]]:
-        """The chat-completions messages of this input (instructions first, as a system message)."""
+    def input_items(self) -> list[Any]:
+        """``input`` as a list of items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [InputMessage(role="user", content=self.input)]
+        return self.input
+
+    def chat_messages(self, history: list[Any] | None = None) -> list[dict[str, Any]]:
+        """The chat-completions messages of a stored conversation's items (``history``, from
+        ``parse_items``) followed by this input; instructions first, as a system message (never carried
+        over from a previous response, as OpenAI's)."""
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
-        for item in self.input:
+        for item in [*(history or []), *self.input_items()]:
             if isinstance(item, FunctionCallItem):
                 call = {
                     "id": item.call_id,

@@ -1,15 +1,21 @@
 """Serves ``POST /v1/responses``: the body is translated at the edge into the chat request every endpoint
 shares, goes through the same input path (``submit``) and output path (``ChoiceOutputs``), and the
 answer is formatted as OpenAI's ``response`` object, or as its typed stream of events (``response.created``
-… ``response.output_text.delta`` … ``response.completed``, numbered by ``sequence_number``)."""
+… ``response.output_text.delta`` … ``response.completed``, numbered by ``sequence_number``).
+
+A response asked to be stored (``store``, true by default) is kept with its conversation in the response
+store (app/api/response_store.py) before its object is returned (or its ``response.completed`` event
+sent), so a follow-up by ``previous_response_id`` is that conversation plus its own input."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -20,10 +26,12 @@ from app.api.chat_service import CLIENT_CLOSED_REQUEST, ChatService
 from app.api.detokenizer import IncrementalDetokenizer
 from app.api.error_handlers import error_detail, validation_error_detail
 from app.api.outputs import ChoiceOutputs, Generation
-from app.api.responses_api_schemas import ResponsesRequest
+from app.api.request_guards import request_tenant
+from app.api.response_store import ResponseStore
+from app.api.responses_api_schemas import ResponsesRequest, dump_items, parse_items
 from app.api.schemas import ChatCompletionRequest
 from app.api.tool_calls import ContentDelta, ToolCall, ToolCallDelta, ToolCallStreamer, parse_tool_calls
-from app.errors import InvalidRequestError, MMServeError
+from app.errors import InvalidRequestError, MMServeError, NotFoundError
 from app.inputs.submission import submit
 
 # a chat field's error names the Responses field it came from
@@ -31,11 +39,14 @@ _PARAMS = (("response_format", "text.format"), ("tools", "tools"), ("tool_choice
 
 
 class ResponsesService:
-    def __init__(self, chat: ChatService) -> None:
+    def __init__(self, chat: ChatService, store: ResponseStore) -> None:
         self.chat = chat
+        self.store = store
 
     async def create(self, body: ResponsesRequest, raw: Request) -> Response:
-        chat_body = self._as_chat(body)
+        tenant = request_tenant(raw.scope)
+        history = await self._history(body, tenant)
+        chat_body = self._as_chat(body, parse_items(history))
         self.chat.check_ready(chat_body)
         try:
             spec = self.chat.spec(chat_body, raw)
@@ -58,18 +69,60 @@ class ResponsesService:
             detok=IncrementalDetokenizer(self.chat.tokenizer),
             parse_tool_calls=chat_body.parses_tool_calls,
         )
+        turn = _Turn(
+            body,
+            gen,
+            tenant,
+            [*history, *dump_items(body.input_items())],
+            body.store is not False and self.store.enabled,
+        )
         outputs = ChoiceOutputs([gen], submitted, self.chat.engine, self.chat.metrics)
         if body.stream:
-            return StreamingResponse(self._stream(body, gen, outputs), media_type="text/event-stream")
+            return StreamingResponse(self._stream(turn, outputs), media_type="text/event-stream")
         if not await outputs.collect_while_connected(raw):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(response_object(body, gen, output_items(gen, f"msg_{uuid.uuid4().hex}")))
+        return JSONResponse(await self._finished(turn, output_items(gen, f"msg_{uuid.uuid4().hex}")))
 
-    def _as_chat(self, body: ResponsesRequest) -> ChatCompletionRequest:
+    async def retrieve(self, response_id: str, raw: Request) -> dict[str, Any]:
+        stored = await asyncio.to_thread(self.store.get, request_tenant(raw.scope), response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        return stored.response
+
+    async def delete(self, response_id: str, raw: Request) -> dict[str, Any]:
+        if not await asyncio.to_thread(self.store.delete, request_tenant(raw.scope), response_id):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def _history(self, body: ResponsesRequest, tenant: str) -> list[dict[str, Any]]:
+        """The stored conversation ``previous_response_id`` ends, as input items (none without one)."""
+        if body.previous_response_id is None:
+            return []
+        stored = await asyncio.to_thread(self.store.get, tenant, body.previous_response_id)
+        if stored is None:
+            off = "" if self.store.enabled else " (this server stores no responses)"
+            raise NotFoundError(
+                f"Previous response with id '{body.previous_response_id}' not found{off}.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        return stored.items
+
+    async def _finished(self, turn: _Turn, items: list[dict[str, Any]]) -> dict[str, Any]:
+        """The finished ``response`` object, stored first (with its conversation) where asked for, so a
+        client that reads it may chain on it at once."""
+        response = response_object(turn, items)
+        if turn.store:
+            response["store"] = await asyncio.to_thread(
+                self.store.put, turn.tenant, turn.gen.response_id, [*turn.items, *items], response
+            )
+        return response
+
+    def _as_chat(self, body: ResponsesRequest, history: list[Any]) -> ChatCompletionRequest:
         """The chat request with the same meaning; its validation errors name the Responses field."""
         fields = {
             "model": body.model,
-            "messages": body.chat_messages(),
+            "messages": body.chat_messages(history),
             "max_completion_tokens": body.max_output_tokens,
             "temperature": body.temperature,
             "top_p": body.top_p,
@@ -88,9 +141,7 @@ class ResponsesService:
             param = next((name for prefix, name in _PARAMS if where.startswith(prefix)), "input")
             raise InvalidRequestError(detail.message, param=param) from exc
 
-    async def _stream(
-        self, body: ResponsesRequest, gen: Generation, outputs: ChoiceOutputs
-    ) -> AsyncIterator[str]:
+    async def _stream(self, turn: _Turn, outputs: ChoiceOutputs) -> AsyncIterator[str]:
         message_id = f"msg_{uuid.uuid4().hex}"
         sequence = itertools.count()
 
@@ -98,8 +149,9 @@ class ResponsesService:
             payload = {"type": kind, "sequence_number": next(sequence), **fields}
             return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
+        gen = turn.gen
         try:
-            started = response_object(body, gen, [], status="in_progress", with_output=False)
+            started = response_object(turn, [], status="in_progress", with_output=False)
             yield event("response.created", response=started)
             yield event("response.in_progress", response=started)
             stream = _OutputStream(message_id, event, ToolCallStreamer() if gen.parse_tool_calls else None)
@@ -109,7 +161,7 @@ class ResponsesService:
             closing, items = stream.finish(gen)
             for text in closing:
                 yield text
-            finished = response_object(body, gen, items)
+            finished = await self._finished(turn, items)
             kind = "response.completed" if finished["status"] == "completed" else "response.incomplete"
             yield event(kind, response=finished)
         except MMServeError as exc:
@@ -232,15 +284,27 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+@dataclass(frozen=True)
+class _Turn:
+    """One response being made: its request, its answer, and what storing it takes."""
+
+    body: ResponsesRequest
+    gen: Generation
+    tenant: str
+    items: list[dict[str, Any]]  # the conversation up to this turn's input, as input items
+    store: bool  # asked for, and the store is on
+
+
+def _not_found(response_id: str) -> NotFoundError:
+    return NotFoundError(f"No response found with id '{response_id}'.", param="response_id")
+
+
 def response_object(
-    body: ResponsesRequest,
-    gen: Generation,
-    items: list[dict[str, Any]],
-    status: str | None = None,
-    with_output: bool = True,
+    turn: _Turn, items: list[dict[str, Any]], status: str | None = None, with_output: bool = True
 ) -> dict[str, Any]:
-    """OpenAI's ``response`` object for ``gen`` with its output ``items``: ``completed``, or
+    """OpenAI's ``response`` object for the turn's answer with its output ``items``: ``completed``, or
     ``incomplete`` when the answer reached ``max_output_tokens`` (or the context length)."""
+    body, gen = turn.body, turn.gen
     if status is None:
         status = _status(gen)
     text_format = (
@@ -268,8 +332,8 @@ def response_object(
         "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
         "text": {"format": text_format},
         "truncation": "disabled",
-        "store": False,
-        "previous_response_id": None,
+        "store": turn.store,
+        "previous_response_id": body.previous_response_id,
         "usage": {
             "input_tokens": gen.num_prompt_tokens,
             "input_tokens_details": {"cached_tokens": gen.num_cached_tokens},

@@ -18,6 +18,7 @@ from app.api.error_handlers import install_error_handlers
 from app.api.http_metrics import HttpMetrics
 from app.api.openapi_errors import document_error_envelope
 from app.api.request_guards import RequestGuards
+from app.api.response_store import ResponseStore
 from app.api.responses_service import ResponsesService
 from app.api.routes import chat, models, ops
 from app.api.routes import responses as responses_routes
@@ -57,7 +58,11 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics = ApiMetrics()
         max_model_len = settings.resolved_max_model_len()
-        family = load_processing(settings.model)
+        family = load_processing(
+            settings.model,
+            chat_template=settings.chat_template_text(),
+            tool_call_parser=settings.tool_call_parser,
+        )
         # With shm the ring takes the processor cache's memory and replaces both caches' roles.
         shm = (
             ShmObjectStore(settings.processor_cache_bytes, settings.shm_max_object_bytes)
@@ -80,7 +85,10 @@ def create_app(
         defaults = SamplingDefaults.load(settings.model, settings.generation_config)
         chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics, defaults)
         tokenize = TokenizeService(settings.model_name, max_model_len, inputs)
-        responses = ResponsesService(chat_service)
+        response_store = ResponseStore(
+            settings.responses_store, settings.responses_store_entries, settings.responses_store_mb << 20
+        )
+        responses = ResponsesService(chat_service, response_store)
         app.state.mmserve = ApiState(
             settings, max_model_len, metrics, engine, chat_service, drain, tokenize, responses
         )
@@ -101,6 +109,7 @@ def create_app(
             await pool.close()
             if shm is not None:
                 shm.close()
+            response_store.close()
 
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)

@@ -18,10 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from app.api.json_schema_support import check_json_schema
 from app.errors import InvalidRequestError
 from wire.protocol import MAX_CONSTRAINT_CHARS, Constraint, ConstraintKind
+from workers.families import STRUCTURAL_TAG_FORMATS  # the tool-call syntax of each parser
 
 MAX_TOOLS = 128
-# the tool-call syntax of each parser, as xgrammar's structural tags name it
-STRUCTURAL_TAG_FORMATS = {"hermes": "qwen_3"}
 # what a function's missing ``parameters`` means (OpenAI: a function without parameters)
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -131,9 +130,14 @@ def template_tools(family: Any, tools: list[ChatTool] | None, messages: list[Any
     if not tools and not in_history:
         return None
     if family.tool_chat_template is None or family.tool_call_parser is None:
+        missing = (
+            "its chat template renders no tools, tool calls or tool messages"
+            if family.tool_chat_template is None
+            else "no tool-call parser reads its calls"
+        )
         raise InvalidRequestError(
-            f"This model ({family.config.get('model_type')}) has no tool format: its chat template "
-            "renders no tools, tool calls or tool messages.",
+            f"This model ({family.config.get('model_type')}) has no tool format: {missing} (the server "
+            "gives it one with --chat-template and --tool-call-parser).",
             param="tools" if tools else "messages",
         )
     return tools_json(tools or [])

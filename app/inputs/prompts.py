@@ -14,9 +14,11 @@ check the short prompt could answer differently, mismatched items) ``tokenize`` 
 family's own method, which answers or raises exactly as before.
 
 **Caches.** Two LRUs bounded in characters, used from the event loop only: rendered messages -> prompt
-text (kept only when the chat template cannot depend on anything but the messages: one that reads the
+text (kept only when the chat templates cannot depend on anything but the messages: one that reads the
 clock through ``strftime_now`` is rendered every time), and prompt text -> its ids with one id per
-item. A client re-sending the same conversation with the same media renders and tokenizes nothing.
+item. A client re-sending the same conversation with the same media renders and tokenizes nothing. The
+templates are the process's for its lifetime (``--chat-template`` is read once, at start-up), so a
+cached render never outlives the template that made it.
 """
 
 from __future__ import annotations
@@ -82,7 +84,10 @@ class PromptBuilder:
         # Only an added token is split out of the text before tokenization (see the module docstring).
         added = family.tokenizer.get_added_vocab()
         self._fast_tokenize = all(family.placeholder_token(m) in added for m in self._media_ids.values())
-        self._cache_renders = "strftime" not in str(family.hf_processor.chat_template)
+        # every template render_prompt may use: the given one or the processor's, and the one with tools
+        plain = family.chat_template_override or family.hf_processor.chat_template
+        templates = (plain, family.tool_chat_template)
+        self._cache_renders = not any("strftime" in str(template) for template in templates)
         self._prompts: _CharBoundedLru[str] = _CharBoundedLru(max_cached_chars)
         # prompt -> (its ids with one id per media item, the index of each item's id in them)
         self._short_ids: _CharBoundedLru[tuple[tuple[int, ...], tuple[int, ...]]] = _CharBoundedLru(

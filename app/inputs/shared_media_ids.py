@@ -4,20 +4,20 @@ process resolves through any other (docs/architecture.md, "Cache salts and media
 
 One table, least recently used out past ``max_entries``. ``used`` orders the rows: every bind and every
 hit sets it to one more than the largest (an index keeps that a lookup); a one-row table counts the rows,
-so an eviction never scans. Each call is one short transaction (WAL, no fsync: the file lives as long as
-the server, in its temporary folder); SQLite's file locks serialise the writers of all processes.
+so an eviction never scans. Each call is one short transaction (app/sqlite_file.py); SQLite's file locks
+serialise the writers of all processes.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 from pathlib import Path
 
 import msgspec
 
 from app.inputs.media_ids import BindingKey, LocalMediaIds, MediaBinding, MediaIds
 from app.settings import Settings
+from app.sqlite_file import Transaction, connect
 from workers.families.processing import ItemLayout
 
 _SCHEMA = """
@@ -45,18 +45,12 @@ def media_ids_for(settings: Settings) -> MediaIds:
 class SharedMediaIds:
     def __init__(self, path: str | Path, max_entries: int) -> None:
         self.max_entries = max_entries
-        # autocommit off by hand: every call opens its own IMMEDIATE transaction
-        self._db = sqlite3.connect(path, isolation_level=None, timeout=10.0, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=OFF")
-        with self._transaction():  # the first API process creates the tables, the others find them
-            for statement in filter(str.strip, _SCHEMA.split(";")):
-                self._db.execute(statement)
+        self._db = connect(path, _SCHEMA)
         self._encode = msgspec.msgpack.Encoder()
         self._decode = msgspec.msgpack.Decoder(ItemLayout)
 
-    def _transaction(self) -> _Transaction:
-        return _Transaction(self._db)
+    def _transaction(self) -> Transaction:
+        return Transaction(self._db)
 
     def bind(self, key: BindingKey, binding: MediaBinding) -> None:
         if self.max_entries == 0:
@@ -95,17 +89,3 @@ class SharedMediaIds:
 
     def close(self) -> None:
         self._db.close()
-
-
-class _Transaction:
-    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on an exception): one writer at a time across
-    the API processes, and no reader sees half a bind."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self._db = db
-
-    def __enter__(self) -> None:
-        self._db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, kind: object, value: object, traceback: object) -> None:
-        self._db.execute("COMMIT" if kind is None else "ROLLBACK")

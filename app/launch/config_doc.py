@@ -36,6 +36,8 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("max_model_len", "api, engine"),
         ("limit_mm_per_prompt", "api"),
         ("generation_config", "api"),
+        ("chat_template", "api"),
+        ("tool_call_parser", "api"),
     )),
     ("Processes and sockets", (
         ("engine_addr", "api, engine"),
@@ -57,6 +59,11 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("tenant_cache_isolation", "api"),
         ("encoder_cache_tokens", "engine"),
         ("encoder_compute_budget_tokens", "engine"),
+    )),
+    ("Stored responses", (
+        ("responses_store_entries", "api"),
+        ("responses_store_mb", "api"),
+        ("responses_store", "api"),
     )),
     ("Scheduling", (
         ("max_num_seqs", "engine"),

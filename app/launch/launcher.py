@@ -229,6 +229,8 @@ def _private_addresses(settings: Settings, folder: str) -> Settings:
         update["worker_addr"] = f"ipc://{folder}/worker.sock"
     if "mm_uuid_store" not in explicit and settings.api_server_count > 1:
         update["mm_uuid_store"] = f"{folder}/media-ids.sqlite"  # one binding table for every API process
+    if "responses_store" not in explicit and settings.api_server_count > 1:
+        update["responses_store"] = f"{folder}/responses.sqlite"  # one response store for every API process
     return Settings(**{**settings.model_dump(exclude_unset=True), **update})
 
 

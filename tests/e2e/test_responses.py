@@ -1,7 +1,6 @@
 """``POST /v1/responses`` through the openai SDK on the tiny LLaVA: a string or message items with images,
 instructions, ``text.format``; the answer is the chat endpoint's for the same conversation (one input
-path, one output path); the typed stream reassembles to it; what is not implemented yet is a 400 naming
-it."""
+path, one output path); the typed stream reassembles to it; what is not implemented is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -135,7 +134,7 @@ def test_text_format_is_a_structured_output(server: Server) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"conversation": "conv_123"}, "conversation"),
         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),  # no call c
         ({"input": [{"type": "computer_call", "call_id": "c"}]}, "input[0]"),

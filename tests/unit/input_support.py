@@ -19,4 +19,6 @@ def prepare_only_family(hash_options: Any = dict) -> Any:
         placeholder_token=lambda modality: "<image>",
         tokenizer=SimpleNamespace(bos_token=None, get_added_vocab=lambda: {"<image>": 0}),
         hf_processor=SimpleNamespace(chat_template=""),
+        chat_template_override=None,
+        tool_chat_template=None,
     )

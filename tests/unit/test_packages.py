@@ -19,7 +19,7 @@ ALLOWED = {
 }
 # app's subpackages, bottom first: each may import the shared modules and those before it
 APP_LAYERS = ["media", "inputs", "api", "proxy", "launch"]
-APP_SHARED = {"errors", "settings", "metrics"}
+APP_SHARED = {"errors", "settings", "metrics", "sqlite_file"}
 
 
 def imported_modules(path: Path) -> set[str]:

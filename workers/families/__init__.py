@@ -9,7 +9,9 @@
 Nothing outside this package names a model. Halves are imported on first use, so a process loads only
 the half it runs. The engine process uses neither: the launcher, building its config, asks the family's
 ``limits`` module for the largest item, which reads the folder's JSON files only (no torch, so the
-engine and ``serve`` before it spawns its children start in a fraction of a second).
+engine and ``serve`` before it spawns its children start in a fraction of a second). A server may give
+the API half another chat template and tool-call syntax than the checkpoint's and the family's
+(``--chat-template``, read by chat_template.py; ``--tool-call-parser``, one of ``STRUCTURAL_TAG_FORMATS``).
 See docs/architecture.md, "Model families".
 """
 
@@ -61,6 +63,21 @@ FAMILIES: tuple[Family, ...] = (
 )  # fmt: skip
 
 
+# Tool-call parsers (app/api/tool_calls.py reads their calls) -> xgrammar's structural-tag format of the
+# calls. A family's default is its FamilyProcessor's ``default_tool_call_parser``; --tool-call-parser
+# names another (with a --chat-template, chat_template.py, that renders tools).
+STRUCTURAL_TAG_FORMATS = {"hermes": "qwen_3"}
+
+
+def check_tool_call_parser(name: str) -> str:
+    """``name`` where it is a known tool-call parser; ValueError listing the known ones otherwise."""
+    if name not in STRUCTURAL_TAG_FORMATS:
+        raise ValueError(
+            f"unknown tool-call parser {name!r}; valid: {', '.join(sorted(STRUCTURAL_TAG_FORMATS))}"
+        )
+    return name
+
+
 def model_type_of(model_dir: str | Path) -> str | None:
     return json.loads((Path(model_dir) / "config.json").read_text()).get("model_type")
 
@@ -75,9 +92,13 @@ def family_for(model_dir: str | Path) -> Family:
     raise UnsupportedModelError(f"unsupported model_type {model_type!r}; supported: {supported}")
 
 
-def load_processing(model_dir: str | Path) -> FamilyProcessor:
-    """The API half for the checkpoint (loads its HF processor)."""
-    return family_for(model_dir).processing(model_dir)
+def load_processing(
+    model_dir: str | Path, *, chat_template: str | None = None, tool_call_parser: str | None = None
+) -> FamilyProcessor:
+    """The API half for the checkpoint (loads its HF processor); ``chat_template`` (its text) and
+    ``tool_call_parser`` replace the checkpoint's and the family's (workers/families/chat_template.py)."""
+    processing = family_for(model_dir).processing
+    return processing(model_dir, chat_template=chat_template, tool_call_parser=tool_call_parser)
 
 
 def largest_item_tokens(model_dir: str | Path, max_video_frames: int) -> int:

@@ -29,6 +29,7 @@ from huggingface_hub.dataclasses import validate_typed_dict
 from PIL import Image
 
 from wire.hashing import canonical_option, framed_digest
+from workers.families import check_tool_call_parser
 from workers.families.errors import FamilyInputError
 
 MODEL_ID_DOMAIN = b"mmserve.model_id.v1"
@@ -118,9 +119,14 @@ class FamilyProcessor:
     # Options this family's model cannot take from a request (they must match the weights).
     reserved_kwargs: ClassVar[frozenset[str]] = frozenset()
     # How the family's models write tool calls (app/api/tool_calls.py), where its template has tools.
-    tool_call_parser: ClassVar[str | None] = None
+    default_tool_call_parser: ClassVar[str | None] = None
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(
+        self, model_dir: str | Path, *, chat_template: str | None = None, tool_call_parser: str | None = None
+    ) -> None:
+        """``chat_template``: a template (its text) that replaces the checkpoint's for every request, tools
+        included (``--chat-template``); ``tool_call_parser``: the syntax of the model's tool calls, over the
+        family's default (``--tool-call-parser``)."""
         self.model_dir = Path(model_dir)
         config_bytes = (self.model_dir / "config.json").read_bytes()
         self.config: dict[str, Any] = json.loads(config_bytes)
@@ -149,11 +155,21 @@ class FamilyProcessor:
             transformers.__version__,
             video_config.read_bytes() if video_config.is_file() else b"",
         )
-        # the template that renders tools: the processor's where it has them, else the tokenizer's (a real
-        # Qwen2.5-VL's processor template has none; its tokenizer's, Qwen2.5's, has)
-        self.tool_chat_template: str | None = next(
-            (t for t in (self.hf_processor.chat_template, self.tokenizer.chat_template) if _has_tools(t)),
-            None,
+        # The templates decide the prompt text only, never a processed item: they stay out of model_id.
+        self.chat_template_override = chat_template
+        # the template that renders tools: the given one where it has them (none where it has not), else
+        # the processor's where it has them, else the tokenizer's (a real Qwen2.5-VL's processor template
+        # has none; its tokenizer's, Qwen2.5's, has)
+        candidates = (
+            (chat_template,)
+            if chat_template is not None
+            else (self.hf_processor.chat_template, self.tokenizer.chat_template)
+        )
+        self.tool_chat_template: str | None = next((t for t in candidates if _has_tools(t)), None)
+        self.tool_call_parser: str | None = (
+            check_tool_call_parser(tool_call_parser)
+            if tool_call_parser is not None
+            else self.default_tool_call_parser
         )
         accepted = set(getattr(self.image_processor.valid_kwargs, "__annotations__", {}))
         self.accepted_kwargs: frozenset[str] = frozenset(accepted - _RESERVED_KWARGS - self.reserved_kwargs)
@@ -199,6 +215,7 @@ class FamilyProcessor:
         of ``{"type": "text", "text": ...}`` / ``{"type": "image"}`` parts. Each image part becomes one
         ``image_token`` (inside the family's image markers). ``template``: the generation prompt added
         (the default), or the last message left open for the model to continue."""
+        chat_template = self.chat_template_override  # None: the processor's own
         tool_kwargs: dict[str, Any] = {}
         if template.tools is not None:
             if self.tool_chat_template is None:
@@ -207,13 +224,12 @@ class FamilyProcessor:
                     "cannot be rendered.",
                     param="tools",
                 )
-            tool_kwargs = {
-                "chat_template": self.tool_chat_template,
-                "tools": json.loads(template.tools) or None,
-            }
+            chat_template = self.tool_chat_template
+            tool_kwargs = {"tools": json.loads(template.tools) or None}
         try:
             return self.hf_processor.apply_chat_template(
                 messages,
+                chat_template=chat_template,
                 add_generation_prompt=template.add_generation_prompt,
                 continue_final_message=template.continue_final_message,
                 tokenize=False,

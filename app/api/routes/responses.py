@@ -1,6 +1,8 @@
-"""POST /v1/responses."""
+"""POST /v1/responses; GET and DELETE /v1/responses/{response_id} (stored responses)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -14,3 +16,13 @@ router = APIRouter()
 @router.post("/v1/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request, state: State) -> Response:
     return await state.responses.create(body, request)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request, state: State) -> dict[str, Any]:
+    return await state.responses.retrieve(response_id, request)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request, state: State) -> dict[str, Any]:
+    return await state.responses.delete(response_id, request)

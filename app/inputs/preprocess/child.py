@@ -118,7 +118,8 @@ def child_main(model: str, api_pid: int, conn: Connection, video: VideoRules | N
     setproctitle.setproctitle("mmserve: preprocess")
     # one image at a time per process: a second OpenMP thread would only spin on a core the worker needs
     torch.set_num_threads(1)
-    family = load_processing(model)  # on failure: a traceback in the log, EOF for the API
+    # on failure: a traceback in the log, EOF for the API. No --chat-template: it renders no prompt here
+    family = load_processing(model)
     try:
         conn.send_bytes(encoder.encode(Loaded()))
         while True:

@@ -45,10 +45,12 @@ class QwenVLProcessing(FamilyProcessor):
     # The patch geometry must match the vision tower's weights.
     reserved_kwargs = frozenset({"patch_size", "temporal_patch_size", "merge_size"})
     # Qwen2.5's and Qwen3's tool calls: <tool_call>{"name": ..., "arguments": ...}</tool_call>
-    tool_call_parser = "hermes"
+    default_tool_call_parser = "hermes"
 
-    def __init__(self, model_dir: str | Path) -> None:
-        super().__init__(model_dir)
+    def __init__(
+        self, model_dir: str | Path, *, chat_template: str | None = None, tool_call_parser: str | None = None
+    ) -> None:
+        super().__init__(model_dir, chat_template=chat_template, tool_call_parser=tool_call_parser)
         self.video_config = load_video_config(self.model_dir)
         self.video_token = self.hf_processor.video_token
         self.video_token_id = self.hf_processor.video_token_id

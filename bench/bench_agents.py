@@ -1,0 +1,197 @@
+"""An agent loop on ``/v1/responses`` (tiny LLaVA, real ``mmserve`` processes): 16 agents at once, each
+five turns, each turn a new 1024x1024 JPEG screenshot and a question, as a computer-use agent sends
+them. Two ways to send the history, side by side in one run on one server:
+
+- **full history**: every turn resends the whole conversation (earlier screenshots and answers), with
+  ``store`` false, as a client of a server without stored responses must;
+- **previous_response_id**: every turn sends only its new screenshot and question, chained on the
+  previous turn's stored response.
+
+    python bench/bench_agents.py [--model models/tiny-llava] [--agents 16] [--turns 5] [--rounds 3]
+
+Per turn (median over agents and rounds): the request body's size and TTFT (the first
+``response.output_text.delta`` event of the stream); per load: turns per second. Every turn's
+screenshot is new to the server (each round and each load has its own), so each turn runs the processor
+and the encoder for one image, and the history's images are what the caches (and the store) hold. The
+loads alternate within each round. Draws ``--chart``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from contextlib import ExitStack
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import httpx
+from bench_input_scale import machine
+from bench_throughput import REPO, Proc, free_port, git, wait_healthy
+from charts import Panel, draw
+from images import jpeg_data_url
+
+MAX_TOKENS = 16
+LOADS = ("full history", "previous_response_id")
+
+
+def user_turn(screenshot: str, turn: int) -> dict[str, Any]:
+    text = f"Step {turn + 1}: what should I click next?"
+    content = [{"type": "input_text", "text": text}, {"type": "input_image", "image_url": screenshot}]
+    return {"role": "user", "content": content}
+
+
+async def stream_turn(client: httpx.AsyncClient, url: str, body: bytes) -> tuple[float, dict[str, Any]]:
+    """(TTFT in seconds, the finished response object) of one streamed turn."""
+    start = time.perf_counter()
+    ttft_s: float | None = None
+    async with client.stream("POST", url, content=body, headers={"Content-Type": "application/json"}) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"turn failed: {resp.status_code} {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "response.output_text.delta" and ttft_s is None:
+                ttft_s = time.perf_counter() - start
+            elif event["type"] in ("response.completed", "response.incomplete"):
+                return ttft_s if ttft_s is not None else time.perf_counter() - start, event["response"]
+            elif event["type"] == "error":
+                raise RuntimeError(f"turn failed: {event}")
+    raise RuntimeError("the stream ended without a response")
+
+
+async def agent(
+    client: httpx.AsyncClient, url: str, model: str, load: str, screenshots: list[str]
+) -> list[tuple[int, float]]:
+    """One agent's turns: (request bytes, TTFT s) for each."""
+    history: list[dict[str, Any]] = []
+    previous: str | None = None
+    figures = []
+    for turn, screenshot in enumerate(screenshots):
+        new = user_turn(screenshot, turn)
+        fields: dict[str, Any] = {"model": model, "max_output_tokens": MAX_TOKENS, "temperature": 0}
+        fields["stream"] = True
+        if load == "full history":
+            fields |= {"input": [*history, new], "store": False}
+        else:
+            fields |= {"input": [new], **({"previous_response_id": previous} if previous else {})}
+        body = json.dumps(fields).encode()
+        ttft_s, response = await stream_turn(client, url, body)
+        figures.append((len(body), ttft_s))
+        history += [new, *response["output"]]
+        previous = response["id"]
+    return figures
+
+
+def run_load(base_url: str, model: str, load: str, screenshots: list[list[str]]) -> dict[str, Any]:
+    async def all_agents() -> tuple[float, list[list[tuple[int, float]]]]:
+        limits = httpx.Limits(max_connections=len(screenshots))
+        async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+            url = f"{base_url}/v1/responses"
+            start = time.perf_counter()
+            runs = await asyncio.gather(*(agent(client, url, model, load, shots) for shots in screenshots))
+            return time.perf_counter() - start, runs
+
+    wall_s, runs = asyncio.run(all_agents())
+    num_turns = len(screenshots[0])
+    return {
+        "turns/s": len(screenshots) * num_turns / wall_s,
+        "bytes": [statistics.median(run[t][0] for run in runs) for t in range(num_turns)],
+        "ttft": [[run[t][1] for run in runs] for t in range(num_turns)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, default=REPO / "models/tiny-llava")
+    parser.add_argument("--agents", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chart", type=Path, default=REPO / "docs/img/agents.png")
+    args = parser.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="mmserve-bench-agents-"))
+    model = args.model.name
+    seeds = iter(range(10**6))
+
+    def screenshots() -> list[list[str]]:
+        return [[jpeg_data_url(1024, next(seeds)) for _ in range(args.turns)] for _ in range(args.agents)]
+
+    results: dict[str, list[dict[str, Any]]] = {load: [] for load in LOADS}
+    with ExitStack() as stack:
+        port = free_port()
+        server = Proc(["serve", "--model", str(args.model), "--port", str(port)], REPO, folder / "serve.log")
+        stack.callback(server.stop)
+        base_url = f"http://127.0.0.1:{port}"
+        wait_healthy(base_url, [server])
+        for load in LOADS:  # warm-up: every code path once, discarded
+            run_load(base_url, model, load, screenshots()[:4])
+        for round_index in range(args.rounds):
+            for load in LOADS if round_index % 2 == 0 else reversed(LOADS):
+                result = run_load(base_url, model, load, screenshots())
+                results[load].append(result)
+                ttft = [round(1e3 * statistics.median(t)) for t in result["ttft"]]
+                print(f"round {round_index + 1} {load}: {result['turns/s']:.2f} turns/s, TTFT ms {ttft}")
+    turns = range(args.turns)
+    table = {
+        load: {
+            "turns/s": statistics.median(r["turns/s"] for r in runs),
+            "bytes": [statistics.median(r["bytes"][t] for r in runs) for t in turns],
+            "ttft_ms": [1e3 * statistics.median(x for r in runs for x in r["ttft"][t]) for t in turns],
+        }
+        for load, runs in results.items()
+    }
+    revision = git("rev-parse", "--short", "HEAD").strip()
+    print(f"\n{machine()}, revision {revision}, {date.today()}")
+    print(f"\n{args.agents} agents at once, {args.turns} turns each, {MAX_TOKENS} tokens a turn, "
+          f"median over agents and {args.rounds} rounds:")  # fmt: skip
+    print("| history sent as | " + " | ".join(f"turn {t + 1}" for t in turns) + " | turns/s |")
+    print("|---|" + "---|" * (args.turns + 1))
+    for load, row in table.items():
+        cells = " | ".join(
+            f"{kb / 1e3:.1f} KB, {ms:.0f} ms" for kb, ms in zip(row["bytes"], row["ttft_ms"], strict=True)
+        )
+        print(f"| {load} | {cells} | {row['turns/s']:.2f} |")
+    chained, full = table["previous_response_id"], table["full history"]
+    last = args.turns - 1
+    ttft_ratio = chained["ttft_ms"][last] / chained["ttft_ms"][0]
+    bytes_ratio = chained["bytes"][last] / chained["bytes"][0]
+    print(f"\nprevious_response_id, turn {args.turns} / turn 1: TTFT {ttft_ratio:.2f}x (target <= 1.2x), "
+          f"request bytes {bytes_ratio:.2f}x (target: flat)")  # fmt: skip
+    full_ttft, full_bytes = full["ttft_ms"][last] / full["ttft_ms"][0], full["bytes"][last] / full["bytes"][0]
+    print(f"full history, turn {args.turns} / turn 1: TTFT {full_ttft:.2f}x, request bytes {full_bytes:.2f}x")
+    print(f"turns/s, previous_response_id / full history: {chained['turns/s'] / full['turns/s']:.2f}x")
+    draw(
+        args.chart,
+        f"Agent loops on /v1/responses: {args.agents} agents, a new 1024x1024 screenshot a turn, tiny LLaVA",
+        [
+            Panel(
+                "TTFT p50 by turn",
+                "ms",
+                {f"turn {t + 1}": {load: table[load]["ttft_ms"][t] for load in LOADS} for t in turns},
+            ),
+            Panel(
+                "Request body by turn",
+                "KB",
+                {f"turn {t + 1}": {load: table[load]["bytes"][t] / 1e3 for load in LOADS} for t in turns},
+            ),
+            Panel(
+                "Turns per second",
+                "turns/s",
+                {load: {"turns/s": table[load]["turns/s"]} for load in LOADS},
+                fmt="{:.2f}",
+            ),  # fmt: skip
+        ],
+        f"bench/bench_agents.py · {date.today()} · revision {revision} · {machine()}",
+    )
+    print(f"\nchart: {args.chart}; logs: {folder}")
+
+
+if __name__ == "__main__":
+    main()

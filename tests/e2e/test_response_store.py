@@ -1,0 +1,153 @@
+"""Stored responses on a real server (two API processes, two API keys, a four-response store), through
+the openai SDK: a follow-up by ``previous_response_id`` sends no image, is answered as the whole history
+resent would be, and hits the caches; ``GET`` and ``DELETE``; ``store`` false; another key's id is not
+found; the least recently used response goes first; a follow-up after every multimodal cache was reset
+is processed again from the store; both API processes serve one stored conversation."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import data_url, make_image
+from tests.e2e.metrics import delta
+from tests.e2e.server import Server, api_process, serving
+
+pytestmark = pytest.mark.slow
+
+KEYS = ("sk-store-a", "sk-store-b")
+MAX_RESPONSES = 4
+
+
+@pytest.fixture(scope="module")
+def store_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    flags = ["--api-key", KEYS[0], "--api-key", KEYS[1], "--api-server-count", "2"]
+    flags += ["--mm-preprocess-processes", "0", "--responses-store-entries", str(MAX_RESPONSES)]
+    with serving(tiny_model_dir, tmp_path_factory.mktemp("response-store"), *flags) as srv:
+        yield srv
+
+
+def client(server: Server, key: str = KEYS[0]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=key, max_retries=0)
+
+
+def looking_at(seed: int) -> list[dict[str, Any]]:
+    image = {"type": "input_image", "image_url": data_url(make_image(seed))}
+    return [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"}, image]}]
+
+
+def ask(server: Server, key: str = KEYS[0], **fields: Any) -> Any:
+    return client(server, key).responses.create(
+        model="tiny-llava", max_output_tokens=5, temperature=0, **fields
+    )
+
+
+def post(server: Server, body: dict[str, Any], key: str = KEYS[0]) -> httpx.Response:
+    """On a new connection: the kernel picks the API process anew."""
+    fields = {"model": "tiny-llava", "max_output_tokens": 5, "temperature": 0, **body}
+    headers = {"Authorization": f"Bearer {key}"}
+    return httpx.post(f"{server.base_url}/v1/responses", json=fields, headers=headers, timeout=120)
+
+
+def test_a_follow_up_sends_no_image_and_is_the_whole_history_answered(store_server: Server) -> None:
+    first = ask(store_server, input=looking_at(7101))
+    before = store_server.metrics()
+    follow_up = ask(store_server, input="And the colours?", previous_response_id=first.id)
+    after = store_server.metrics()
+    resent = [
+        *looking_at(7101),
+        *[item.model_dump(exclude_none=True) for item in first.output],
+        {"role": "user", "content": "And the colours?"},
+    ]
+    whole = ask(store_server, input=resent, store=False)
+    assert follow_up.output_text == whole.output_text
+    assert follow_up.usage is not None and whole.usage is not None and first.usage is not None
+    assert follow_up.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens
+    assert delta(before, after, "mmserve_mm_processor_seconds_count") == 0  # the stored image is a hit
+    assert delta(before, after, "mmserve_encoder_runs_total") == 0
+    assert follow_up.store and follow_up.previous_response_id == first.id and not whole.store
+    assert client(store_server).responses.retrieve(follow_up.id) == follow_up
+
+
+def test_delete_and_store_false_leave_nothing_to_get_or_follow(store_server: Server) -> None:
+    sdk = client(store_server)
+    unstored = ask(store_server, input="Hello", store=False)
+    stored = ask(store_server, input="Hello")
+    deleted = httpx.delete(
+        f"{store_server.base_url}/v1/responses/{stored.id}", headers={"Authorization": f"Bearer {KEYS[0]}"}
+    )
+    assert deleted.status_code == 200 and deleted.json() == {
+        "id": stored.id,
+        "object": "response",
+        "deleted": True,
+    }
+    for gone in (unstored.id, stored.id):
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.retrieve(gone)
+        resp = post(store_server, {"input": "Go on", "previous_response_id": gone})
+        assert resp.status_code == 404
+        error = resp.json()["error"]
+        assert error["param"] == "previous_response_id" and error["code"] == "previous_response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.delete(stored.id)
+
+
+def test_another_keys_response_is_not_found(store_server: Server) -> None:
+    mine = ask(store_server, input="Mine")
+    other = client(store_server, KEYS[1])
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(mine.id)
+    assert post(store_server, {"input": "?", "previous_response_id": mine.id}, KEYS[1]).status_code == 404
+    assert client(store_server).responses.retrieve(mine.id).id == mine.id
+
+
+def test_the_least_recently_used_response_goes_first(store_server: Server) -> None:
+    made = [ask(store_server, input=f"Number {k}") for k in range(MAX_RESPONSES + 1)]
+    sdk = client(store_server)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(made[0].id)
+    assert [sdk.responses.retrieve(r.id).id for r in made[1:]] == [r.id for r in made[1:]]
+
+
+def reset_both_processes(server: Server) -> None:
+    reset_by: set[int] = set()
+    for _ in range(60):  # new connections until both processes reset their caches
+        resp = httpx.post(f"{server.base_url}/reset_mm_cache", headers={"Authorization": f"Bearer {KEYS[0]}"})
+        assert resp.status_code == 200, resp.text
+        reset_by.add(api_process(resp))
+        if reset_by == {0, 1}:
+            return
+    raise AssertionError(f"only API processes {reset_by} answered")
+
+
+def test_after_every_cache_was_reset_a_follow_up_is_processed_again_from_the_store(
+    store_server: Server,
+) -> None:
+    first = ask(store_server, input=looking_at(7102))
+    warm = ask(store_server, input="Again?", previous_response_id=first.id)
+    reset_both_processes(store_server)
+    before = store_server.metrics()
+    cold = ask(store_server, input="Again?", previous_response_id=first.id)
+    after = store_server.metrics()
+    assert cold.output_text == warm.output_text
+    assert delta(before, after, "mmserve_mm_processor_seconds_count") == 1  # processed from stored bytes
+
+
+def test_both_api_processes_serve_one_stored_conversation(store_server: Server) -> None:
+    first = post(store_server, {"input": looking_at(7103)})
+    assert first.status_code == 200, first.text
+    answers: dict[int, str] = {}
+    for _ in range(60):  # follow-ups on new connections until both processes answered one
+        resp = post(store_server, {"input": "More?", "previous_response_id": first.json()["id"]})
+        assert resp.status_code == 200, resp.text
+        answers.setdefault(api_process(resp), resp.json()["output"][0]["content"][0]["text"])
+        if len(answers) == 2:
+            break
+    assert set(answers) == {0, 1} and len(set(answers.values())) == 1
