@@ -10,7 +10,9 @@ them. Two ways to send the history, side by side in one run on one server:
     python bench/bench_agents.py [--model models/tiny-llava] [--agents 16] [--turns 5] [--rounds 3]
 
 Per turn (median over agents and rounds): the request body's size and TTFT (the first
-``response.output_text.delta`` event of the stream); per load: turns per second. Every turn's
+``response.output_text.delta`` event of the stream); per load: turns per second. Agents start 0.1 s
+apart, so their turns interleave as independent agents' would. Then the same loop for one agent alone,
+``NUM_ALONE`` agents one after another: TTFT by turn without queueing, the history's own cost. Every turn's
 screenshot is new to the server (each round and each load has its own), so each turn runs the processor
 and the encoder for one image, and the history's images are what the caches (and the store) hold. The
 loads alternate within each round. Draws ``--chart``.
@@ -36,6 +38,8 @@ from charts import Panel, draw
 from images import jpeg_data_url
 
 MAX_TOKENS = 16
+STAGGER_S = 0.1  # about a turn's length (1.6 s here) over 16 agents
+NUM_ALONE = 4  # agents run one after another, per load and round: the history's cost without queueing
 LOADS = ("full history", "previous_response_id")
 
 
@@ -66,9 +70,10 @@ async def stream_turn(client: httpx.AsyncClient, url: str, body: bytes) -> tuple
 
 
 async def agent(
-    client: httpx.AsyncClient, url: str, model: str, load: str, screenshots: list[str]
+    client: httpx.AsyncClient, url: str, model: str, load: str, screenshots: list[str], delay_s: float
 ) -> list[tuple[int, float]]:
-    """One agent's turns: (request bytes, TTFT s) for each."""
+    """One agent's turns, the first after ``delay_s``: (request bytes, TTFT s) for each."""
+    await asyncio.sleep(delay_s)
     history: list[dict[str, Any]] = []
     previous: str | None = None
     figures = []
@@ -88,13 +93,23 @@ async def agent(
     return figures
 
 
-def run_load(base_url: str, model: str, load: str, screenshots: list[list[str]]) -> dict[str, Any]:
+def run_load(
+    base_url: str, model: str, load: str, screenshots: list[list[str]], stagger_s: float = STAGGER_S
+) -> dict[str, Any]:
+    """Every agent at once, agent i starting ``i * stagger_s`` after the first (agents in lockstep would
+    all encode at once on turn 1 and never again)."""
+
     async def all_agents() -> tuple[float, list[list[tuple[int, float]]]]:
         limits = httpx.Limits(max_connections=len(screenshots))
         async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
             url = f"{base_url}/v1/responses"
             start = time.perf_counter()
-            runs = await asyncio.gather(*(agent(client, url, model, load, shots) for shots in screenshots))
+            runs = await asyncio.gather(
+                *(
+                    agent(client, url, model, load, shots, i * stagger_s)
+                    for i, shots in enumerate(screenshots)
+                )
+            )
             return time.perf_counter() - start, runs
 
     wall_s, runs = asyncio.run(all_agents())
@@ -124,6 +139,7 @@ def main() -> None:
         return [[jpeg_data_url(1024, next(seeds)) for _ in range(args.turns)] for _ in range(args.agents)]
 
     results: dict[str, list[dict[str, Any]]] = {load: [] for load in LOADS}
+    alone: dict[str, list[list[float]]] = {load: [[] for _ in range(args.turns)] for load in LOADS}
     with ExitStack() as stack:
         port = free_port()
         server = Proc(["serve", "--model", str(args.model), "--port", str(port)], REPO, folder / "serve.log")
@@ -138,6 +154,9 @@ def main() -> None:
                 results[load].append(result)
                 ttft = [round(1e3 * statistics.median(t)) for t in result["ttft"]]
                 print(f"round {round_index + 1} {load}: {result['turns/s']:.2f} turns/s, TTFT ms {ttft}")
+                for shots in screenshots()[:NUM_ALONE]:
+                    for turn, ttft_s in enumerate(run_load(base_url, model, load, [shots])["ttft"]):
+                        alone[load][turn] += ttft_s
     turns = range(args.turns)
     table = {
         load: {
@@ -158,6 +177,10 @@ def main() -> None:
             f"{kb / 1e3:.1f} KB, {ms:.0f} ms" for kb, ms in zip(row["bytes"], row["ttft_ms"], strict=True)
         )
         print(f"| {load} | {cells} | {row['turns/s']:.2f} |")
+    alone_ms = {load: [1e3 * statistics.median(t) for t in alone[load]] for load in LOADS}
+    print(f"\nOne agent alone (median of {NUM_ALONE * args.rounds}), TTFT by turn:")
+    for load in LOADS:
+        print(f"| {load} | " + " | ".join(f"{ms:.0f} ms" for ms in alone_ms[load]) + " |")
     chained, full = table["previous_response_id"], table["full history"]
     last = args.turns - 1
     ttft_ratio = chained["ttft_ms"][last] / chained["ttft_ms"][0]
@@ -167,6 +190,10 @@ def main() -> None:
     full_ttft, full_bytes = full["ttft_ms"][last] / full["ttft_ms"][0], full["bytes"][last] / full["bytes"][0]
     print(f"full history, turn {args.turns} / turn 1: TTFT {full_ttft:.2f}x, request bytes {full_bytes:.2f}x")
     print(f"turns/s, previous_response_id / full history: {chained['turns/s'] / full['turns/s']:.2f}x")
+    solo = alone_ms["previous_response_id"]
+    print(
+        f"one agent alone, previous_response_id, turn {args.turns} / turn 1: TTFT {solo[last] / solo[0]:.2f}x"
+    )
     draw(
         args.chart,
         f"Agent loops on /v1/responses: {args.agents} agents, a new 1024x1024 screenshot a turn, tiny LLaVA",
