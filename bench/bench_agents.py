@@ -69,6 +69,66 @@ async def stream_turn(client: httpx.AsyncClient, url: str, body: bytes) -> tuple
     raise RuntimeError("the stream ended without a response")
 
 
+def turn_body(
+    model: str, load: str, history: list[dict[str, Any]], previous: str | None, new: dict[str, Any]
+) -> bytes:
+    """A turn's request: the whole history and the new input, or the new input on the previous response."""
+    fields: dict[str, Any] = {
+        "model": model,
+        "max_output_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+    }
+    if load == "full history":
+        fields |= {"input": [*history, new], "store": False}
+    else:
+        fields |= {"input": [new], **({"previous_response_id": previous} if previous else {})}
+    return json.dumps(fields).encode()
+
+
+STAGES = {  # where a turn's time goes, from the server's histograms
+    "processor": "mmserve_mm_processor_seconds_sum",
+    "encoder": "mmserve_encoder_seconds_sum",
+    "LM steps": "mmserve_forward_seconds_sum",  # its prefill and its decode steps
+}
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    return {stage: float(values.get(name, 0.0)) for stage, name in STAGES.items()}
+
+
+def agent_alone(base_url: str, model: str, load: str, screenshots: list[str]) -> list[dict[str, float]]:
+    """One agent with the server to itself: each turn's TTFT, cached prompt tokens and seconds per stage."""
+
+    async def turns() -> list[dict[str, float]]:
+        history: list[dict[str, Any]] = []
+        previous: str | None = None
+        figures = []
+        async with httpx.AsyncClient(timeout=600.0) as client:
+            for turn, screenshot in enumerate(screenshots):
+                new = user_turn(screenshot, turn)
+                before = scrape(base_url)
+                ttft_s, response = await stream_turn(
+                    client, f"{base_url}/v1/responses", turn_body(model, load, history, previous, new)
+                )
+                after = scrape(base_url)
+                figures.append(
+                    {
+                        "TTFT": ttft_s,
+                        "cached tokens": response["usage"]["input_tokens_details"]["cached_tokens"],
+                        "prompt tokens": response["usage"]["input_tokens"],
+                        **{stage: after[stage] - before[stage] for stage in STAGES},
+                    }
+                )
+                history += [new, *response["output"]]
+                previous = response["id"]
+        return figures
+
+    return asyncio.run(turns())
+
+
 async def agent(
     client: httpx.AsyncClient, url: str, model: str, load: str, screenshots: list[str], delay_s: float
 ) -> list[tuple[int, float]]:
@@ -79,13 +139,7 @@ async def agent(
     figures = []
     for turn, screenshot in enumerate(screenshots):
         new = user_turn(screenshot, turn)
-        fields: dict[str, Any] = {"model": model, "max_output_tokens": MAX_TOKENS, "temperature": 0}
-        fields["stream"] = True
-        if load == "full history":
-            fields |= {"input": [*history, new], "store": False}
-        else:
-            fields |= {"input": [new], **({"previous_response_id": previous} if previous else {})}
-        body = json.dumps(fields).encode()
+        body = turn_body(model, load, history, previous, new)
         ttft_s, response = await stream_turn(client, url, body)
         figures.append((len(body), ttft_s))
         history += [new, *response["output"]]
@@ -139,7 +193,7 @@ def main() -> None:
         return [[jpeg_data_url(1024, next(seeds)) for _ in range(args.turns)] for _ in range(args.agents)]
 
     results: dict[str, list[dict[str, Any]]] = {load: [] for load in LOADS}
-    alone: dict[str, list[list[float]]] = {load: [[] for _ in range(args.turns)] for load in LOADS}
+    alone: dict[str, list[list[dict[str, float]]]] = {load: [[] for _ in range(args.turns)] for load in LOADS}
     with ExitStack() as stack:
         port = free_port()
         server = Proc(["serve", "--model", str(args.model), "--port", str(port)], REPO, folder / "serve.log")
@@ -155,8 +209,8 @@ def main() -> None:
                 ttft = [round(1e3 * statistics.median(t)) for t in result["ttft"]]
                 print(f"round {round_index + 1} {load}: {result['turns/s']:.2f} turns/s, TTFT ms {ttft}")
                 for shots in screenshots()[:NUM_ALONE]:
-                    for turn, ttft_s in enumerate(run_load(base_url, model, load, [shots])["ttft"]):
-                        alone[load][turn] += ttft_s
+                    for turn, figures in enumerate(agent_alone(base_url, model, load, shots)):
+                        alone[load][turn].append(figures)
     turns = range(args.turns)
     table = {
         load: {
@@ -177,10 +231,18 @@ def main() -> None:
             f"{kb / 1e3:.1f} KB, {ms:.0f} ms" for kb, ms in zip(row["bytes"], row["ttft_ms"], strict=True)
         )
         print(f"| {load} | {cells} | {row['turns/s']:.2f} |")
-    alone_ms = {load: [1e3 * statistics.median(t) for t in alone[load]] for load in LOADS}
+    alone_ms = {load: [1e3 * statistics.median(f["TTFT"] for f in t) for t in alone[load]] for load in LOADS}
     print(f"\nOne agent alone (median of {NUM_ALONE * args.rounds}), TTFT by turn:")
     for load in LOADS:
         print(f"| {load} | " + " | ".join(f"{ms:.0f} ms" for ms in alone_ms[load]) + " |")
+    print("\nOne agent alone, previous_response_id, by turn (medians):")
+    print("| turn | prompt tokens | cached | " + " | ".join(f"{stage} ms" for stage in STAGES) + " |")
+    print("|---|---|---|" + "---|" * len(STAGES))
+    for t in turns:
+        rows = alone["previous_response_id"][t]
+        med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+        stages = " | ".join(f"{1e3 * med[stage]:.0f}" for stage in STAGES)
+        print(f"| {t + 1} | {med['prompt tokens']:.0f} | {med['cached tokens']:.0f} | {stages} |")
     chained, full = table["previous_response_id"], table["full history"]
     last = args.turns - 1
     ttft_ratio = chained["ttft_ms"][last] / chained["ttft_ms"][0]
