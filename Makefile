@@ -105,7 +105,7 @@ bench-video: setup
 bench-media-ids: setup model
 	$(PY) bench/bench_media_ids.py --model $(MODEL)
 
-# ~5 min: 16 agents, five turns each with a new 1024x1024 screenshot, full history resent vs previous_response_id
+# ~3 min: 16 agents, five turns each with a new 1024x1024 screenshot, full history resent vs previous_response_id
 bench-agents: setup model
 	$(PY) bench/bench_agents.py --model $(MODEL)
 
