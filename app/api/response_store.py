@@ -185,8 +185,8 @@ def _moved_out(items: list[dict[str, Any]], blobs: dict[str, str]) -> list[dict[
     """A copy of ``items`` whose data URLs are blob references; ``blobs`` gets digest -> URL text."""
     items = json.loads(json.dumps(items))
     for part in _images(items):
-        url = part["image_url"]
-        if url.startswith("data:"):
+        url = part.get("image_url")  # absent: a part that names its media by uuid alone
+        if url is not None and url.startswith("data:"):
             digest = framed_digest(BLOB_DOMAIN, url)
             blobs[digest] = url
             part["image_url"] = BLOB_PREFIX + digest
@@ -197,12 +197,12 @@ def _blob_refs(items: list[dict[str, Any]]) -> set[str]:
     return {
         part["image_url"].removeprefix(BLOB_PREFIX)
         for part in _images(items)
-        if part["image_url"].startswith(BLOB_PREFIX)
+        if part.get("image_url", "").startswith(BLOB_PREFIX)
     }
 
 
 def _moved_in(items: list[dict[str, Any]], urls: dict[str, str]) -> list[dict[str, Any]]:
     for part in _images(items):
-        if part["image_url"].startswith(BLOB_PREFIX):
+        if part.get("image_url", "").startswith(BLOB_PREFIX):
             part["image_url"] = urls[part["image_url"].removeprefix(BLOB_PREFIX)]
     return items

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from app.api.request_fields import is_default
-from app.api.schemas import MAX_CACHE_SALT_CHARS
+from app.api.schemas import MAX_CACHE_SALT_CHARS, MediaUuid, media_or_uuid
 
 _LATER = "not supported yet"
 # field -> (values accepted as "off", why it is refused otherwise)
@@ -43,8 +43,21 @@ class InputText(_Body):
 
 class InputImage(_Body):
     type: Literal["input_image"]
-    image_url: str  # an http(s) or data URL, under the chat request's media policy (no file ids)
+    uuid: MediaUuid = (
+        None  # a media id, as on chat's image parts (declared first: image_url's check reads it)
+    )
+    # an http(s) or data URL, under the chat request's media policy (no file ids); may be left out with a uuid
+    image_url: str | None = Field(None, validate_default=True)
     detail: Literal["auto", "low", "high"] | None = None  # accepted, not used
+
+    _check_media = field_validator("image_url")(media_or_uuid)
+
+    def chat_part(self) -> dict[str, Any]:
+        part: dict[str, Any] = {
+            "type": "image_url",
+            "image_url": {"url": self.image_url} if self.image_url is not None else None,
+        }
+        return part if self.uuid is None else {**part, "uuid": self.uuid}
 
 
 def _each(values: list[Any], validate: Callable[[Any], Any], title: str) -> list[Any]:
@@ -263,7 +276,7 @@ class ResponsesRequest(_Body):
                 if isinstance(part, InputText):
                     parts.append({"type": "text", "text": part.text})
                 else:
-                    parts.append({"type": "image_url", "image_url": {"url": part.image_url}})
+                    parts.append(part.chat_part())
             messages.append({"role": item.role, "content": parts})
         return messages
 

@@ -89,7 +89,7 @@ class ImageURL(_Request):
     detail: Literal["auto", "low", "high"] | None = None  # accepted, not used
 
 
-def _media_or_uuid(media: Any, info: ValidationInfo) -> Any:
+def media_or_uuid(media: Any, info: ValidationInfo) -> Any:
     """A media part leaves its media out (``null`` or no key) only with a uuid naming media sent before."""
     if media is None and "uuid" in info.data and info.data["uuid"] is None:
         msg = "{name} is required unless the part carries a uuid of media sent before"
@@ -102,7 +102,7 @@ class ImageURLContentPart(_Request):
     uuid: MediaUuid = None  # declared before the media: its validator reads it
     image_url: ImageURL | None = Field(None, validate_default=True)
 
-    _check_media = field_validator("image_url")(_media_or_uuid)
+    _check_media = field_validator("image_url")(media_or_uuid)
 
     @property
     def url(self) -> str | None:
@@ -118,7 +118,7 @@ class VideoURLContentPart(_Request):
     uuid: MediaUuid = None
     video_url: VideoURL | None = Field(None, validate_default=True)
 
-    _check_media = field_validator("video_url")(_media_or_uuid)
+    _check_media = field_validator("video_url")(media_or_uuid)
 
     @property
     def url(self) -> str | None:

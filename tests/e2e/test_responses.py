@@ -131,6 +131,30 @@ def test_text_format_is_a_structured_output(server: Server) -> None:
     assert json.loads(parsed.output_text) == json.loads(chat["choices"][0]["message"]["content"])
 
 
+def test_a_media_id_names_an_image_sent_before(server: Server) -> None:
+    def ask(image: dict[str, Any]) -> Any:
+        items: Any = [{"role": "user", "content": [{"type": "input_text", "text": "And this?"}, image]}]
+        return client(server).responses.create(
+            model="tiny-llava", input=items, max_output_tokens=6, temperature=0, store=False
+        )
+
+    url = data_url(make_image(6602))
+    first = ask({"type": "input_image", "image_url": url, "uuid": "responses-shot"})
+    before = server.metrics()
+    again = ask({"type": "input_image", "uuid": "responses-shot"})  # the uuid alone, as on chat
+    after = server.metrics()
+    assert again.output_text == first.output_text
+    assert again.usage is not None and first.usage is not None
+    assert again.usage.input_tokens == first.usage.input_tokens
+    assert delta(before, after, "mmserve_mm_processor_seconds_count") == 0
+    resp = httpx.post(
+        f"{server.base_url}/v1/responses",
+        json={"model": "tiny-llava", "input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+        timeout=60,
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "input[0].content[0].image_url"
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [

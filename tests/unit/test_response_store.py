@@ -29,6 +29,7 @@ def response(response_id: str) -> dict[str, Any]:
 def test_a_stored_conversation_comes_back_with_its_images_in_place() -> None:
     store = ResponseStore(None, 10, 1 << 20)
     items = [user("look", IMAGE_A, "https://example.com/a.png"), user("and this", IMAGE_B)]
+    items[1]["content"].append({"type": "input_image", "uuid": "named-before"})  # a media id, no URL
     assert store.put("", "resp_1", items, response("resp_1"))
     stored = store.get("", "resp_1")
     assert stored is not None
