@@ -6,20 +6,11 @@ results as ``<tool_response>`` turns."""
 
 from __future__ import annotations
 
-LLAVA_HERMES_TEMPLATE = r"""
-{%- macro render(content) -%}
-    {%- if content is string -%}
-        {{- content -}}
-    {%- elif content is not none -%}
-        {%- for part in content -%}
-            {%- if part['type'] in ['image', 'image_url'] -%}
-                {{- '<image>\n' -}}
-            {%- elif part['type'] == 'text' -%}
-                {{- part['text'] -}}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- endif -%}
-{%- endmacro -%}
+from workers.families.llava.tiny import RENDER_MACRO
+
+LLAVA_HERMES_TEMPLATE = (
+    RENDER_MACRO
+    + r"""
 {%- if tools -%}
     {{- 'TOOLS: You may call one or more functions, listed within <tools></tools>:\n<tools>' -}}
     {%- for tool in tools -%}
@@ -54,3 +45,4 @@ LLAVA_HERMES_TEMPLATE = r"""
     {{- 'ASSISTANT:' -}}
 {%- endif -%}
 """
+)

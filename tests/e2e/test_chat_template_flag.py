@@ -15,23 +15,12 @@ from openai import OpenAI
 
 from tests.e2e.conftest import data_url, make_image
 from tests.e2e.server import Server, serving
+from tests.e2e.test_tool_calling import TOOLS, WEATHER
 from tests.llava_tool_template import LLAVA_HERMES_TEMPLATE
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 8},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TOOL = {
-    "type": "function",
-    "function": {"name": "get_weather", "description": "The forecast", "parameters": WEATHER},
-}
+TOOL = TOOLS[0]  # get_weather
 
 
 @pytest.fixture(scope="module")

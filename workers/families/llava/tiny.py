@@ -55,7 +55,7 @@ UNK, BOS, EOS, PAD, IMAGE = "<unk>", "<s>", "</s>", "<pad>", "<image>"
 # Content is a plain string or an OpenAI-like part list rendered in order; "image" and "image_url" parts
 # both become one <image> placeholder, which the processor then expands to 576 image tokens. The tokenizer
 # prepends <s>, so the template does not.
-CHAT_TEMPLATE = r"""
+RENDER_MACRO = r"""
 {%- macro render(content) -%}
     {%- if content is string -%}
         {{- content -}}
@@ -69,7 +69,11 @@ CHAT_TEMPLATE = r"""
         {%- endfor -%}
     {%- endif -%}
 {%- endmacro -%}
-{%- for message in messages -%}
+"""
+# the template of the tiny LLaVA (and of a template built on it, tests/llava_tool_template.py)
+CHAT_TEMPLATE = (
+    RENDER_MACRO
+    + r"""{%- for message in messages -%}
     {%- if message['role'] == 'system' -%}
         {{- render(message['content']) + ' ' -}}
     {%- elif message['role'] == 'user' -%}
@@ -82,6 +86,7 @@ CHAT_TEMPLATE = r"""
     {{- 'ASSISTANT:' -}}
 {%- endif -%}
 """
+)
 
 
 def build_tiny(out_dir: str | Path, seed: int = 0) -> Path:
