@@ -137,6 +137,8 @@ def test_every_route_is_fuzzed(api_schema: Any) -> None:
         "POST /tokenize",
         "POST /detokenize",
         "POST /v1/responses",
+        "GET /v1/responses/{response_id}",
+        "DELETE /v1/responses/{response_id}",
     }
 
 

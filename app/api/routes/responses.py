@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 
 from app.api.responses_api_schemas import ResponsesRequest
 from app.api.state import State
 
 router = APIRouter()
+ResponseId = Annotated[str, Path(min_length=1, max_length=128)]  # as previous_response_id
 
 
 @router.post("/v1/responses", response_model=None)
@@ -19,10 +20,10 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str, request: Request, state: State) -> dict[str, Any]:
+async def retrieve_response(response_id: ResponseId, request: Request, state: State) -> dict[str, Any]:
     return await state.responses.retrieve(response_id, request)
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, request: Request, state: State) -> dict[str, Any]:
+async def delete_response(response_id: ResponseId, request: Request, state: State) -> dict[str, Any]:
     return await state.responses.delete(response_id, request)
