@@ -201,6 +201,22 @@ class ApiMetrics:
             registry=r,
             multiprocess_mode="max",
         )
+        # the response store's totals (one file shared by the API processes: each sees the same)
+        self.responses_stored = Gauge(
+            "mmserve_responses_stored",
+            "Responses held in the response store.",
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.responses_stored_bytes = Gauge(
+            "mmserve_responses_stored_bytes",
+            "Bytes the response store holds: conversations, response objects and images (each once).",
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.responses_evicted = counter(
+            "responses_evicted", "Stored responses evicted, least recently used first, past a store bound."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Finished requests.", ("finish_reason",))

@@ -72,17 +72,18 @@ class ResponseStore:
 
     def put(
         self, tenant: str, response_id: str, items: list[dict[str, Any]], response: dict[str, Any]
-    ) -> bool:
-        """Store a finished response; then evict least recently used ones past the bounds. False (nothing
-        stored) where the store is off or this one alone is over the byte bound."""
+    ) -> int | None:
+        """Store a finished response; then evict least recently used ones past the bounds. How many were
+        evicted; None (nothing stored) where the store is off or this one alone is over the byte bound."""
         if not self.enabled:
-            return False
+            return None
         blobs: dict[str, str] = {}
         items_text = json.dumps(_moved_out(items, blobs), separators=(",", ":"))
         response_text = json.dumps(response, separators=(",", ":"))
         num_bytes = len(items_text) + len(response_text)
         if num_bytes + sum(len(url) for url in blobs.values()) > self.max_bytes:
-            return False
+            return None
+        num_evicted = 0
         with self._lock, self._transaction():
             self._delete(tenant, response_id)  # an id is unique; a replay replaces
             num_new_bytes = num_bytes
@@ -107,7 +108,8 @@ class ResponseStore:
                     "SELECT tenant, id FROM responses WHERE used = (SELECT MIN(used) FROM responses)"
                 ).fetchone()
                 self._delete(*oldest)
-        return True
+                num_evicted += 1
+        return num_evicted
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         """The response and its conversation, now the most recently used; None if absent (never stored,

@@ -92,6 +92,7 @@ class ResponsesService:
     async def delete(self, response_id: str, raw: Request) -> dict[str, Any]:
         if not await asyncio.to_thread(self.store.delete, request_tenant(raw.scope), response_id):
             raise _not_found(response_id)
+        self._count(0)
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def _history(self, body: ResponsesRequest, tenant: str) -> list[dict[str, Any]]:
@@ -113,10 +114,19 @@ class ResponsesService:
         client that reads it may chain on it at once."""
         response = response_object(turn, items)
         if turn.store:
-            response["store"] = await asyncio.to_thread(
+            num_evicted = await asyncio.to_thread(
                 self.store.put, turn.tenant, turn.gen.response_id, [*turn.items, *items], response
             )
+            response["store"] = num_evicted is not None
+            self._count(num_evicted or 0)
         return response
+
+    def _count(self, num_evicted: int) -> None:
+        metrics = self.chat.metrics
+        metrics.responses_evicted.inc(num_evicted)
+        num_responses, num_bytes = self.store.totals()
+        metrics.responses_stored.set(num_responses)
+        metrics.responses_stored_bytes.set(num_bytes)
 
     def _as_chat(self, body: ResponsesRequest, history: list[Any]) -> ChatCompletionRequest:
         """The chat request with the same meaning; its validation errors name the Responses field."""

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 KEYS = ("sk-store-a", "sk-store-b")
 MAX_RESPONSES = 4
+BLOCK_SIZE = 16  # the KV cache's default: a prefix is cached in whole blocks
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +42,10 @@ def looking_at(seed: int) -> list[dict[str, Any]]:
     return [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"}, image]}]
 
 
-def ask(server: Server, key: str = KEYS[0], **fields: Any) -> Any:
-    return client(server, key).responses.create(
-        model="tiny-llava", max_output_tokens=5, temperature=0, **fields
-    )
+def ask(server: Server, key: str = KEYS[0], sdk: openai.OpenAI | None = None, **fields: Any) -> Any:
+    """On a new connection unless ``sdk`` (whose keep-alive connection stays with one API process)."""
+    sdk = sdk if sdk is not None else client(server, key)
+    return sdk.responses.create(model="tiny-llava", max_output_tokens=5, temperature=0, **fields)
 
 
 def post(server: Server, body: dict[str, Any], key: str = KEYS[0]) -> httpx.Response:
@@ -55,9 +56,10 @@ def post(server: Server, body: dict[str, Any], key: str = KEYS[0]) -> httpx.Resp
 
 
 def test_a_follow_up_sends_no_image_and_is_the_whole_history_answered(store_server: Server) -> None:
-    first = ask(store_server, input=looking_at(7101))
+    one_process = client(store_server)  # each API process has its own processor cache: stay with one
+    first = ask(store_server, sdk=one_process, input=looking_at(7101))
     before = store_server.metrics()
-    follow_up = ask(store_server, input="And the colours?", previous_response_id=first.id)
+    follow_up = ask(store_server, sdk=one_process, input="And the colours?", previous_response_id=first.id)
     after = store_server.metrics()
     resent = [
         *looking_at(7101),
@@ -69,7 +71,9 @@ def test_a_follow_up_sends_no_image_and_is_the_whole_history_answered(store_serv
     assert follow_up.usage is not None and whole.usage is not None and first.usage is not None
     assert follow_up.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens
     assert delta(before, after, "mmserve_mm_processor_seconds_count") == 0  # the stored image is a hit
-    assert delta(before, after, "mmserve_encoder_runs_total") == 0
+    # and the first turn's KV, image included, is the follow-up's cached prefix (the engine's counters are
+    # read through either API process, each with its own copy, so the encoder is checked through this)
+    assert follow_up.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - BLOCK_SIZE
     assert follow_up.store and follow_up.previous_response_id == first.id and not whole.store
     assert client(store_server).responses.retrieve(follow_up.id) == follow_up
 
@@ -109,7 +113,12 @@ def test_another_keys_response_is_not_found(store_server: Server) -> None:
 
 
 def test_the_least_recently_used_response_goes_first(store_server: Server) -> None:
+    before = store_server.metrics()
     made = [ask(store_server, input=f"Number {k}") for k in range(MAX_RESPONSES + 1)]
+    after = store_server.metrics()
+    assert delta(before, after, "mmserve_responses_evicted_total") >= 1  # at least made[0]
+    assert after["mmserve_responses_stored"] == MAX_RESPONSES
+    assert after["mmserve_responses_stored_bytes"] > 0
     sdk = client(store_server)
     with pytest.raises(openai.NotFoundError):
         sdk.responses.retrieve(made[0].id)

@@ -30,7 +30,7 @@ def test_a_stored_conversation_comes_back_with_its_images_in_place() -> None:
     store = ResponseStore(None, 10, 1 << 20)
     items = [user("look", IMAGE_A, "https://example.com/a.png"), user("and this", IMAGE_B)]
     items[1]["content"].append({"type": "input_image", "uuid": "named-before"})  # a media id, no URL
-    assert store.put("", "resp_1", items, response("resp_1"))
+    assert store.put("", "resp_1", items, response("resp_1")) == 0  # stored, nothing evicted
     stored = store.get("", "resp_1")
     assert stored is not None
     assert stored.items == items and stored.response == response("resp_1")
@@ -61,7 +61,7 @@ def test_the_least_recently_used_goes_first_past_the_entry_bound() -> None:
     for k in range(3):
         store.put("", f"resp_{k}", [user(str(k))], response(f"resp_{k}"))
     assert store.get("", "resp_0") is not None  # now the most recent: resp_1 is the oldest
-    store.put("", "resp_3", [user("3")], response("resp_3"))
+    assert store.put("", "resp_3", [user("3")], response("resp_3")) == 1
     assert [store.get("", f"resp_{k}") is not None for k in range(4)] == [True, False, True, True]
     assert store.totals()[0] == 3
 
@@ -70,12 +70,14 @@ def test_the_byte_bound_counts_images_and_evicts_until_it_holds() -> None:
     store = ResponseStore(None, 100, 12_000)  # room for two images, not three
     store.put("", "resp_a", [user("a", IMAGE_A)], response("resp_a"))
     store.put("", "resp_b", [user("b", IMAGE_B)], response("resp_b"))
-    store.put("", "resp_c", [user("c", "data:image/png;base64," + "C" * 5000)], response("resp_c"))
+    assert (
+        store.put("", "resp_c", [user("c", "data:image/png;base64," + "C" * 5000)], response("resp_c")) == 1
+    )
     assert store.get("", "resp_a") is None
     assert store.get("", "resp_b") is not None and store.get("", "resp_c") is not None
     assert store.totals()[1] <= 12_000
     # one conversation over the whole bound is not stored, and evicts nothing
-    assert not store.put("", "resp_big", [user("big", "data:," + "D" * 20_000)], response("resp_big"))
+    assert None is store.put("", "resp_big", [user("big", "data:," + "D" * 20_000)], response("resp_big"))
     assert store.totals()[0] == 2
 
 
@@ -91,7 +93,7 @@ def test_another_tenants_id_is_not_found() -> None:
 def test_a_store_bounded_to_nothing_stores_nothing(entries: int, megabytes: int) -> None:
     store = ResponseStore(None, entries, megabytes << 20)
     assert not store.enabled
-    assert not store.put("", "resp_1", [user("a")], response("resp_1"))
+    assert store.put("", "resp_1", [user("a")], response("resp_1")) is None
     assert store.get("", "resp_1") is None
 
 
