@@ -164,6 +164,11 @@ class ApiMetrics:
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(f"mmserve_{name}", doc, labels, registry=r)
 
+        def gauge(name: str, doc: str) -> Gauge:
+            """With several API processes: the largest of theirs (each holds the same shared figure, or its
+            own share of one)."""
+            return Gauge(f"mmserve_{name}", doc, registry=r, multiprocess_mode="max")
+
         def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
             return Histogram(f"mmserve_{name}", doc, buckets=buckets, registry=r)
 
@@ -195,24 +200,12 @@ class ApiMetrics:
         )
         for result in ("hit", "unknown"):
             self.uuid_lookups.labels(result=result)
-        self.uuid_bindings = Gauge(
-            "mmserve_mm_uuid_bindings",
-            "Media-id bindings (uuid -> media) held.",
-            registry=r,
-            multiprocess_mode="max",
-        )
+        self.uuid_bindings = gauge("mm_uuid_bindings", "Media-id bindings (uuid -> media) held.")
         # the response store's totals (one file shared by the API processes: each sees the same)
-        self.responses_stored = Gauge(
-            "mmserve_responses_stored",
-            "Responses held in the response store.",
-            registry=r,
-            multiprocess_mode="max",
-        )
-        self.responses_stored_bytes = Gauge(
-            "mmserve_responses_stored_bytes",
+        self.responses_stored = gauge("responses_stored", "Responses held in the response store.")
+        self.responses_stored_bytes = gauge(
+            "responses_stored_bytes",
             "Bytes the response store holds: conversations, response objects and images (each once).",
-            registry=r,
-            multiprocess_mode="max",
         )
         self.responses_evicted = counter(
             "responses_evicted", "Stored responses evicted, least recently used first, past a store bound."

@@ -21,6 +21,7 @@ at a time per process (``_lock``).
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from dataclasses import dataclass
@@ -185,7 +186,7 @@ def _images(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _moved_out(items: list[dict[str, Any]], blobs: dict[str, str]) -> list[dict[str, Any]]:
     """A copy of ``items`` whose data URLs are blob references; ``blobs`` gets digest -> URL text."""
-    items = json.loads(json.dumps(items))
+    items = copy.deepcopy(items)  # the strings (data URLs) are shared, not copied
     for part in _images(items):
         url = part.get("image_url")  # absent: a part that names its media by uuid alone
         if url is not None and url.startswith("data:"):

@@ -43,9 +43,8 @@ class InputText(_Body):
 
 class InputImage(_Body):
     type: Literal["input_image"]
-    uuid: MediaUuid = (
-        None  # a media id, as on chat's image parts (declared first: image_url's check reads it)
-    )
+    # a media id, as on chat's image parts (declared first: image_url's check reads it)
+    uuid: MediaUuid = None
     # an http(s) or data URL, under the chat request's media policy (no file ids); may be left out with a uuid
     image_url: str | None = Field(None, validate_default=True)
     detail: Literal["auto", "low", "high"] | None = None  # accepted, not used

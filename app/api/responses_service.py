@@ -90,9 +90,8 @@ class ResponsesService:
         return stored.response
 
     async def delete(self, response_id: str, raw: Request) -> dict[str, Any]:
-        if not await asyncio.to_thread(self.store.delete, request_tenant(raw.scope), response_id):
+        if not await asyncio.to_thread(self._delete, request_tenant(raw.scope), response_id):
             raise _not_found(response_id)
-        self._count(0)
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def _history(self, body: ResponsesRequest, tenant: str) -> list[dict[str, Any]]:
@@ -114,14 +113,24 @@ class ResponsesService:
         client that reads it may chain on it at once."""
         response = response_object(turn, items)
         if turn.store:
-            num_evicted = await asyncio.to_thread(
-                self.store.put, turn.tenant, turn.gen.response_id, [*turn.items, *items], response
-            )
-            response["store"] = num_evicted is not None
-            self._count(num_evicted or 0)
+            conversation = [*turn.items, *items]
+            response["store"] = await asyncio.to_thread(self._put, turn, conversation, response)
         return response
 
+    def _put(self, turn: _Turn, conversation: list[dict[str, Any]], response: dict[str, Any]) -> bool:
+        """On a thread: store the response, then count what that did."""
+        num_evicted = self.store.put(turn.tenant, turn.gen.response_id, conversation, response)
+        self._count(num_evicted or 0)
+        return num_evicted is not None
+
+    def _delete(self, tenant: str, response_id: str) -> bool:
+        """On a thread: delete the response, then count what that left."""
+        deleted = self.store.delete(tenant, response_id)
+        self._count(0)
+        return deleted
+
     def _count(self, num_evicted: int) -> None:
+        """The store's figures on /metrics; called on the store's thread (``totals`` takes its lock)."""
         metrics = self.chat.metrics
         metrics.responses_evicted.inc(num_evicted)
         num_responses, num_bytes = self.store.totals()
