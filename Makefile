@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,ray]'
 	# xgrammar lists triton for its CUDA kernels only. Beside a CPU-only torch it is 1 GB unused that
 	# transformers imports into every process when it is there (about 80 MB each): removed
 	$(PY) -c "import sys, torch; sys.exit(torch.version.cuda is not None)" && $(PY) -m pip uninstall -y -q triton || true

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pydantic import ValidationError
 
+from app.launch.ray_cli import add_ray_parser, run_ray_serve
 from app.proxy.cli import add_proxy_parser, run_proxy
 from app.settings import Settings
 from workers.families.tiny import TINY_FAMILIES
@@ -62,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     for role, help_text in ROLES.items():
         _add_settings_flags(sub.add_parser(role, help=help_text, description=help_text))
     add_proxy_parser(sub)
+    add_ray_parser(sub, _add_settings_flags)
     tiny = sub.add_parser("build-tiny-model", help="Build a tiny random checkpoint for tests and demos.")
     tiny.add_argument(
         "--family", choices=list(TINY_FAMILIES), default="llava", help="Model family (default: llava)."
@@ -78,18 +81,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    """Flags given on the command line override MMSERVE_* variables, which override defaults."""
-    given = {
+def given_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings flags given on the command line."""
+    return {
         name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None
     }
-    return Settings(**given)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Flags given on the command line override MMSERVE_* variables, which override defaults."""
+    return Settings(**given_settings(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "proxy":
         return run_proxy(args)
+    if args.command == "ray":
+        return run_ray_serve(args, given_settings(args))
     if args.command == "build-tiny-model":
         from workers.families.tiny import build_tiny_model
 

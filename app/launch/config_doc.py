@@ -1,7 +1,7 @@
 """docs/configuration.md, rendered from the code: every flag and environment variable of ``mmserve
-serve|api|engine|worker`` (the fields of ``Settings``), then ``proxy``, ``build-tiny-model`` and
-``curve-keygen``. Defaults and descriptions are read from the parser ``mmserve --help`` prints, so the
-page and the help cannot disagree.
+serve|api|engine|worker`` (the fields of ``Settings``), then ``proxy``, ``ray serve`` (its own flags),
+``build-tiny-model`` and ``curve-keygen``. Defaults and descriptions are read from the parser ``mmserve
+--help`` prints, so the page and the help cannot disagree.
 
     .venv/bin/python -m app.launch.config_doc > docs/configuration.md      (make docs)
 
@@ -15,7 +15,7 @@ import re
 import sys
 import types
 import typing
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import annotated_types
 from pydantic.fields import FieldInfo
@@ -218,9 +218,12 @@ def _settings_tables(serve: argparse.ArgumentParser) -> list[str]:
     return lines
 
 
-def _command_table(parser: argparse.ArgumentParser) -> list[str]:
+def _command_table(parser: argparse.ArgumentParser, skip: Iterable[str] = ()) -> list[str]:
+    """``skip``: the dests of options documented elsewhere (the settings flags)."""
     lines = ["| flag | value | description |", "|---|---|---|"]
     for action in _options(parser):
+        if action.dest in skip:
+            continue
         flags = ", ".join(f"`{option}`" for option in action.option_strings)
         if action.choices:
             value = " \\| ".join(f"`{choice}`" for choice in action.choices)
@@ -250,6 +253,15 @@ def render() -> str:
         "",
     ]
     lines += _command_table(commands["proxy"])
+    lines += ["## `mmserve ray serve`", ""]
+    lines += [
+        'mmserve replicas on Ray Serve behind a media-affinity router (see [operations.md, "Scale-out on '
+        'Ray"](operations.md#scale-out-on-ray)). It takes every setting of `serve` above, for every replica, '
+        "and these flags of its own:",
+        "",
+    ]
+    ray_serve = dict(_subcommands(commands["ray"]).choices)["serve"]
+    lines += _command_table(ray_serve, skip=Settings.model_fields)
     lines += ["## `mmserve build-tiny-model`", ""]
     lines += [
         "Writes a tiny, randomly initialised checkpoint of a family: its real config classes, processor and "

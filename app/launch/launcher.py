@@ -159,6 +159,8 @@ def run_api(
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        # h11 whatever else is installed (Ray's extra brings httptools, which uvicorn would pick)
+        http="h11",
         # uvicorn hands it to asyncio.wait_for, which takes a float; its annotation says int
         timeout_graceful_shutdown=GRACE_AFTER_DRAIN_S,  # type: ignore[arg-type]
     )

@@ -144,6 +144,8 @@ def run_proxy(args: argparse.Namespace) -> int:
             host=config.host,
             port=config.port,
             log_level=config.log_level,
+            # h11 whatever else is installed (Ray's extra brings httptools, which uvicorn would pick)
+            http="h11",
             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         )
     )

@@ -18,7 +18,7 @@ ALLOWED = {
     "app": {"wire", "engine", "workers"},
 }
 # app's subpackages, bottom first: each may import the shared modules and those before it
-APP_LAYERS = ["media", "inputs", "api", "proxy", "launch"]
+APP_LAYERS = ["media", "inputs", "api", "proxy", "ray_serve", "launch"]
 APP_SHARED = {"errors", "settings", "metrics", "sqlite_file"}
 
 

@@ -1,0 +1,125 @@
+"""``mmserve ray serve``: mmserve replicas on Ray Serve (docs/operations.md, "Scale-out on Ray").
+
+With no ``--ray-address`` it starts a Ray cluster on this machine, bound to 127.0.0.1 with its object
+store capped, and the replicas share one media-id table and one response store (files in a temporary
+folder), so any replica resolves a media id or a stored response made through another. With an address
+it joins that cluster; there each replica keeps its own unless ``--mm-uuid-store`` and
+``--responses-store`` name files every node sees. Ctrl-C (or SIGTERM) stops the application, its
+replicas and a cluster it started."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from app.settings import Settings
+
+APP_NAME = "mmserve"
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+SHARED_FILES = {"mm_uuid_store": "media-ids.sqlite", "responses_store": "responses.sqlite"}
+
+
+def add_ray_parser(sub: Any, add_settings_flags: Any) -> None:
+    ray = sub.add_parser("ray", help="Run mmserve replicas on Ray Serve.")
+    ray_sub = ray.add_subparsers(dest="ray_command", required=True)
+    help_text = "Serve the OpenAI endpoints from N mmserve replicas behind a media-affinity router."
+    serve = ray_sub.add_parser("serve", help=help_text, description=help_text)
+    add_settings_flags(serve)
+    serve.add_argument(
+        "--replicas", type=int, default=2, help="Replicas, each a whole mmserve instance (default: 2)."
+    )
+    serve.add_argument(
+        "--router",
+        choices=["media", "default", "prefix"],
+        default="media",
+        help="media: media affinity (default); default: Ray's power of two; prefix: Ray's prefix router.",
+    )
+    serve.add_argument(
+        "--imbalance-threshold",
+        type=int,
+        default=4,
+        help="Queue length by which the replica holding the media may exceed the least loaded (default: 4).",
+    )
+    serve.add_argument(
+        "--replica-cpus", type=float, default=1.0, help="CPUs each replica reserves (default: 1)."
+    )
+    serve.add_argument(
+        "--replica-gpus", type=float, default=0.0, help="GPUs each replica reserves (default: 0)."
+    )
+    serve.add_argument(
+        "--ray-address",
+        default=None,
+        help="A running Ray cluster to join (default: start one on this machine).",
+    )
+    serve.add_argument(
+        "--object-store-mb",
+        type=int,
+        default=256,
+        help="The object store of a cluster started here, in MiB (default: 256; requests pass by value).",
+    )
+
+
+def run_ray_serve(args: argparse.Namespace, given: dict[str, Any]) -> int:
+    try:
+        settings = Settings(**given)
+    except ValidationError as exc:
+        print(f"mmserve: error: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    if not Path(settings.model).is_dir():
+        print(f"mmserve: error: no model folder at {settings.model}", file=sys.stderr)
+        return 2
+    if args.ray_address is None:
+        # a one-machine cluster: Ray's node address is then 127.0.0.1 and its servers listen there only
+        # (the switch is named for the platforms where that is Ray's default)
+        os.environ[LOCAL_ONLY_ENV] = "0"
+    import ray
+    from ray import serve
+
+    from app.ray_serve.app import build_app
+
+    given = {**given, "model": str(Path(settings.model).resolve())}  # replicas run in other folders
+    with tempfile.TemporaryDirectory(prefix="mmserve-ray-") as folder:
+        if args.ray_address is None:
+            for name, file_name in SHARED_FILES.items():
+                given.setdefault(name, f"{folder}/{file_name}")
+            ray.init(
+                include_dashboard=False,
+                num_cpus=os.cpu_count(),
+                object_store_memory=args.object_store_mb << 20,
+                _temp_dir=f"{folder}/ray",
+            )
+        else:
+            ray.init(address=args.ray_address)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        try:
+            serve.start(http_options={"host": settings.host, "port": settings.port})
+            app_args = {
+                "settings": given,
+                "replicas": args.replicas,
+                "router": args.router,
+                "imbalance_threshold": args.imbalance_threshold,
+                "replica_cpus": args.replica_cpus,
+                "replica_gpus": args.replica_gpus,
+            }
+            serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
+            url = f"http://{settings.host}:{settings.port}"
+            print(
+                f"mmserve: serving model {settings.model_name!r} from {args.replicas} Ray Serve replicas at "
+                f"{url}/v1 - press Ctrl-C to stop",
+                flush=True,
+            )
+            stop.wait()
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+    return 0

@@ -1,0 +1,147 @@
+"""The ingress deployment: the OpenAI endpoints on Ray Serve's HTTP proxy (docs/architecture.md,
+"Replicas on Ray Serve"). It checks a request as ``mmserve serve`` does before any route runs (API key,
+body size: ``app.api.request_guards``), computes its media keys from the JSON body, and hands it to
+the replica deployment's handle, whose request router picks the replica. The answer comes back as the
+replica's instance gave it, streamed when it is SSE, with the replica's name in ``x-mmserve-replica``.
+
+A replica that died before answering is tried again elsewhere (the router has forgotten it by then);
+one that fails mid-stream ends the stream with an error event, as ``mmserve proxy`` does. The ingress's
+own routes: ``/health``, ``/metrics`` (the router's placements) and ``/replicas`` (what each replica
+reports: its instance's URL and pid, how many media keys it holds).
+
+No ``from __future__ import annotations`` here: Ray ships the ingress class by value, without the
+module's globals its annotations would name, and FastAPI reads the annotations to bind ``Request``."""
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.background import BackgroundTask
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from app.api.error_handlers import error_response, install_error_handlers, sse_error_event
+from app.api.request_guards import RequestGuards, request_tenant
+from app.proxy.forward import UpstreamUnavailableError, describe, forwarded_headers
+from app.ray_serve import router_state
+from app.ray_serve.media_keys import media_keys
+from app.ray_serve.messages import ReplicaHead, ReplicaRequest
+
+REPLICA_HEADER = "x-mmserve-replica"
+TRIES = 3  # a replica that died before answering: the request goes to another (the router forgot it)
+FORWARDED_METHODS = ["GET", "POST", "DELETE"]
+
+
+@dataclass(frozen=True)
+class IngressOptions:
+    api_keys: list[str]
+    max_body_bytes: int
+    isolate_tenants: bool
+    replica_deployment: str  # the replica deployment's name, under which its router is listed
+
+
+def build_ingress(options: IngressOptions) -> type:
+    """The ingress deployment's class, its FastAPI app guarded by ``options``."""
+    app = FastAPI(title="mmserve on Ray Serve", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(RequestGuards, api_key=options.api_keys, max_body_bytes=options.max_body_bytes)
+
+    @serve.ingress(app)
+    class MmserveIngress:
+        def __init__(self, replicas: DeploymentHandle) -> None:
+            self._replicas = replicas.options(stream=True)
+
+        @app.get("/health")
+        async def health(self) -> JSONResponse:
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/metrics")
+        async def metrics(self) -> Response:
+            return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/replicas")
+        async def replicas(self) -> JSONResponse:
+            router = router_state.LISTED.get(
+                options.replica_deployment
+            )  # by name: this class is shipped by value
+            return JSONResponse({"replicas": router.listed_replicas() if router is not None else []})
+
+        @app.api_route("/{path:path}", methods=FORWARDED_METHODS, include_in_schema=False)
+        async def forward(self, request: Request) -> Response:
+            return await self._forward(request)
+
+        async def _forward(self, request: Request) -> Response:
+            body = await request.body()
+            parsed = _json_or_none(body)
+            keys = media_keys(
+                parsed, tenant=request_tenant(request.scope), isolate_tenants=options.isolate_tenants
+            )
+            path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            messages = parsed.get("messages") if isinstance(parsed, dict) else None
+            message = ReplicaRequest(
+                method=request.method,
+                path=path,
+                headers=forwarded_headers(request.headers),
+                body=body,
+                media_keys=keys,
+                chat_messages=messages if isinstance(messages, list) else None,
+            )
+            failure: BaseException | None = None
+            for _ in range(TRIES):
+                stream: Any = self._replicas.forward.remote(message)  # a DeploymentResponseGenerator
+                try:
+                    head = await stream.__anext__()
+                except (RayActorError, ActorUnavailableError) as exc:
+                    failure = exc
+                    continue
+                except Exception as exc:  # the replica raised before its head (it never does on purpose)
+                    return error_response(UpstreamUnavailableError(f"The replica failed ({describe(exc)})."))
+                assert isinstance(head, ReplicaHead)
+                return await _respond(head, stream)
+            assert failure is not None
+            return error_response(UpstreamUnavailableError(f"No replica answered ({describe(failure)})."))
+
+    return MmserveIngress
+
+
+def _json_or_none(body: bytes) -> Any:
+    """The body as JSON, for its media keys; a body that is not is the instance's to refuse."""
+    if not body:
+        return None
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+async def _respond(head: ReplicaHead, stream: DeploymentResponseGenerator) -> Response:
+    headers = {**head.headers, REPLICA_HEADER: head.replica}
+    if head.headers.get("content-type", "").startswith("text/event-stream"):
+        return StreamingResponse(
+            _rest(stream),
+            status_code=head.status,
+            headers=headers,
+            background=BackgroundTask(stream.cancel),  # the client left: the replica's stream ends too
+        )
+    try:
+        body = b"".join([chunk async for chunk in stream])
+    except Exception as exc:
+        return error_response(UpstreamUnavailableError(f"The replica failed mid-answer ({describe(exc)})."))
+    return Response(body, status_code=head.status, headers=headers)
+
+
+async def _rest(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in stream:
+            yield chunk
+    except Exception as exc:
+        yield sse_error_event(
+            UpstreamUnavailableError(f"The replica failed mid-stream ({describe(exc)}).")
+        ).encode()
+    finally:
+        stream.cancel()

@@ -1,0 +1,23 @@
+"""What a router shares with the ingress in the process that holds the replicas' handle. Apart from
+``routers`` because Ray ships a router's own module by value (a copy, with copies of its globals):
+this module is imported by name on both sides, so both see one registry and one counter."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from prometheus_client import Counter
+
+PLACEMENTS = Counter(
+    "mmserve_ray_placements",
+    "Requests with media placed by the media-affinity router, by how: affinity (to a replica holding "
+    "some of their media), fallback (held, but that replica's queue was too long), new (held nowhere).",
+    ["placement"],
+)
+
+
+class Listing(Protocol):
+    def listed_replicas(self) -> list[dict[str, Any]]: ...
+
+
+LISTED: dict[str, Listing] = {}  # deployment name -> its router in this process

@@ -1,0 +1,228 @@
+"""``mmserve ray serve`` on a Ray cluster of this machine (127.0.0.1, object store capped): two replicas
+of the tiny LLaVA behind the media-affinity router, each a whole mmserve instance.
+
+- Six images interleaved over 60 requests: every repeat goes to the replica that served the image first
+  (``x-mmserve-replica``), the encoder runs once per image across the cluster, and each answer is what
+  a single server gives (the other replica's instance, asked directly, cold).
+- A burst on one image past the imbalance bound spills to the other replica, answered alike.
+- Streaming, auth, the body cap and errors through the ingress as from ``mmserve serve``.
+- ``cache_salt`` and media ids through the router.
+- A replica whose instance is killed: its next requests are served by the other replica, correctly;
+  Ctrl-C stops every instance and the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import data_url, greedy_body, make_image
+from tests.e2e.metrics import Metrics, parse_metrics
+from tests.e2e.server import ServerProcess, alive, free_port, wait_healthy
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-ray"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+IMBALANCE = 2
+BODY_CAP_MB = "1"
+IMAGES = [make_image(4200 + k, size=(96, 96)) for k in range(6)]
+STOP_S = 90.0
+
+
+@dataclass
+class RayServer:
+    process: ServerProcess
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def replicas(self) -> dict[str, dict[str, Any]]:
+        listed = httpx.get(f"{self.base_url}/replicas", timeout=10).json()["replicas"]
+        return {entry["replica"]: entry for entry in listed}
+
+    def replica_metrics(self) -> dict[str, Metrics]:
+        return {
+            name: parse_metrics(httpx.get(f"{entry['url']}/metrics", timeout=10).text)
+            for name, entry in self.replicas().items()
+        }
+
+
+@pytest.fixture(scope="module")
+def ray_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayServer]:
+    port = free_port()
+    args = ["ray", "serve", "--model", str(tiny_model_dir), "--port", str(port), "--replicas", "2"]
+    args += ["--replica-cpus", "0.5", "--object-store-mb", "128", "--imbalance-threshold", str(IMBALANCE)]
+    args += ["--api-key", KEY, "--max-request-body-mb", BODY_CAP_MB, "--mm-preprocess-processes", "0"]
+    process = ServerProcess(args, tmp_path_factory.mktemp("ray-serve") / "ray-serve.log").start()
+    server = RayServer(process, port)
+    try:
+        wait_healthy(server.base_url, process, timeout_s=300)
+        deadline = time.monotonic() + 120
+        while len(server.replicas()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        yield server
+    finally:
+        stop(process)
+
+
+def stop(process: ServerProcess) -> int:
+    """Ctrl-C to ``mmserve ray serve`` alone (Ray's own processes stop with its ``ray.shutdown``)."""
+    assert process.proc is not None
+    if process.proc.poll() is None:
+        process.proc.send_signal(signal.SIGINT)
+    try:
+        return process.proc.wait(STOP_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+
+
+def ask(server: RayServer, image_index: int, **extra: Any) -> httpx.Response:
+    body = chat_body(image_index, **extra)
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
+
+
+def chat_body(image_index: int, **extra: Any) -> dict[str, Any]:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(IMAGES[image_index])}}]
+    return greedy_body(
+        [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}], 6, **extra
+    )
+
+
+def text_of(resp: httpx.Response) -> str:
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["choices"][0]["message"]["content"])
+
+
+def total(metrics: dict[str, Metrics], name: str) -> float:
+    return sum(m.get(name, 0.0) for m in metrics.values())
+
+
+def test_repeats_go_to_the_replica_that_served_the_image_first(ray_server: RayServer) -> None:
+    before = ray_server.replica_metrics()
+    order = [k % len(IMAGES) for k in range(60)]
+    served_by: dict[int, set[str]] = {}
+    answers: dict[int, set[str]] = {}
+    for index in order:
+        resp = ask(ray_server, index)
+        answers.setdefault(index, set()).add(text_of(resp))
+        served_by.setdefault(index, set()).add(resp.headers["x-mmserve-replica"])
+    after = ray_server.replica_metrics()
+    assert all(len(replicas) == 1 for replicas in served_by.values()), served_by
+    assert len({next(iter(r)) for r in served_by.values()}) == 2  # new images spread over both
+    assert total(after, "mmserve_encoder_runs_total") - total(before, "mmserve_encoder_runs_total") == len(
+        IMAGES
+    )
+    assert all(len(texts) == 1 for texts in answers.values())
+    # a single server's answer: the replica that never saw the image, asked directly, cold
+    replicas = ray_server.replicas()
+    for index in range(len(IMAGES)):
+        (owner,) = served_by[index]
+        (other,) = set(replicas) - {owner}
+        direct = httpx.post(
+            f"{replicas[other]['url']}/v1/chat/completions", json=chat_body(index), headers=AUTH, timeout=120
+        )
+        assert answers[index] == {text_of(direct)}
+    placements = parse_metrics(httpx.get(f"{ray_server.base_url}/metrics").text)
+    assert placements.get('mmserve_ray_placements_total{placement="affinity"}', 0) >= 60 - len(IMAGES)
+
+
+def test_a_burst_past_the_imbalance_bound_spills_to_the_other_replica(ray_server: RayServer) -> None:
+    owner = ask(ray_server, 0).headers["x-mmserve-replica"]
+    expected = text_of(ask(ray_server, 0))
+    before = parse_metrics(httpx.get(f"{ray_server.base_url}/metrics").text)
+    with ThreadPoolExecutor(16) as pool:
+        burst = list(pool.map(lambda _: ask(ray_server, 0), range(16)))
+    after = parse_metrics(httpx.get(f"{ray_server.base_url}/metrics").text)
+    assert {text_of(resp) for resp in burst} == {expected}
+    assert {resp.headers["x-mmserve-replica"] for resp in burst} - {owner}  # some went elsewhere
+    name = 'mmserve_ray_placements_total{placement="fallback"}'
+    assert after.get(name, 0) - before.get(name, 0) >= 1
+
+
+def test_streaming_auth_and_errors_are_mmserve_serves(ray_server: RayServer) -> None:
+    url = f"{ray_server.base_url}/v1/chat/completions"
+    expected = text_of(ask(ray_server, 1))
+    pieces = []
+    with httpx.stream("POST", url, json=chat_body(1, stream=True), headers=AUTH, timeout=120) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        delta = json.loads(line.removeprefix("data: "))["choices"]
+        pieces += [choice["delta"].get("content") or "" for choice in delta]
+    assert "".join(pieces) == expected
+    direct = next(iter(ray_server.replicas().values()))["url"]
+    too_big = b"{" + b" " * (int(BODY_CAP_MB) << 20) + b"}"
+    cases: list[tuple[dict[str, str], bytes]] = [
+        ({}, b"{}"),  # no key
+        ({"Authorization": "Bearer wrong"}, b"{}"),
+        ({**AUTH, "Content-Type": "application/json"}, b"{not json"),
+        ({**AUTH, "Content-Type": "application/json"}, b'{"model": "tiny-llava", "messages": []}'),
+        ({**AUTH, "Content-Type": "application/json"}, too_big),
+    ]
+    for headers, body in cases:
+        through = httpx.post(url, content=body, headers=headers, timeout=60)
+        alone = httpx.post(f"{direct}/v1/chat/completions", content=body, headers=headers, timeout=60)
+        assert (through.status_code, through.json()) == (alone.status_code, alone.json())
+        assert through.status_code in (400, 401, 413, 422)
+    assert httpx.get(f"{ray_server.base_url}/v1/models", headers=AUTH).json()["data"][0]["id"] == "tiny-llava"
+
+
+def test_cache_salt_and_media_ids_through_the_router(ray_server: RayServer) -> None:
+    plain = text_of(ask(ray_server, 2))
+    before = ray_server.replica_metrics()
+    salted = ask(ray_server, 2, cache_salt="tenant-b")
+    after = ray_server.replica_metrics()
+    assert text_of(salted) == plain
+    runs = "mmserve_mm_processor_seconds_count"
+    assert total(after, runs) - total(before, runs) == 1  # a salted request shares no cache hit
+    part = {"type": "image_url", "image_url": {"url": data_url(IMAGES[3])}, "uuid": "ray-doc-3"}
+    only_id = {"type": "image_url", "image_url": None, "uuid": "ray-doc-3"}
+    bodies = [
+        greedy_body([{"role": "user", "content": [p, {"type": "text", "text": "What is it?"}]}], 6)
+        for p in (part, only_id)
+    ]
+    url = f"{ray_server.base_url}/v1/chat/completions"
+    bound = httpx.post(url, json=bodies[0], headers=AUTH, timeout=120)
+    by_id = httpx.post(url, json=bodies[1], headers=AUTH, timeout=120)
+    assert text_of(by_id) == text_of(bound) == text_of(ask(ray_server, 3))
+    assert by_id.headers["x-mmserve-replica"] == bound.headers["x-mmserve-replica"]
+    unknown = {"type": "image_url", "image_url": None, "uuid": "never-bound"}
+    refused = httpx.post(
+        url, json=greedy_body([{"role": "user", "content": [unknown]}], 6), headers=AUTH, timeout=120
+    )
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "media_uuid_unknown"
+
+
+def test_a_killed_replica_s_requests_go_to_the_other_and_ctrl_c_stops_all(ray_server: RayServer) -> None:
+    owners = {index: ask(ray_server, index).headers["x-mmserve-replica"] for index in range(len(IMAGES))}
+    expected = {index: text_of(ask(ray_server, index)) for index in range(len(IMAGES))}
+    replicas = ray_server.replicas()
+    victim = owners[0]
+    os.killpg(replicas[victim]["pid"], signal.SIGKILL)  # the instance's whole process group
+    for index in range(len(IMAGES)):
+        resp = ask(ray_server, index)
+        assert text_of(resp) == expected[index]
+        if owners[index] == victim:
+            assert resp.headers["x-mmserve-replica"] != victim
+    instances = [entry["pid"] for entry in ray_server.replicas().values()]
+    assert stop(ray_server.process) == 0, ray_server.process.log()[-3000:]
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in instances) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(pid) for pid in instances)

@@ -1,0 +1,112 @@
+"""The media-affinity router's bookkeeping and the ingress's media keys, without a cluster
+(docs/architecture.md, "Replicas on Ray Serve"); tests/e2e/test_ray_serve.py runs them on one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from app.ray_serve.affinity import AffinityTable, Placement
+from app.ray_serve.media_keys import media_keys
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def chat(*parts: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "?"}, *parts]}],
+        **fields,
+    }
+
+
+def image(url: str | None, uuid: str | None = None) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "image_url", "image_url": {"url": url} if url is not None else None}
+    if uuid is not None:
+        part["uuid"] = uuid
+    return part
+
+
+def keys(body: Any, tenant: str = "", isolate: bool = False) -> tuple[str, ...]:
+    return media_keys(body, tenant=tenant, isolate_tenants=isolate)
+
+
+def test_media_keys_follow_the_caches_identities() -> None:
+    one, two = "data:image/png;base64,AAAA", "https://example.com/a.png"
+    assert len(keys(chat(image(one), image(two), image(one)))) == 2  # distinct, first appearance first
+    assert keys(chat(image(one))) == keys(chat(image(one)))[:1] == keys(chat(image(one), image(two)))[:1]
+    assert keys(chat(image(one))) != keys(chat({"type": "video_url", "video_url": {"url": one}}))
+    salted = keys(chat(image(one), cache_salt="s"))
+    assert salted != keys(chat(image(one))) and salted == keys(chat(image(one), cache_salt="s"))
+    assert keys(chat(image(one), mm_processor_kwargs={"x": 1})) != keys(chat(image(one)))
+    # tenant isolation: each key's own salt, as the API process's cache scope
+    assert keys(chat(image(one)), "t1", isolate=True) != keys(chat(image(one)), "t2", isolate=True)
+    assert keys(chat(image(one)), "t1") == keys(chat(image(one)), "t2")
+
+
+def test_a_media_id_is_its_tenants_whether_or_not_the_media_comes_with_it() -> None:
+    bound = keys(chat(image("data:image/png;base64,AAAA", uuid="doc")), "t1")
+    assert bound == keys(chat(image(None, uuid="doc")), "t1") != keys(chat(image(None, uuid="doc")), "t2")
+
+
+def test_responses_input_images_and_bodies_without_media() -> None:
+    item = {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}
+    assert keys({"input": [item]}) == keys(chat(image("https://example.com/a.png")))
+    for body in (
+        None,
+        [],
+        "text",
+        {"messages": "no"},
+        {"input": "hello"},
+        chat({"type": "text"}),
+        {"messages": [1]},
+    ):
+        assert keys(body) == ()
+
+
+def test_repeats_go_where_the_media_is_held_within_the_imbalance_bound() -> None:
+    table = AffinityTable()
+    idle = {"a": 0, "b": 0}
+    first = table.choose(["k1"], idle, imbalance_threshold=2)
+    assert first.placement(first.preferred[0]) is Placement.NEW
+    table.place(["k1"], "a")
+    second = table.choose(["k2"], idle, imbalance_threshold=2)
+    assert second.preferred == ("b",)  # new media spreads: b holds fewer keys
+    assert table.choose(["k1"], {"a": 2, "b": 0}, 2).preferred == ("a",)  # within the bound
+    over = table.choose(["k1"], {"a": 3, "b": 0}, 2)
+    assert over.preferred == ("b",) and over.placement("b") is Placement.FALLBACK
+    assert table.choose(["k1"], idle, 2).placement("a") is Placement.AFFINITY
+
+
+def test_reports_count_and_a_dead_replica_takes_its_keys() -> None:
+    table = AffinityTable()
+    table.report("b", ["k1", "k2"])
+    table.place(["k3"], "a")
+    assert table.choose(["k1", "k3", "k2"], {"a": 0, "b": 0}, 0).preferred == ("b",)  # holds two of three
+    table.forget("b")
+    assert table.held_by(["k1", "k2"], "b") == 0
+    assert table.choose(["k1", "k3"], {"a": 0}, 0).preferred == ("a",)
+
+
+def test_placements_are_bounded() -> None:
+    table = AffinityTable(max_placements=3)
+    for k in range(5):
+        table.place([f"k{k}"], "a")
+    assert table.num_placements() == 3 and table.held_by(["k0", "k1"], "a") == 0
+    assert table.num_keys("a") == 3
+
+
+def test_the_serve_config_file_builds_the_application() -> None:
+    pytest.importorskip("ray.serve")
+    from ray.serve.schema import ServeDeploySchema
+
+    from app.ray_serve.app import RayAppArgs, build_app
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load((REPO / "deploy/ray-serve.yaml").read_text()))
+    (application,) = config.applications
+    assert application.import_path == "app.ray_serve.app:build_app"
+    assert RayAppArgs.model_validate(application.args).replicas == 2
+    assert build_app(application.args) is not None
