@@ -6,8 +6,8 @@ gives the proper 400).
     an image or video by URL    the URL's exact text (a data URL's too, as the API process's table of
                                 known data URLs keys it) with the part's kind, ``mm_processor_kwargs``
                                 and the request's cache scope (``cache_salt``, tenant isolation)
-    a media id (``uuid``)       the tenant (its API key) and the uuid, whether or not the part also
-                                carries the media: the binding lives where it was made
+    a media id (``uuid``)       the tenant (its API key) and the uuid: a part that binds one has both
+                                keys, so a later part with the uuid alone goes where the binding is
 
 Each key is a short digest, so a replica's report of what it holds stays small.
 """
@@ -41,13 +41,10 @@ def media_keys(body: Any, *, tenant: str, isolate_tenants: bool) -> tuple[str, .
     options = dict(options) if isinstance(options, Mapping) else {}
     keys: dict[str, None] = {}
     for kind, url, uuid in _media_parts(body):
+        if url is not None:
+            keys[framed_digest(MEDIA_KEY_DOMAIN, kind, url, options, scope.salt)[:KEY_CHARS]] = None
         if uuid is not None:
-            key = framed_digest(MEDIA_ID_KEY_DOMAIN, tenant, uuid)
-        elif url is not None:
-            key = framed_digest(MEDIA_KEY_DOMAIN, kind, url, options, scope.salt)
-        else:
-            continue
-        keys[key[:KEY_CHARS]] = None
+            keys[framed_digest(MEDIA_ID_KEY_DOMAIN, tenant, uuid)[:KEY_CHARS]] = None
     return tuple(keys)
 
 

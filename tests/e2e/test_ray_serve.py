@@ -51,8 +51,9 @@ class RayServer:
         return f"http://127.0.0.1:{self.port}"
 
     def replicas(self) -> dict[str, dict[str, Any]]:
+        """The replicas that have reported (a new one lists its URL within a report period)."""
         listed = httpx.get(f"{self.base_url}/replicas", timeout=10).json()["replicas"]
-        return {entry["replica"]: entry for entry in listed}
+        return {entry["replica"]: entry for entry in listed if "url" in entry}
 
     def replica_metrics(self) -> dict[str, Metrics]:
         return {
@@ -191,8 +192,9 @@ def test_cache_salt_and_media_ids_through_the_router(ray_server: RayServer) -> N
     assert text_of(salted) == plain
     runs = "mmserve_mm_processor_seconds_count"
     assert total(after, runs) - total(before, runs) == 1  # a salted request shares no cache hit
-    part = {"type": "image_url", "image_url": {"url": data_url(IMAGES[3])}, "uuid": "ray-doc-3"}
-    only_id = {"type": "image_url", "image_url": None, "uuid": "ray-doc-3"}
+    fresh = make_image(4299, size=(96, 96))  # sent nowhere before
+    part = {"type": "image_url", "image_url": {"url": data_url(fresh)}, "uuid": "ray-doc"}
+    only_id = {"type": "image_url", "image_url": None, "uuid": "ray-doc"}
     bodies = [
         greedy_body([{"role": "user", "content": [p, {"type": "text", "text": "What is it?"}]}], 6)
         for p in (part, only_id)
@@ -200,8 +202,15 @@ def test_cache_salt_and_media_ids_through_the_router(ray_server: RayServer) -> N
     url = f"{ray_server.base_url}/v1/chat/completions"
     bound = httpx.post(url, json=bodies[0], headers=AUTH, timeout=120)
     by_id = httpx.post(url, json=bodies[1], headers=AUTH, timeout=120)
-    assert text_of(by_id) == text_of(bound) == text_of(ask(ray_server, 3))
+    assert text_of(by_id) == text_of(bound)
     assert by_id.headers["x-mmserve-replica"] == bound.headers["x-mmserve-replica"]
+    # the other replica sees the binding (one media-id table on one machine) but holds no item for it:
+    # the usual 400, never a 500 or another item's answer
+    replicas = ray_server.replicas()
+    (other,) = set(replicas) - {bound.headers["x-mmserve-replica"]}
+    direct = f"{replicas[other]['url']}/v1/chat/completions"
+    elsewhere = httpx.post(direct, json=bodies[1], headers=AUTH, timeout=120)
+    assert elsewhere.status_code == 400 and elsewhere.json()["error"]["code"] == "media_uuid_unknown"
     unknown = {"type": "image_url", "image_url": None, "uuid": "never-bound"}
     refused = httpx.post(
         url, json=greedy_body([{"role": "user", "content": [unknown]}], 6), headers=AUTH, timeout=120

@@ -47,9 +47,11 @@ def test_media_keys_follow_the_caches_identities() -> None:
     assert keys(chat(image(one)), "t1") == keys(chat(image(one)), "t2")
 
 
-def test_a_media_id_is_its_tenants_whether_or_not_the_media_comes_with_it() -> None:
-    bound = keys(chat(image("data:image/png;base64,AAAA", uuid="doc")), "t1")
-    assert bound == keys(chat(image(None, uuid="doc")), "t1") != keys(chat(image(None, uuid="doc")), "t2")
+def test_a_media_id_is_its_tenants_and_a_binding_part_has_both_keys() -> None:
+    url = "data:image/png;base64,AAAA"
+    by_url, by_id = keys(chat(image(url)), "t1"), keys(chat(image(None, uuid="doc")), "t1")
+    assert keys(chat(image(url, uuid="doc")), "t1") == by_url + by_id  # binding: both
+    assert by_id != keys(chat(image(None, uuid="doc")), "t2")
 
 
 def test_responses_input_images_and_bodies_without_media() -> None:
