@@ -13,7 +13,7 @@ No ``from __future__ import annotations`` here: Ray ships the ingress class by v
 module's globals its annotations would name, and FastAPI reads the annotations to bind ``Request``."""
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +29,7 @@ from app.api.error_handlers import error_response, install_error_handlers, sse_e
 from app.api.request_guards import RequestGuards, request_tenant
 from app.proxy.forward import UpstreamUnavailableError, describe, forwarded_headers
 from app.ray_serve import router_state
-from app.ray_serve.media_keys import media_keys
+from app.ray_serve.media_keys import media_keys, response_key
 from app.ray_serve.messages import ReplicaHead, ReplicaRequest
 
 REPLICA_HEADER = "x-mmserve-replica"
@@ -102,9 +102,22 @@ def build_ingress(options: IngressOptions) -> type:
                 except Exception as exc:  # the replica raised before its head (it never does on purpose)
                     return error_response(UpstreamUnavailableError(f"The replica failed ({describe(exc)})."))
                 assert isinstance(head, ReplicaHead)
-                return await _respond(head, stream)
+                learn = None
+                if request.method == "POST" and request.url.path == "/v1/responses" and head.status == 200:
+                    learn = self._learner(request_tenant(request.scope), head.replica)
+                return await _respond(head, stream, learn)
             assert failure is not None
             return error_response(UpstreamUnavailableError(f"No replica answered ({describe(failure)})."))
+
+        def _learner(self, tenant: str, replica: str) -> Callable[[str], None]:
+            """Where a stored response was made: its follow-ups' media are there (``response_key``)."""
+
+            def learn(response_id: str) -> None:
+                router = router_state.LISTED.get(options.replica_deployment)
+                if router is not None:
+                    router.place((response_key(tenant, response_id),), replica)
+
+            return learn
 
     return MmserveIngress
 
@@ -119,11 +132,38 @@ def _json_or_none(body: bytes) -> Any:
         return None
 
 
-async def _respond(head: ReplicaHead, stream: DeploymentResponseGenerator) -> Response:
+class ResponseIdWatch:
+    """Finds the response id in a Responses API stream's first event (``response.created``)."""
+
+    MAX_BYTES = 1 << 16  # the first event is far smaller; past this the stream is not watched
+
+    def __init__(self, learn: Callable[[str], None]) -> None:
+        self.learn = learn
+        self.seen = b""
+
+    def feed(self, chunk: bytes) -> bool:
+        """True once done: the id was found, or it will not be."""
+        self.seen += chunk
+        event, separator, _ = self.seen.partition(b"\n\n")
+        if not separator:
+            return len(self.seen) > self.MAX_BYTES
+        for line in event.splitlines():
+            if line.startswith(b"data: "):
+                data = _json_or_none(line.removeprefix(b"data: "))
+                response = data.get("response") if isinstance(data, dict) else None
+                if isinstance(response, dict) and isinstance(response.get("id"), str):
+                    self.learn(response["id"])
+        return True
+
+
+async def _respond(
+    head: ReplicaHead, stream: DeploymentResponseGenerator, learn: Callable[[str], None] | None
+) -> Response:
+    """``learn``: told the response id of a Responses API answer, streamed or not."""
     headers = {**head.headers, REPLICA_HEADER: head.replica}
     if head.headers.get("content-type", "").startswith("text/event-stream"):
         return StreamingResponse(
-            _rest(stream),
+            _rest(stream, ResponseIdWatch(learn) if learn is not None else None),
             status_code=head.status,
             headers=headers,
             background=BackgroundTask(stream.cancel),  # the client left: the replica's stream ends too
@@ -132,16 +172,21 @@ async def _respond(head: ReplicaHead, stream: DeploymentResponseGenerator) -> Re
         body = b"".join([chunk async for chunk in stream])
     except Exception as exc:
         return error_response(UpstreamUnavailableError(f"The replica failed mid-answer ({describe(exc)})."))
+    if learn is not None:
+        answer = _json_or_none(body)
+        if isinstance(answer, dict) and isinstance(answer.get("id"), str):
+            learn(answer["id"])
     return Response(body, status_code=head.status, headers=headers)
 
 
-async def _rest(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+async def _rest(stream: DeploymentResponseGenerator, watch: ResponseIdWatch | None) -> AsyncIterator[bytes]:
     try:
         async for chunk in stream:
+            if watch is not None and watch.feed(chunk):
+                watch = None
             yield chunk
     except Exception as exc:
-        yield sse_error_event(
-            UpstreamUnavailableError(f"The replica failed mid-stream ({describe(exc)}).")
-        ).encode()
+        error = UpstreamUnavailableError(f"The replica failed mid-stream ({describe(exc)}).")
+        yield sse_error_event(error).encode()
     finally:
         stream.cancel()

@@ -8,6 +8,8 @@ gives the proper 400).
                                 and the request's cache scope (``cache_salt``, tenant isolation)
     a media id (``uuid``)       the tenant (its API key) and the uuid: a part that binds one has both
                                 keys, so a later part with the uuid alone goes where the binding is
+    ``previous_response_id``    the tenant and the id: the conversation's media are where the response
+                                was made (``response_key``, which the ingress places once it answered)
 
 Each key is a short digest, so a replica's report of what it holds stays small.
 """
@@ -22,6 +24,7 @@ from wire.hashing import framed_digest
 
 MEDIA_KEY_DOMAIN = b"mmserve.route.media.v1"
 MEDIA_ID_KEY_DOMAIN = b"mmserve.route.media_id.v1"
+RESPONSE_KEY_DOMAIN = b"mmserve.route.response.v1"
 KEY_CHARS = 24  # 96 bits of a blake3 digest: no two media of a deployment share one
 
 # chat's media parts and the Responses API's input_image, each with where its URL is
@@ -40,6 +43,9 @@ def media_keys(body: Any, *, tenant: str, isolate_tenants: bool) -> tuple[str, .
     options = body.get("mm_processor_kwargs")
     options = dict(options) if isinstance(options, Mapping) else {}
     keys: dict[str, None] = {}
+    previous = body.get("previous_response_id")
+    if isinstance(previous, str):
+        keys[response_key(tenant, previous)] = None
     for kind, url, uuid in _media_parts(body):
         if url is not None:
             keys[framed_digest(MEDIA_KEY_DOMAIN, kind, url, options, scope.salt)[:KEY_CHARS]] = None
@@ -72,3 +78,8 @@ def _media_of(part: Mapping[str, Any]) -> Iterator[tuple[str, str | None, str | 
     elif kind_name in _RESPONSES_PARTS:
         url = part.get("image_url")
         yield _RESPONSES_PARTS[kind_name], url if isinstance(url, str) else None, uuid
+
+
+def response_key(tenant: str, response_id: str) -> str:
+    """The key of a stored response: a follow-up naming it goes where it was made."""
+    return framed_digest(RESPONSE_KEY_DOMAIN, tenant, response_id)[:KEY_CHARS]

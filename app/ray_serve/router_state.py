@@ -19,5 +19,8 @@ PLACEMENTS = Counter(
 class Listing(Protocol):
     def listed_replicas(self) -> list[dict[str, Any]]: ...
 
+    def place(self, keys: tuple[str, ...], replica: str) -> None:
+        """Keys learnt from an answer (a stored response's id) are held by the replica named."""
+
 
 LISTED: dict[str, Listing] = {}  # deployment name -> its router in this process

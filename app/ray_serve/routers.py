@@ -53,6 +53,9 @@ class ListedReplicas:
             listed.append({"replica": replica.replica_id.unique_id, "media_keys_held": len(keys), **stats})
         return sorted(listed, key=lambda entry: str(entry["replica"]))
 
+    def place(self, keys: tuple[str, ...], replica: str) -> None:
+        """Only the media-affinity router keeps placements."""
+
 
 def request_of(pending_request: PendingRequest | None) -> ReplicaRequest | None:
     if pending_request is None or not pending_request.args:
@@ -95,6 +98,12 @@ class MediaAffinityRouter(ListedReplicas, RequestRouter):
         if choice is not None:
             router_state.PLACEMENTS.labels(choice.placement(replica_id)).inc()
             self._table.place(keys, replica_id)
+
+    def place(self, keys: tuple[str, ...], replica: str) -> None:
+        replicas: dict[ReplicaID, RunningReplica] = self.curr_replicas
+        for replica_id in replicas:
+            if replica_id.unique_id == replica:
+                self._table.place(keys, replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

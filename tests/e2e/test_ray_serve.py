@@ -218,6 +218,32 @@ def test_cache_salt_and_media_ids_through_the_router(ray_server: RayServer) -> N
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "media_uuid_unknown"
 
 
+def responses_turn(server: RayServer, fields: dict[str, Any]) -> tuple[str, str, str]:
+    """(response id, output text, replica) of one ``/v1/responses`` turn, streamed or not."""
+    body = {"model": "tiny-llava", "max_output_tokens": 4, "temperature": 0, **fields}
+    url = f"{server.base_url}/v1/responses"
+    if not fields.get("stream"):
+        resp = httpx.post(url, json=body, headers=AUTH, timeout=120)
+        assert resp.status_code == 200, resp.text
+        answer = resp.json()
+        return answer["id"], answer["output"][0]["content"][0]["text"], resp.headers["x-mmserve-replica"]
+    with httpx.stream("POST", url, json=body, headers=AUTH, timeout=120) as resp:
+        assert resp.status_code == 200
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    done = events[-1]["response"]  # response.completed, or response.incomplete at max_output_tokens
+    return done["id"], done["output"][0]["content"][0]["text"], resp.headers["x-mmserve-replica"]
+
+
+def test_follow_ups_go_where_their_stored_response_was_made(ray_server: RayServer) -> None:
+    image = {"type": "input_image", "image_url": data_url(make_image(4310, size=(96, 96)))}
+    first = [{"role": "user", "content": [{"type": "input_text", "text": "What is it?"}, image]}]
+    response_id, _, replica = responses_turn(ray_server, {"input": first})
+    for turn in range(4):  # streamed and not: the ingress learns each new id either way
+        fields = {"input": f"And then {turn}?", "previous_response_id": response_id, "stream": turn % 2 == 1}
+        response_id, _, answered_by = responses_turn(ray_server, fields)
+        assert answered_by == replica
+
+
 def test_a_killed_replica_s_requests_go_to_the_other_and_ctrl_c_stops_all(ray_server: RayServer) -> None:
     owners = {index: ask(ray_server, index).headers["x-mmserve-replica"] for index in range(len(IMAGES))}
     expected = {index: text_of(ask(ray_server, index)) for index in range(len(IMAGES))}

@@ -69,6 +69,26 @@ def test_responses_input_images_and_bodies_without_media() -> None:
         assert keys(body) == ()
 
 
+def test_a_follow_up_is_keyed_by_the_response_it_follows() -> None:
+    from app.ray_serve.media_keys import response_key
+
+    follow_up = {"input": "And?", "previous_response_id": "resp_1"}
+    assert keys(follow_up, "t1") == (response_key("t1", "resp_1"),) != keys(follow_up, "t2")
+
+
+def test_the_ingress_finds_a_streamed_response_s_id_in_its_first_event() -> None:
+    pytest.importorskip("ray.serve")
+    from app.ray_serve.ingress import ResponseIdWatch
+
+    learnt: list[str] = []
+    watch = ResponseIdWatch(learnt.append)
+    event = b'event: response.created\ndata: {"type": "response.created", "response": {"id": "resp_9"}}\n\n'
+    assert not watch.feed(event[:20]) and watch.feed(event[20:] + b"event: more")
+    assert learnt == ["resp_9"]
+    silent = ResponseIdWatch(learnt.append)
+    assert silent.feed(b"data: [DONE]\n\n") and learnt == ["resp_9"]
+
+
 def test_repeats_go_where_the_media_is_held_within_the_imbalance_bound() -> None:
     table = AffinityTable()
     idle = {"a": 0, "b": 0}
