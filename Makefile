@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video bench-media-ids bench-structured bench-sampling bench-agents dashboard-image
+.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video bench-media-ids bench-structured bench-sampling bench-agents bench-ray dashboard-image
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -108,6 +108,11 @@ bench-media-ids: setup model
 # ~3 min: 16 agents, five turns each with a new 1024x1024 screenshot, full history resent vs previous_response_id
 bench-agents: setup model
 	$(PY) bench/bench_agents.py --model $(MODEL)
+
+# ~8 min: mmserve ray serve, two replicas, the media-affinity router vs Ray Serve's default and prefix-cache
+# routers: 32 users x 6 turns, history resent, 80 % repeated 1024x1024 JPEGs; draws docs/img/ray_routers.png
+bench-ray: setup model
+	$(PY) bench/bench_ray.py --model $(MODEL)
 
 # ~12 min: a 10-field JSON schema vs free text at c=16, 64 tokens, 90 % reuse of 1024x1024 JPEGs, on the tiny
 # LLaVA and Qwen2.5-VL and vLLM's CPU peer (if set up); a schema's first use vs a repeat; draws docs/img/structured.png

@@ -92,7 +92,7 @@ def run_ray_serve(args: argparse.Namespace, given: dict[str, Any]) -> int:
                 given.setdefault(name, f"{folder}/{file_name}")
             ray.init(
                 include_dashboard=False,
-                num_cpus=os.cpu_count(),
+                num_cpus=len(os.sched_getaffinity(0)),  # the cores this process may use
                 object_store_memory=args.object_store_mb << 20,
                 _temp_dir=f"{folder}/ray",
             )

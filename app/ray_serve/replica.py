@@ -18,6 +18,7 @@ processes) on a free loopback port of the replica's node, owned by the replica's
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -174,14 +175,16 @@ class MmserveReplica:
             raise RuntimeError(f"replica {self.name}: /health answered {resp.status_code}")
 
     def __del__(self) -> None:
-        """Serve stops the replica: the instance drains (SIGTERM), then is killed if it must be."""
+        """Serve stops the replica: the instance drains (SIGTERM), then is killed if it must be; its log
+        goes."""
         self._stopping = True
         instance = self._instance
-        if instance is None or instance.poll() is not None:
-            return
-        instance.send_signal(signal.SIGTERM)
-        try:
-            instance.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(instance.pid, signal.SIGKILL)
-            instance.wait()
+        if instance is not None and instance.poll() is None:
+            instance.send_signal(signal.SIGTERM)
+            try:
+                instance.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(instance.pid, signal.SIGKILL)
+                instance.wait()
+        with contextlib.suppress(OSError):
+            os.remove(self.log_path)  # kept only where the instance died unasked (the actor exits first)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from prometheus_client import Counter
+from prometheus_client import Counter, disable_created_metrics
+
+disable_created_metrics()  # as the instances' /metrics: no *_created series beside the counter
 
 PLACEMENTS = Counter(
     "mmserve_ray_placements",

@@ -1,0 +1,416 @@
+"""Request routers on ``mmserve ray serve`` (tiny LLaVA, real processes, two replicas each): the
+media-affinity router vs Ray Serve's default (power of two choices) vs Ray Serve LLM's
+PrefixCacheAffinityRouter, under the same load, one fresh deployment per router, one after another
+(each stopped before the next starts).
+
+    python bench/bench_ray.py [--model models/tiny-llava] [--users 32] [--turns 6]
+        [--routers media default prefix] [--chart docs/img/ray_routers.png]
+
+Load: ``--users`` conversations at once (user i starts ``i * STAGGER_S`` after the first), each
+``--turns`` streamed chat completions of ``MAX_TOKENS`` tokens at temperature 0 (``ignore_eos``: every
+answer the same length). Every turn resends the whole conversation (its earlier user messages with their
+images and the answers), and some turns add a new 1024x1024 JPEG of the user's own: which ones is chosen
+(``new_image_turns``) so that, of all image parts sent over the run, the share naming an image sent
+before is as near ``REPEAT_SHARE`` (80 %) as the turn count allows. With 6 turns: new images at turns 1
+and 3, so the turns send 1, 1, 2, 2, 2, 2 images: 10 references to 2 images, exactly 80 % repeats. Each
+user's text starts with a tag of its own, so conversations share no text prefix. The same images serve
+every router; each deployment first answers ``WARMUP_REQUESTS`` requests on other images, not counted.
+
+Per router: requests/s (requests / wall time of the load), TTFT p50 (to the first content delta), and from
+each replica's own instance (its URL in the ingress's ``GET /replicas``) the deltas over the load of
+``mmserve_encoder_runs_total`` and ``mmserve_mm_processor_seconds_count`` (processor runs: processor-cache
+misses), summed over the replicas, beside the number of distinct images; the media router's placements
+(``mmserve_ray_placements_total`` on the ingress's ``/metrics``); requests per replica (the
+``x-mmserve-replica`` header) and how many follow-up turns went to the replica of the previous turn; the
+start time (launch to the ``mmserve: serving model`` line) and each replica's RSS after the load (its
+instance's process and all its descendants, from /proc). Replicas run ``--mm-preprocess-processes 0``
+and reserve ``REPLICA_CPUS`` CPUs each. Draws ``--chart``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import tempfile
+import time
+from collections import Counter
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from datetime import date
+from itertools import combinations
+from pathlib import Path
+from typing import Any
+
+import httpx
+from bench_input_scale import machine
+from bench_throughput import REPO, Proc, free_port, git
+from charts import Panel, draw
+from images import jpeg_data_url
+
+ROUTERS = ("media", "default", "prefix")
+NUM_REPLICAS = 2
+REPLICA_CPUS = 0.5
+MAX_TOKENS = 16
+REPEAT_SHARE = 0.8  # of all image parts sent, those naming an image sent before
+MAX_IMAGES = 4  # images in one request at most (576 tokens each on the tiny LLaVA, 4096 positions)
+STAGGER_S = 0.1
+WARMUP_REQUESTS = 4  # per deployment, each with a new image of its own, not counted
+READY_LINE = "mmserve: serving model"
+START_TIMEOUT_S = 600.0
+PLACEMENTS = ("affinity", "fallback", "new")
+REPLICA_HEADER = "x-mmserve-replica"
+SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+PLACEMENTS_TOTAL = "mmserve_ray_placements_total{"  # not its _created series (the ingress has them)
+PLACEMENT_LABEL = re.compile(r'placement="(\w+)"')
+
+
+def new_image_turns(turns: int) -> tuple[int, ...]:
+    """The turns (0-based; always turn 0) that add a new image, so that the share of repeats among the
+    image parts sent, each turn resending every image so far, is nearest ``REPEAT_SHARE``; fewest images
+    among equals."""
+    best: tuple[tuple[float, int], tuple[int, ...]] | None = None
+    for count in range(1, min(turns, MAX_IMAGES) + 1):
+        for rest in combinations(range(1, turns), count - 1):
+            starts = (0, *rest)
+            refs = sum(turns - t for t in starts)
+            key = (abs(1 - count / refs - REPEAT_SHARE), count)
+            if best is None or key < best[0]:
+                best = (key, starts)
+    assert best is not None
+    return best[1]
+
+
+@dataclass
+class Result:
+    router: str
+    start_s: float = 0.0
+    wall_s: float = 0.0
+    requests: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    encoder_runs: float = 0.0
+    processor_misses: float = 0.0
+    placements: dict[str, float] = field(default_factory=dict)
+    by_replica: Counter[str] = field(default_factory=Counter)
+    same_replica: int = 0  # follow-up turns answered by the replica of the user's previous turn
+    follow_ups: int = 0
+    rss_mib: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.wall_s
+
+    @property
+    def ttft_p50_ms(self) -> float:
+        return 1e3 * statistics.median(self.ttft_s)
+
+
+async def stream_turn(client: httpx.AsyncClient, url: str, body: bytes) -> tuple[float, str, str]:
+    """(TTFT s, the answer's text, the replica that answered) of one streamed chat completion."""
+    start, ttft, parts = time.perf_counter(), None, []
+    async with client.stream("POST", url, content=body, headers={"Content-Type": "application/json"}) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"request failed: {resp.status_code} {(await resp.aread())[:300]!r}")
+        replica = resp.headers.get(REPLICA_HEADER, "?")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"request failed mid-stream: {chunk['error']}")
+            for choice in chunk.get("choices", []):
+                content = choice.get("delta", {}).get("content")
+                if content:
+                    ttft = time.perf_counter() - start if ttft is None else ttft
+                    parts.append(content)
+    return ttft if ttft is not None else time.perf_counter() - start, "".join(parts), replica
+
+
+def user_message(tag: str, turn: int, image: str | None) -> dict[str, Any]:
+    text = f"{tag}, turn {turn + 1}: " + (
+        "here is a new picture. What does it show?" if image else "look again: what else do you see?"
+    )
+    content: list[dict[str, Any]] = [{"type": "text", "text": text}]
+    if image is not None:
+        content.insert(0, {"type": "image_url", "image_url": {"url": image}})
+    return {"role": "user", "content": content}
+
+
+async def conversation(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    user: int,
+    images: dict[int, str],
+    turns: int,
+    delay_s: float,
+) -> list[tuple[float, str]]:
+    """One user's turns, the first after ``delay_s``: ``images`` maps a turn to the new image it adds.
+    (TTFT s, replica) of each turn."""
+    await asyncio.sleep(delay_s)
+    tag = f"{random.Random(user).getrandbits(32):08x}"  # no text prefix shared with another user
+    messages: list[dict[str, Any]] = []
+    figures = []
+    for turn in range(turns):
+        messages.append(user_message(tag, turn, images.get(turn)))
+        body = json.dumps({"model": model, "messages": messages, **SAMPLING}).encode()
+        ttft_s, answer, replica = await stream_turn(client, url, body)
+        messages.append({"role": "assistant", "content": answer})
+        figures.append((ttft_s, replica))
+    return figures
+
+
+def run_load(
+    base_url: str, model: str, images: list[dict[int, str]], turns: int, first_user: int = 0
+) -> tuple[float, list[list[tuple[float, str]]]]:
+    """Every user at once (user i starting ``i * STAGGER_S`` after the first), numbered from
+    ``first_user`` (which picks their text): (wall s, each user's turns)."""
+
+    async def everyone() -> tuple[float, list[list[tuple[float, str]]]]:
+        limits = httpx.Limits(max_connections=len(images), max_keepalive_connections=len(images))
+        async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+            url = f"{base_url}/v1/chat/completions"
+            start = time.perf_counter()
+            runs = await asyncio.gather(
+                *(
+                    conversation(client, url, model, first_user + i, own, turns, i * STAGGER_S)
+                    for i, own in enumerate(images)
+                )
+            )
+            return time.perf_counter() - start, runs
+
+    return asyncio.run(everyone())
+
+
+def scrape(url: str) -> dict[str, float]:
+    """``/metrics`` as {name: value summed over label sets} (histogram buckets skipped), and
+    ``placement:<label>`` for the media router's placements by label."""
+    totals: Counter[str] = Counter()
+    for line in httpx.get(f"{url}/metrics", timeout=30.0).text.splitlines():
+        if not line.startswith("mmserve_") or "_bucket{" in line:
+            continue
+        sample, _, value = line.rpartition(" ")
+        totals[sample.partition("{")[0]] += float(value)
+        if sample.startswith(PLACEMENTS_TOTAL) and (placement := PLACEMENT_LABEL.search(sample)):
+            totals[f"placement:{placement[1]}"] += float(value)
+    return dict(totals)
+
+
+def listed_replicas(base_url: str, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """The ingress's ``/replicas`` once every replica has reported its instance (every few seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            listed = httpx.get(f"{base_url}/replicas", timeout=10.0).json()["replicas"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            listed = []
+        if len(listed) == NUM_REPLICAS and all(entry.get("url") and entry.get("pid") for entry in listed):
+            return listed
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{base_url}/replicas lists {listed} after {timeout_s} s")
+        time.sleep(0.5)
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+def tree_rss_mib(root: int) -> float:
+    """VmRSS of ``root`` and all its descendants (summed: pages they share count in each)."""
+    parents = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parents[int(entry.name)] = _parent(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    tree, grown = {root}, True
+    while grown:
+        more = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grown = bool(more)
+    total_kib = 0
+    for pid in tree:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        total_kib += next(
+            (int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0
+        )
+    return total_kib / 1024
+
+
+def start(args: argparse.Namespace, router: str, port: int, log_path: Path) -> tuple[Proc, float]:
+    """``mmserve ray serve`` with ``router``; (its process, seconds from launch to the ready line)."""
+    flags = [
+        "ray", "serve", "--model", str(args.model), "--host", "127.0.0.1", "--port", str(port),
+        "--replicas", str(NUM_REPLICAS), "--replica-cpus", str(REPLICA_CPUS), "--router", router,
+        "--mm-preprocess-processes", "0",
+    ]  # fmt: skip
+    launched = time.perf_counter()
+    proc = Proc(flags, REPO, log_path)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while READY_LINE not in log_path.read_text(errors="replace"):
+            if proc.popen.poll() is not None or time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"mmserve ray serve --router {router} did not start:\n{tail}")
+            time.sleep(0.2)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc, time.perf_counter() - launched
+
+
+def stop(proc: Proc, instance_pids: list[int]) -> None:
+    """Stops the deployment (SIGINT to its group), then waits for the replicas' instances (in sessions of
+    their own) to go; one still there after 30 s is killed with its group."""
+    proc.stop()
+    deadline = time.monotonic() + 30.0
+    for pid in instance_pids:
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        try:
+            if b"mmserve" in Path(f"/proc/{pid}/cmdline").read_bytes():  # not a new process on its pid
+                print(f"    replica instance {pid} outlived its deployment: killed", flush=True)
+                os.killpg(pid, signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+
+
+def bench_router(args: argparse.Namespace, router: str, images: list[dict[int, str]], folder: Path) -> Result:
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    print(f"[{router}] mmserve ray serve --router {router} --port {port}", flush=True)
+    result = Result(router)
+    instance_pids: list[int] = []
+    with ExitStack() as stack:
+        proc, result.start_s = start(args, router, port, folder / f"{router}.log")
+        stack.callback(lambda: stop(proc, instance_pids))
+        print(f"    ready in {result.start_s:.1f} s", flush=True)
+        seeds = iter(range(90_000, 10**6))
+        warmup = [{0: jpeg_data_url(1024, next(seeds))} for _ in range(WARMUP_REQUESTS)]
+        run_load(base_url, args.model.name, warmup, 1, first_user=10**6)  # text of its own too
+        listed = listed_replicas(base_url)
+        instance_pids[:] = [int(entry["pid"]) for entry in listed]
+        before = {entry["url"]: scrape(entry["url"]) for entry in listed}
+        ingress_before = scrape(base_url)
+        result.wall_s, runs = run_load(base_url, args.model.name, images, args.turns)
+        after = {url: scrape(url) for url in before}
+        ingress_after = scrape(base_url)
+
+        def delta(name: str) -> float:
+            return sum(after[url].get(name, 0.0) - before[url].get(name, 0.0) for url in before)
+
+        result.encoder_runs = delta("mmserve_encoder_runs_total")
+        result.processor_misses = delta("mmserve_mm_processor_seconds_count")
+        result.placements = {
+            p: ingress_after.get(f"placement:{p}", 0.0) - ingress_before.get(f"placement:{p}", 0.0)
+            for p in PLACEMENTS
+        }
+        for turns in runs:
+            result.ttft_s += [ttft for ttft, _ in turns]
+            result.by_replica.update(replica for _, replica in turns)
+            result.follow_ups += len(turns) - 1
+            result.same_replica += sum(a[1] == b[1] for a, b in zip(turns, turns[1:], strict=False))
+        result.requests = sum(len(turns) for turns in runs)
+        result.rss_mib = {str(entry["replica"]): tree_rss_mib(int(entry["pid"])) for entry in listed}
+    print(
+        f"    {result.rps:.2f} req/s, TTFT p50 {result.ttft_p50_ms:.0f} ms, encoder runs "
+        f"{result.encoder_runs:.0f}, processor misses {result.processor_misses:.0f}",
+        flush=True,
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, default=REPO / "models/tiny-llava")
+    parser.add_argument("--users", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
+    parser.add_argument("--chart", type=Path, default=REPO / "docs/img/ray_routers.png")
+    args = parser.parse_args()
+    args.model = args.model.resolve()
+    folder = Path(tempfile.mkdtemp(prefix="mmserve-bench-ray-"))
+    starts = new_image_turns(args.turns)
+    seeds = iter(range(10**6))
+    images = [{turn: jpeg_data_url(1024, next(seeds)) for turn in starts} for _ in range(args.users)]
+    refs = args.users * sum(args.turns - t for t in starts)
+    distinct = args.users * len(starts)
+    print(
+        f"{args.users} users x {args.turns} turns; new images at turns {[t + 1 for t in starts]}: "
+        f"{refs} image references to {distinct} images, {100 * (1 - distinct / refs):.0f} % repeats",
+        flush=True,
+    )
+    results = {router: bench_router(args, router, images, folder) for router in args.routers}
+
+    revision = git("rev-parse", "--short", "HEAD").strip()
+    print(f"\n{machine()}, revision {revision}, {date.today()}")
+    print(f"\n{args.users} users at once, {args.turns} turns each (history resent), {MAX_TOKENS} tokens a "
+          f"turn, {NUM_REPLICAS} replicas of {REPLICA_CPUS} CPU; {distinct} distinct images, "
+          f"{100 * (1 - distinct / refs):.0f} % of {refs} image references repeats:")  # fmt: skip
+    columns = [
+        "router", "req/s", "TTFT p50", "encoder runs", "processor misses", "encoder runs / image",
+        "placements (affinity/fallback/new)", "requests per replica", "follow-ups on the same replica",
+    ]  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for router, r in results.items():
+        placed = "/".join(f"{r.placements[p]:.0f}" for p in PLACEMENTS) if router == "media" else "-"
+        split = " / ".join(str(n) for _, n in sorted(r.by_replica.items()))
+        print(
+            f"| {router} | {r.rps:.2f} | {r.ttft_p50_ms:.0f} ms | {r.encoder_runs:.0f} | "
+            f"{r.processor_misses:.0f} | {r.encoder_runs / distinct:.2f} | {placed} | {split} | "
+            f"{100 * r.same_replica / max(r.follow_ups, 1):.0f} % |"
+        )
+    print("\n| router | start (launch to ready) | RSS per replica (instance process tree) |")
+    print("|---|---|---|")
+    for router, r in results.items():
+        rss = ", ".join(f"{mib:.0f} MiB" for _, mib in sorted(r.rss_mib.items()))
+        print(f"| {router} | {r.start_s:.1f} s | {rss} |")
+    print()
+    if "media" in results:
+        media = results["media"]
+        for peer in ("default", "prefix"):
+            if peer in results:
+                ratio = media.rps / results[peer].rps
+                target = " (target >= 1.5x)" if peer == "default" else ""
+                print(f"req/s, media / {peer}: {ratio:.2f}x{target}")
+        print(f"encoder runs / distinct images, media: {media.encoder_runs / distinct:.2f} (target <= 1.1)")
+    draw(
+        args.chart,
+        f"Ray Serve routers, {NUM_REPLICAS} replicas: {args.users} users x {args.turns} turns, "
+        f"{100 * (1 - distinct / refs):.0f} % repeated 1024x1024 images, {args.model.name}",
+        [
+            Panel(
+                "Requests per second", "req/s", {r: {"req/s": x.rps} for r, x in results.items()}, "{:.2f}"
+            ),
+            Panel("TTFT p50", "ms", {r: {"TTFT p50": x.ttft_p50_ms} for r, x in results.items()}),
+            Panel(
+                "Encoder runs vs distinct images",
+                "images",
+                {
+                    r: {
+                        "encoder runs": x.encoder_runs,
+                        "processor misses": x.processor_misses,
+                        "distinct images": distinct,
+                    }
+                    for r, x in results.items()
+                },
+            ),
+        ],
+        f"bench/bench_ray.py · {date.today()} · revision {revision} · {machine()}",
+    )
+    print(f"\nlogs: {folder}")
+
+
+if __name__ == "__main__":
+    main()
