@@ -45,8 +45,8 @@ def add_ray_parser(sub: Any, add_settings_flags: Any) -> None:
     serve.add_argument(
         "--imbalance-threshold",
         type=int,
-        default=4,
-        help="Queue length by which the replica holding the media may exceed the least loaded (default: 4).",
+        default=16,
+        help="Queue length by which the replica holding the media may exceed the least loaded (default: 16).",
     )
     serve.add_argument(
         "--replica-cpus", type=float, default=1.0, help="CPUs each replica reserves (default: 1)."

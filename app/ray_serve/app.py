@@ -38,7 +38,7 @@ class RayAppArgs(BaseModel):
         description="media: media affinity; default: Ray's power of two; prefix: Ray's prefix router.",
     )
     imbalance_threshold: int = Field(
-        4,
+        16,
         ge=0,
         description="Queue length by which the replica holding the media may exceed the least loaded.",
     )

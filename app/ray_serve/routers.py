@@ -66,11 +66,11 @@ def request_of(pending_request: PendingRequest | None) -> ReplicaRequest | None:
 
 class MediaAffinityRouter(ListedReplicas, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
-        """``imbalance_threshold`` (4): how many more requests the preferred replica may have queued than
+        """``imbalance_threshold`` (16): how many more requests the preferred replica may have queued than
         the least loaded one before a request goes to the least loaded instead; ``max_placements``
         (65536): the placements remembered."""
         self._table = AffinityTable(int(kwargs.get("max_placements", 65536)))
-        self._imbalance_threshold = int(kwargs.get("imbalance_threshold", 4))
+        self._imbalance_threshold = int(kwargs.get("imbalance_threshold", 16))
         self._reports: dict[ReplicaID, object] = {}  # the report each replica's keys were taken from
         self._open: OrderedDict[str, tuple[tuple[str, ...], Choice]] = OrderedDict()
 
