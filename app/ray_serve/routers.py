@@ -122,8 +122,8 @@ class MediaAffinityRouter(ListedReplicas, RequestRouter):
     def _read_reports(self, replicas: list[RunningReplica]) -> None:
         """Each replica's latest report, taken in when it is new (a report is a new dict each time)."""
         for replica in replicas:
-            stats = replica.routing_stats or {}
-            if self._reports.get(replica.replica_id) is not stats:
+            stats = replica.routing_stats  # None or {} until the replica's first report
+            if stats and self._reports.get(replica.replica_id) is not stats:
                 self._reports[replica.replica_id] = stats
                 self._table.report(replica.replica_id, stats.get("media_keys", ()))
 
