@@ -3,9 +3,12 @@ workers (``--dist loadgroup``)."""
 
 from __future__ import annotations
 
+import functools
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx._transports.default as httpx_transports
 import pytest
 from hypothesis import HealthCheck, settings
 
@@ -15,6 +18,28 @@ from workers.families.tiny import build_tiny_model
 # deadline and no "too slow" health check in any property test (a test's own @settings still wins).
 settings.register_profile("shared-cpu", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("shared-cpu")
+
+# Every httpx client (each httpx.get and httpx.post, each openai SDK client) builds httpx's default TLS
+# context anew, about 40 ms of CPU for a request that takes a few on loopback, in a suite that keeps both
+# cores busy. The tests speak plain HTTP on loopback: clients that ask for the default share one context
+# (a client given its own ``verify`` or ``cert`` still gets its own).
+_new_tls_context = httpx_transports.create_ssl_context
+
+
+@functools.cache
+def _default_tls_context(trust_env: bool) -> ssl.SSLContext:
+    return _new_tls_context(verify=True, cert=None, trust_env=trust_env)
+
+
+def _shared_tls_context(
+    verify: ssl.SSLContext | str | bool = True, cert: object = None, trust_env: bool = True
+) -> ssl.SSLContext:
+    if verify is True and cert is None:
+        return _default_tls_context(trust_env)
+    return _new_tls_context(verify=verify, cert=cert, trust_env=trust_env)  # type: ignore[arg-type]
+
+
+httpx_transports.create_ssl_context = _shared_tls_context
 
 # The session's shared servers (tests/e2e/conftest.py). Every test that uses a fixture of one of these
 # names (a module's own ``server`` too) runs in one xdist worker, in collection order, so each shared

@@ -107,17 +107,18 @@ class MmserveReplica:
     def _wait_until_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         assert self._instance is not None
-        while time.monotonic() < deadline:
-            if self._instance.poll() is not None:
-                raise RuntimeError(
-                    f"mmserve exited ({self._instance.returncode}) at start: {self._log_tail()}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+        with httpx.Client(timeout=2.0, trust_env=False) as client:  # one TLS context, not one per poll
+            while time.monotonic() < deadline:
+                if self._instance.poll() is not None:
+                    raise RuntimeError(
+                        f"mmserve exited ({self._instance.returncode}) at start: {self._log_tail()}"
+                    )
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.25)
         raise RuntimeError(f"mmserve did not become healthy in {timeout_s:g}s: {self._log_tail()}")
 
     def _log_tail(self, num_bytes: int = 2000) -> str:
