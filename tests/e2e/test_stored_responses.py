@@ -17,7 +17,7 @@ import pytest
 
 from tests.e2e.conftest import data_url, make_image
 from tests.e2e.metrics import delta
-from tests.e2e.server import API_PROCESS_HEADER, Server, api_process, serving
+from tests.e2e.server import API_PROCESS_HEADER, Server, api_process, serving, wait_api_processes
 
 pytestmark = pytest.mark.slow
 
@@ -31,6 +31,9 @@ def store_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     flags = ["--api-key", KEYS[0], "--api-key", KEYS[1], "--api-server-count", "2"]
     flags += ["--mm-preprocess-processes", "0", "--responses-store-entries", str(MAX_RESPONSES)]
     with serving(tiny_model_dir, tmp_path_factory.mktemp("response-store"), *flags) as srv:
+        # the first healthy answer speaks for one process: the other may not listen yet, and until it
+        # does every new connection goes to the first
+        wait_api_processes(srv, 2)
         yield srv
 
 
