@@ -41,25 +41,17 @@ def _shared_tls_context(
 
 httpx_transports.create_ssl_context = _shared_tls_context
 
-# The session's shared servers (tests/e2e/conftest.py). Every test that uses one of these session
-# fixtures runs in one xdist worker, in collection order, so each shared server starts once per run and
-# one worker holds them all, as a run without xdist does (about 18 GiB at the end). Every other module is
-# a group of its own, run whole by whichever worker is free; a module whose own module-scoped fixture is
-# named ``server`` (tests/e2e/test_process_faults.py, test_api_scale_out.py) shares nothing, so it is one
-# of those. The shared-server worker is the run's longest: what moves out of it shortens the run, but
-# the other worker's last groups (xdist runs those with the most tests first, so the heavy e2e modules of
-# a few tests come last) then overlap that worker's peak.
+# The session's shared servers (tests/e2e/conftest.py). Every test that uses a fixture of one of these
+# names (a module's own ``server`` too) runs in one xdist worker, in collection order, so each shared
+# server starts once per run and one worker holds them all, as a run without xdist does (about 18 GiB at
+# the end). Every other module is a group of its own, run whole by whichever worker is free. Moving more
+# work out of the shared-server group would let the other worker's last groups (xdist runs those with
+# the most tests first, so the heavy e2e modules of a few tests come last) overlap that peak. It would
+# shorten the run little: both cores are busy until that worker's last three minutes, so work moved out of
+# it mostly slows the rest of it (taking out the two modules whose own fixture is named ``server``,
+# two minutes of tests, left the run's length as it was and overlapped compose-epd's start with theirs).
 SESSION_SERVERS = frozenset({"server", "uncached_server", "narrow_server", "guarded_server", "family_server"})
 SESSION_GROUP = "session-servers"
-
-
-def _uses_session_server(item: pytest.Item) -> bool:
-    fixture_defs = getattr(item, "_fixtureinfo").name2fixturedefs  # noqa: B009 (pytest's, no public name)
-    return any(
-        fixture_defs[name][-1].scope == "session"  # the definition the test gets: a module's own wins
-        for name in SESSION_SERVERS & set(getattr(item, "fixturenames", ()))
-        if name in fixture_defs
-    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group
@@ -67,7 +59,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
-        group = SESSION_GROUP if _uses_session_server(item) else item.nodeid.split("::")[0]
+        uses_session_server = SESSION_SERVERS & set(getattr(item, "fixturenames", ()))
+        group = SESSION_GROUP if uses_session_server else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
 
 

@@ -104,11 +104,17 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], log: Path) -> None:
     raise TimeoutError(f"nothing listens on {port}: {log.read_text(errors='replace')[-2000:]}")
 
 
-def ask(server: Server, body: dict[str, Any]) -> str:
+def ask(server: Server, body: dict[str, Any], *, store_down: bool = False) -> str:
+    """The answer's text. With the store down, an answer must not take a minute: the store's calls fail
+    within seconds (``rpc_timeout_ms``, ``transfer_timeout_s``), so a minute means one waited on it. The
+    first answers, with the store up, carry the instances' first use (each one's preprocessing process
+    may still be loading: a minute of imports once, on a machine the other xdist worker kept busy),
+    so they get no such bound."""
     started = time.monotonic()
-    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    resp = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=300)
     assert resp.status_code == 200, resp.text
-    assert time.monotonic() - started < 60, "an answer took a minute: something waited on the store"
+    if store_down:
+        assert time.monotonic() - started < 60, "an answer took a minute: something waited on the store"
     return resp.json()["choices"][0]["message"]["content"]
 
 
@@ -127,7 +133,7 @@ def test_compose_epd_topology_and_a_dead_store(epd: dict[str, Any], server: Serv
     lm_before, enc_before = lm.metrics(), encoder.metrics()
     for seed in (902, 903):
         body = greedy_body([user_message("And without the store?", make_image(seed))], max_tokens=8)
-        assert ask(proxy, body) == ask(server, body)
+        assert ask(proxy, body, store_down=True) == ask(server, body)
     lm_after, enc_after = lm.metrics(), encoder.metrics()
     assert delta(enc_before, enc_after, "mmserve_ec_save_failures_total") == 2
     failures = delta(lm_before, lm_after, "mmserve_ec_lookup_errors_total") + delta(
