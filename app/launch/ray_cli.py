@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from app.ray_serve.affinity import IMBALANCE_THRESHOLD  # no Ray: the CLI stays importable without it
 from app.settings import Settings
 
 APP_NAME = "mmserve"
@@ -45,8 +46,9 @@ def add_ray_parser(sub: Any, add_settings_flags: Any) -> None:
     serve.add_argument(
         "--imbalance-threshold",
         type=int,
-        default=16,
-        help="Queue length by which the replica holding the media may exceed the least loaded (default: 16).",
+        default=IMBALANCE_THRESHOLD,
+        help="Queue length by which the replica holding the media may exceed the least loaded "
+        f"(default: {IMBALANCE_THRESHOLD}).",
     )
     serve.add_argument(
         "--replica-cpus", type=float, default=1.0, help="CPUs each replica reserves (default: 1)."

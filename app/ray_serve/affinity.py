@@ -10,6 +10,11 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+# How many more requests the replica holding a request's media may have queued than the least loaded
+# before the request goes to the least loaded (at 4, a fallback re-encoded and re-prefilled a whole
+# history often enough to cost more than it balanced: docs/benchmarks.md, "Replicas on Ray")
+IMBALANCE_THRESHOLD = 16
+
 
 class Placement(StrEnum):
     """How a request was placed, the label of ``mmserve_ray_placements_total``."""

@@ -16,6 +16,7 @@ from pydantic_settings import NoDecode
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from app.ray_serve.affinity import IMBALANCE_THRESHOLD
 from app.ray_serve.ingress import IngressOptions, build_ingress
 from app.ray_serve.replica import MmserveReplica
 from app.ray_serve.routers import ROUTERS
@@ -38,7 +39,7 @@ class RayAppArgs(BaseModel):
         description="media: media affinity; default: Ray's power of two; prefix: Ray's prefix router.",
     )
     imbalance_threshold: int = Field(
-        16,
+        IMBALANCE_THRESHOLD,
         ge=0,
         description="Queue length by which the replica holding the media may exceed the least loaded.",
     )

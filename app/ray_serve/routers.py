@@ -30,7 +30,7 @@ from ray.serve.request_router import (
 )
 
 from app.ray_serve import router_state
-from app.ray_serve.affinity import AffinityTable, Choice
+from app.ray_serve.affinity import IMBALANCE_THRESHOLD, AffinityTable, Choice
 from app.ray_serve.messages import ReplicaRequest
 
 MAX_OPEN_CHOICES = 10_000  # choices of requests not routed yet (a cancelled one never is)
@@ -66,11 +66,11 @@ def request_of(pending_request: PendingRequest | None) -> ReplicaRequest | None:
 
 class MediaAffinityRouter(ListedReplicas, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
-        """``imbalance_threshold`` (16): how many more requests the preferred replica may have queued than
-        the least loaded one before a request goes to the least loaded instead; ``max_placements``
-        (65536): the placements remembered."""
+        """``imbalance_threshold`` (``IMBALANCE_THRESHOLD``): how many more requests the preferred
+        replica may have queued than the least loaded one before a request goes to the least loaded
+        instead; ``max_placements`` (65536): the placements remembered."""
         self._table = AffinityTable(int(kwargs.get("max_placements", 65536)))
-        self._imbalance_threshold = int(kwargs.get("imbalance_threshold", 16))
+        self._imbalance_threshold = int(kwargs.get("imbalance_threshold", IMBALANCE_THRESHOLD))
         self._reports: dict[ReplicaID, object] = {}  # the report each replica's keys were taken from
         self._open: OrderedDict[str, tuple[tuple[str, ...], Choice]] = OrderedDict()
 
