@@ -147,6 +147,11 @@ class Settings(BaseSettings):
         description="Worker attention over the paged KV pool: batched (the step's decodes as one padded "
         "batch, its prefill chunks as another) or per-request (one call per request; the reference).",
     )
+    enforce_eager: bool = Field(
+        False,
+        description="On CUDA, run decode steps eagerly instead of replaying them as CUDA graphs (vLLM's "
+        "flag; the answers are the same either way).",
+    )
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV of prompt blocks seen before (images count by mm_hash and position)."
     )

@@ -39,6 +39,7 @@ class WorkerConfig:
     kv_cache_tokens: int | None  # KV pool size; None: a memory fraction on CUDA, a default on CPU
     gpu_memory_utilization: float  # on CUDA without kv_cache_tokens: share of GPU memory to use
     attention_backend: str  # workers.attention.ATTENTION_BACKENDS
+    enforce_eager: bool  # no CUDA graphs for decode steps (workers/decode_graphs.py)
     threads: int | None  # PyTorch's CPU threads; None: the usable cores less one (at least 1)
     shutdown_timeout: float  # SIGTERM: keep serving steps this long, or until WorkerShutdown
     parts: ModelParts  # --encoder-only / --language-model-only

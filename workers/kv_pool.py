@@ -38,17 +38,23 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        spare_blocks: int = 0,
     ):
+        """``spare_blocks`` more blocks follow the ``num_blocks`` the engine hands out: rows of a padded
+        fixed-shape step write there (``workers.decode_graphs``), never over a request's K/V."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"a KV pool needs at least one block of one token, got {num_blocks}x{block_size}"
             )
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.spare_block = num_blocks  # the first spare block (when there are any)
         # zeros, not empty: every page is committed now, at start, so the worker's memory is what it
         # will be under full load and does not creep up as requests first touch their blocks
         self.kv = torch.zeros(
-            (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim), dtype=dtype, device=device
+            (num_layers, 2, (num_blocks + spare_blocks) * block_size, num_kv_heads, head_dim),
+            dtype=dtype,
+            device=device,
         )
 
     @property
@@ -68,7 +74,7 @@ class KVPool:
     def blocks(self, layer: int, k_or_v: int) -> torch.Tensor:
         """K (0) or V (1) of ``layer`` as one [num_blocks, block_size * num_kv_heads * head_dim] row per
         block: a block table gathers whole blocks."""
-        return self.kv[layer, k_or_v].view(self.num_blocks, -1)
+        return self.kv[layer, k_or_v].view(self.kv.shape[2] // self.block_size, -1)
 
     def rows(self, layer: int, k_or_v: int) -> torch.Tensor:
         """K (0) or V (1) of ``layer`` as one [num_slots, num_kv_heads * head_dim] row per slot: gathers

@@ -38,6 +38,7 @@ from wire.protocol import (
 from wire.shm_ring import ShmRingReader, StaleShmRef
 from workers.attention import attention_backend
 from workers.config import ModelParts
+from workers.decode_graphs import DecodeGraphs
 from workers.ec_connector import ECConnectorWorker
 from workers.encoder_store import EncoderStore
 from workers.families import family_for
@@ -80,10 +81,12 @@ class ModelRunner:
         parts: ModelParts = ModelParts.ALL,
         ec: ECConfig | None = None,
         attention: str = "batched",
+        decode_graphs: bool | None = None,
     ):
         """Load the model's ``parts``, then allocate the KV pool (sized from what the weights left free;
         none without a language model). ``ec``: the encoder-cache connector, if any; ``attention``: the
-        attention backend's name (``workers.attention``)."""
+        attention backend's name (``workers.attention``); ``decode_graphs``: decode-only steps in fixed
+        shapes, replayed as CUDA graphs (``workers.decode_graphs``; default: on CUDA only)."""
         self.device, self.dtype = resolve_device(device)
         self.family = family_for(model_dir)
         self.model = self.family.model(model_dir, self.device, self.dtype, parts)
@@ -106,9 +109,10 @@ class ModelRunner:
             )
         self.block_size = block_size
         self.attention = attention_backend(attention, self.dtype)
-        self.lm_forward: PagedLanguageModel | None = None
+        self.lm_forward: PagedLanguageModel | DecodeGraphs | None = None
         if parts.has_language_model:
-            self._load_language_model(model_dir, kv_cache_tokens, gpu_memory_utilization)
+            graphs = self.device.type == "cuda" if decode_graphs is None else decode_graphs
+            self._load_language_model(model_dir, kv_cache_tokens, gpu_memory_utilization, graphs)
         else:
             logger.info(
                 "loaded the vision tower of %s (%s) on %s (%s)",
@@ -119,7 +123,7 @@ class ModelRunner:
             )
 
     def _load_language_model(
-        self, model_dir: str, kv_cache_tokens: int | None, gpu_memory_utilization: float
+        self, model_dir: str, kv_cache_tokens: int | None, gpu_memory_utilization: float, graphs: bool
     ) -> None:
         block_size = self.block_size
         num_layers, num_kv_heads, head_dim = PagedLanguageModel.kv_shape(self.model.language_model)
@@ -131,13 +135,19 @@ class ModelRunner:
             gpu_memory_utilization=gpu_memory_utilization,
         )
         self.kv_pool = KVPool(
-            num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, self.device
+            num_layers,
+            num_blocks,
+            block_size,
+            num_kv_heads,
+            head_dim,
+            self.dtype,
+            self.device,
+            spare_blocks=1 if graphs else 0,
         )
-        self.lm_forward = PagedLanguageModel(
-            self.model.language_model, self.model.lm_head, self.kv_pool, self.attention
-        )
+        lm = PagedLanguageModel(self.model.language_model, self.model.lm_head, self.kv_pool, self.attention)
+        self.lm_forward = DecodeGraphs(lm, self.embed_tokens.embedding_dim) if graphs else lm
         logger.info(
-            "loaded %s (%s) on %s (%s); KV pool %d blocks x %d tokens (%.1f MiB)",
+            "loaded %s (%s) on %s (%s); KV pool %d blocks x %d tokens (%.1f MiB); decode steps %s",
             model_dir,
             self.family.name,
             self.device,
@@ -145,6 +155,7 @@ class ModelRunner:
             num_blocks,
             block_size,
             self.kv_pool.num_bytes / 2**20,
+            ("as CUDA graphs" if self.device.type == "cuda" else "in fixed shapes") if graphs else "eager",
         )
 
     @property

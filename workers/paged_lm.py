@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from workers.attention import AttentionBackend, SeqSpan
+from workers.attention import AttentionBackend, SeqSpan, StepAttention
 from workers.kv_pool import KVPool
 from workers.paged_attention import PAGED_ATTENTION, register_paged_attention
 
@@ -69,17 +69,29 @@ class PagedLanguageModel:
         float32 logits of the rows ``logits_rows`` ([len(logits_rows), vocab])."""
         device = inputs_embeds.device
         assert inputs_embeds.shape[0] == sum(span.num_new_tokens for span in spans)
-        hidden = inputs_embeds.unsqueeze(0)
-        positions = position_ids.to(device)
-        # 1-D rotary takes [batch, T]; M-RoPE takes [3, batch, T].
-        positions = positions if positions.shape[0] == 1 else positions.unsqueeze(1)
-        position_embeddings = self.lm.rotary_emb(hidden, positions)
         step = self.attention(self.kv_pool, spans, device)
+        hidden = self.decoder(inputs_embeds, position_ids.to(device), step, deepstack)
+        rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
+        return self.lm_head(self.lm.norm(hidden.index_select(0, rows))).float()
+
+    def decoder(
+        self,
+        inputs_embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        step: StepAttention,
+        deepstack: Deepstack | None = None,
+    ) -> torch.Tensor:
+        """The decoder layers over ``inputs_embeds`` ([num_tokens, hidden]) at ``position_ids`` (on the
+        device), attending through ``step``: the last hidden states, [num_tokens, hidden], before the
+        final norm. Device work only (nothing read back, no host tensor): a CUDA graph can capture it."""
+        hidden = inputs_embeds.unsqueeze(0)
+        # 1-D rotary takes [batch, T]; M-RoPE takes [3, batch, T].
+        positions = position_ids if position_ids.shape[0] == 1 else position_ids.unsqueeze(1)
+        position_embeddings = self.lm.rotary_emb(hidden, positions)
         for layer_idx, layer in enumerate(self.layers):
             hidden = layer(
                 hidden, attention_mask=None, position_embeddings=position_embeddings, paged_step=step
             )
             if deepstack is not None:
                 hidden = deepstack.after_layer(layer_idx, hidden)
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
-        return self.lm_head(self.lm.norm(hidden[0].index_select(0, rows))).float()
+        return hidden[0]

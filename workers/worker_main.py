@@ -95,6 +95,7 @@ def run_worker(config: WorkerConfig) -> int:
         kv_cache_tokens=config.kv_cache_tokens,
         gpu_memory_utilization=config.gpu_memory_utilization,
         attention=config.attention_backend,
+        decode_graphs=False if config.enforce_eager else None,
         parts=config.parts,
         ec=config.ec,
     )

@@ -84,6 +84,7 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("gpu_memory_utilization", "worker"),
         ("worker_threads", "worker"),
         ("attention_backend", "worker"),
+        ("enforce_eager", "worker"),
     )),
     ("Security and request limits", (
         ("api_key", "api"),

@@ -69,6 +69,7 @@ def worker_config(settings: Settings) -> WorkerConfig:
         kv_cache_tokens=settings.kv_cache_tokens,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         attention_backend=settings.attention_backend,
+        enforce_eager=settings.enforce_eager,
         threads=settings.worker_threads,
         shutdown_timeout=settings.shutdown_timeout,
         parts=parts,

@@ -5,7 +5,8 @@
    benchmark's checkpoint beside it: the tier hardly loads the GPU)
 3. ``checkpoint``: bench/gpu/checkpoint.py, the Qwen2.5-VL-7B-shaped checkpoint -> checkpoint.log
 4. ``bench``: bench/gpu/bench_gpu.py -> bench.log, gpu_bench.json, serve.log
-5. ``profile``: bench/gpu/profile_decode.py, decode at batch 64 under the torch profiler -> profile.txt
+5. ``profile``: bench/gpu/profile_decode.py, decode steps with and without CUDA graphs, the largest batch
+   under the torch profiler -> profile.txt
    (its output in bench.log)
 
 Each step has a time limit, cut to what is left of ``--budget-s``, so a step that hangs cannot take the
@@ -146,8 +147,8 @@ def main() -> None:
     if built and "bench" not in skip:
         steps.run("bench", script("bench_gpu", *(["--dry"] if args.dry else [])), "bench.log", limit_s=200)
     if built and "profile" not in skip:
-        toy = ["--batch", "3", "--prompt-tokens", "64", "--steps", "2"] if args.dry else []
-        steps.run("profile", script("profile_decode", *toy), "bench.log", limit_s=90)
+        toy = ["--batches", "1,3", "--prompt-tokens", "40", "--steps", "2"] if args.dry else []
+        steps.run("profile", script("profile_decode", *toy), "bench.log", limit_s=150)
     write_summary(args.out, steps)
 
 
@@ -175,7 +176,7 @@ def write_summary(out: Path, steps: Steps) -> None:
         lines += ["", "## bench", "", *tail]
     profile = out / "profile.txt"
     if profile.exists():
-        lines += ["", "## profile", "", *profile.read_text().splitlines()[:3]]
+        lines += ["", "## profile", "", *profile.read_text().splitlines()[:14]]
     bench = out / "gpu_bench.json"
     if bench.exists():
         lines += ["", f"gpu_bench.json: {len(json.loads(bench.read_text()))} sections"]

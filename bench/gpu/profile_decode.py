@@ -1,13 +1,15 @@
 """Where a decode step's time goes: the worker's ``ModelRunner`` in this process (no API, engine or IPC),
-``--batch`` text requests of ``--prompt-tokens`` each prefilled, then ``--steps`` decode steps under the
-torch profiler.
+``--batches`` of text requests of ``--prompt-tokens`` each prefilled, then decode steps timed with the
+decode CUDA graphs (workers/decode_graphs.py) and without them (eager), and the largest batch's graph
+steps under the torch profiler.
 
-    python bench/gpu/profile_decode.py --model DIR --out DIR [--device cuda] [--batch 64]
+    python bench/gpu/profile_decode.py --model DIR --out DIR [--device cuda] [--batches 1,16,64]
 
-Writes ``profile.txt``: the wall time per step (host clock around ``execute``, synchronised), the GPU's
-busy time per step (the sum of its kernels), and the top operators by GPU time and by CPU time. A step
-whose wall time is far above its kernels' sum is bound by the host (Python, launches); one whose kernels
-add up to it is bound by them, and the table says which.
+Writes ``profile.txt``: per batch and mode, the worker's step time (its ``forward_seconds``, as served
+steps report it), the language model's part of it (synchronised before and after) and the rest (the
+host's step preparation and sampling); then, for the graph steps, the GPU's busy time per step (the sum of
+its kernels) and the top operators by GPU and by CPU time. A step whose time is far above its kernels'
+sum is bound by the host; one whose kernels add up to it is bound by them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -26,6 +29,7 @@ if str(REPO) not in sys.path:
 
 from tests.integration.fake_engine import FakeEngine, Prompt  # noqa: E402
 from wire.protocol import SamplingParams  # noqa: E402
+from workers.decode_graphs import DecodeGraphs  # noqa: E402
 from workers.model_runner import ModelRunner  # noqa: E402
 
 
@@ -36,62 +40,98 @@ def main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--prompt-tokens", type=int, default=280)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
     cuda = args.device.startswith("cuda")
-    kv_tokens = args.batch * (args.prompt_tokens + 2 * args.steps + 64)
-    runner = ModelRunner(str(args.model), args.device, kv_cache_tokens=kv_tokens)
-    engine = FakeEngine(runner, chunk_tokens=args.prompt_tokens)
-    gen = torch.Generator().manual_seed(0)
-    for i in range(args.batch):
-        ids = torch.randint(10, 2000, (args.prompt_tokens,), generator=gen).tolist()
-        sampling = SamplingParams(max_tokens=2 * args.steps + 8, temperature=0.0)
-        engine.add(f"r{i}", Prompt(ids, [], [], [], torch.empty(0)), sampling)
-    engine.step()  # every prompt in one step
-    for _ in range(args.steps):  # warm-up decode steps
-        engine.step()
+    steps = args.steps
+    max_tokens = 4 * steps + 8
+    kv_tokens = sum(batches) * (args.prompt_tokens + max_tokens + 32)
+    runner = ModelRunner(str(args.model), args.device, kv_cache_tokens=kv_tokens, decode_graphs=True)
+    graphs = runner.lm_forward
+    assert isinstance(graphs, DecodeGraphs)
+    lm_seconds = [0.0]
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    sync()
-    started = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    sync()
-    wall_ms = 1e3 * (time.perf_counter() - started) / args.steps
+    def timed_lm(*call_args: Any, **kwargs: Any) -> torch.Tensor:
+        sync()
+        started = time.perf_counter()
+        logits = graphs(*call_args, **kwargs)
+        sync()
+        lm_seconds[0] += time.perf_counter() - started
+        return logits
+
+    def measure(engine: FakeEngine, phase_split: bool) -> tuple[float, float]:
+        """(worker ms per step, LM ms per step) over ``steps`` decode steps."""
+        lm_seconds[0] = 0.0
+        runner.lm_forward = timed_lm if phase_split else graphs  # type: ignore[assignment]
+        worker = sum(engine.step().forward_seconds for _ in range(steps))
+        runner.lm_forward = graphs
+        return 1e3 * worker / steps, 1e3 * lm_seconds[0] / steps
+
+    lines = [
+        f"decode steps, {args.prompt_tokens}-token prompts, {runner.device} {runner.dtype}",
+        "",
+        "| batch | mode | worker step ms | LM ms (synchronised) | rest ms |",
+        "|---|---|---|---|---|",
+    ]
+    gen = torch.Generator().manual_seed(0)
+    profiled = None
+    for batch in batches:
+        engine = FakeEngine(runner)
+        for i in range(batch):
+            ids = torch.randint(10, 2000, (args.prompt_tokens,), generator=gen).tolist()
+            sampling = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0)
+            engine.add(f"b{batch}-r{i}", Prompt(ids, [], [], [], torch.empty(0)), sampling)
+        engine.step()  # every prompt in one step
+        for _ in range(3):  # warm-up decode steps (their shapes are captured here)
+            engine.step()
+        for mode, enabled in (("graphs", True), ("eager", False)):
+            graphs.enabled = enabled
+            step_ms, _ = measure(engine, phase_split=False)
+            _, lm_ms = measure(engine, phase_split=True)
+            lines.append(f"| {batch} | {mode} | {step_ms:.2f} | {lm_ms:.2f} | {step_ms - lm_ms:.2f} |")
+            print(lines[-1], flush=True)
+        graphs.enabled = True
+        if batch == max(batches):
+            profiled = _profile(engine, steps, cuda)
+        engine.run()
+    lines += ["", f"decode graphs captured: {sorted(graphs.shapes)} (rows, key blocks)", ""]
+    lines += profiled or []
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "profile.txt").write_text("\n".join(lines) + "\n")
+
+
+def _profile(engine: FakeEngine, steps: int, cuda: bool) -> list[str]:
+    """The engine's next ``steps`` steps under the torch profiler: kernel time per step, top operators."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     try:  # every step's events, not only the last cycle's
         profiler = profile(activities=activities, acc_events=True)
     except TypeError:
         profiler = profile(activities=activities)
     with profiler as prof:
-        for _ in range(args.steps):
+        for _ in range(steps):
             engine.step()
-        sync()
+        if cuda:
+            torch.cuda.synchronize()
     events = prof.key_averages()
     # the kernels' rows (no CPU time of their own): an operator's row repeats its kernels' time
     kernels = [e for e in events if e.self_cpu_time_total == 0]
     device_us = sum(getattr(e, "self_device_time_total", 0.0) for e in kernels) if cuda else 0.0
-    lines = [
-        f"decode at batch {args.batch}, {args.prompt_tokens}-token prompts, {runner.device} {runner.dtype}",
-        f"wall per step (host clock, synchronised): {wall_ms:.2f} ms",
-        f"GPU kernels per step (sum): {device_us / 1e3 / args.steps:.2f} ms",
-        "",
-    ]
+    per_step_ms = device_us / 1e3 / steps
+    lines = [f"graph steps under the profiler: GPU kernels per step (sum) {per_step_ms:.2f} ms", ""]
     if cuda:
         try:
-            by_gpu = events.table(sort_by="self_device_time_total", row_limit=25)
+            by_gpu = events.table(sort_by="self_device_time_total", row_limit=20)
         except (KeyError, AttributeError, ValueError):
-            by_gpu = events.table(sort_by="self_cuda_time_total", row_limit=25)
+            by_gpu = events.table(sort_by="self_cuda_time_total", row_limit=20)
         lines += ["by GPU time:", by_gpu, ""]
-    lines += ["by CPU time:", events.table(sort_by="self_cpu_time_total", row_limit=25)]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "profile.txt").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:3]))
+    return lines + ["by CPU time:", events.table(sort_by="self_cpu_time_total", row_limit=20)]
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from wire.protocol import (
     SamplingParams,
 )
 from workers.attention import ATTENTION_BACKENDS
+from workers.decode_graphs import DecodeGraphs
 from workers.model_runner import ModelRunner
 
 NUM_NEW_TOKENS = 32
@@ -185,13 +186,22 @@ def run_mixed_steps(runner: ModelRunner, hf_model: Any, prompts: dict[str, Promp
 def assert_backends_agree(
     model_dir: str, kv_cache_tokens: int, hf_model: Any, prompts: dict[str, Prompt]
 ) -> None:
-    """``run_mixed_steps`` on every attention backend: the same tokens, and every step's logits of every
-    token equal to the reference backend's (per-request) within fp32 rounding."""
+    """``run_mixed_steps`` on every attention backend, and on the default one with decode-only steps in
+    the fixed shapes that CUDA graphs capture (workers/decode_graphs.py: padded rows and key blocks,
+    run without capture on the CPU): the same tokens, and every step's logits of every token equal to
+    the reference backend's (per-request) within fp32 rounding."""
     runs = {}
-    for name in ATTENTION_BACKENDS:
-        runner = ModelRunner(model_dir, device="cpu", kv_cache_tokens=kv_cache_tokens, attention=name)
+    for name, graphs in [*((b, False) for b in ATTENTION_BACKENDS), ("batched", True)]:
+        runner = ModelRunner(
+            model_dir, device="cpu", kv_cache_tokens=kv_cache_tokens, attention=name, decode_graphs=graphs
+        )
+        forward = runner.lm_forward
         logits = record_logits(runner)
-        runs[name] = (run_mixed_steps(runner, hf_model, prompts), logits)
+        label = f"{name} + decode graphs" if graphs else name
+        runs[label] = (run_mixed_steps(runner, hf_model, prompts), logits)
+        if graphs:
+            assert isinstance(forward, DecodeGraphs)
+            assert forward.num_replays > 0, "decode-only steps ran in fixed shapes"
     reference, reference_logits = runs["per-request"]
     for name, (engine, logits) in runs.items():
         assert engine.outputs == reference.outputs, name
