@@ -32,6 +32,7 @@ import torch
 
 from workers.attention import SeqSpan
 from workers.attention.fixed_decode import FixedDecodeAttention
+from workers.attention.triton_decode import triton_available
 from workers.paged_lm import Deepstack, PagedLanguageModel
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class DecodeGraphs:
         self.capture = self.device.type == "cuda"
         self.shapes: dict[tuple[int, int], _Shape] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.triton = triton_available(self.device)  # the paged kernel for attention, while it works
         self.enabled = True
         self.num_replays = 0
 
@@ -126,11 +128,7 @@ class DecodeGraphs:
         self._fill_host(shape, [], torch.zeros(position_rows, 0, dtype=torch.long))
         shape.ints.copy_(shape.host)  # every row padding: warm-up and capture write only the spare block
         if self.capture:
-            try:
-                self._capture(shape)
-            except Exception:
-                logger.exception("capturing a decode CUDA graph failed: decode steps run eagerly from now on")
-                self.enabled = False
+            if not self._try_capture(shape):
                 return None
             logger.info(
                 "captured the decode CUDA graph for %d rows x %d key blocks in %.0f ms",
@@ -140,6 +138,21 @@ class DecodeGraphs:
             )
         self.shapes[(num_rows, num_blocks)] = shape
         return shape
+
+    def _try_capture(self, shape: _Shape) -> bool:
+        """Captures ``shape``; where that fails, again without the Triton kernel, and where that fails
+        too, decode steps run eagerly from then on (logged, never a failed step)."""
+        try:
+            self._capture(shape)
+            return True
+        except Exception:
+            if self.triton:
+                logger.exception("capturing with the Triton decode attention failed: capturing without it")
+                self.triton = False
+                return self._try_capture(shape)
+            logger.exception("capturing a decode CUDA graph failed: decode steps run eagerly from now on")
+            self.enabled = False
+            return False
 
     def _capture(self, shape: _Shape) -> None:
         side = torch.cuda.Stream(self.device)
@@ -162,7 +175,7 @@ class DecodeGraphs:
     def _forward(self, shape: _Shape) -> torch.Tensor:
         """The fixed-shape step: device work only."""
         tables, num_keys, slots, positions = self._views(shape, shape.ints)
-        step = FixedDecodeAttention(self.pool, tables, num_keys, slots, self.dtype)
+        step = FixedDecodeAttention(self.pool, tables, num_keys, slots, self.dtype, self.triton)
         hidden = self.model.decoder(shape.embeds, positions, step)
         return self.model.lm_head(self.model.lm.norm(hidden)).float()
 

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: the worker's ``ModelRunner`` in this process (no API, engine or IPC),
 ``--batches`` of text requests of ``--prompt-tokens`` each prefilled, then decode steps timed with the
-decode CUDA graphs (workers/decode_graphs.py) and without them (eager), and the largest batch's graph
+decode CUDA graphs (workers/decode_graphs.py; with the paged Triton attention, and with gathered blocks
+and PyTorch's attention where Triton is there) and without them (eager), and the largest batch's graph
 steps under the torch profiler.
 
     python bench/gpu/profile_decode.py --model DIR --out DIR [--device cuda] [--batches 1,16,64]
@@ -47,11 +48,12 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     cuda = args.device.startswith("cuda")
     steps = args.steps
-    max_tokens = 4 * steps + 8
+    max_tokens = 8 * steps + 16  # enough for every measured step below
     kv_tokens = sum(batches) * (args.prompt_tokens + max_tokens + 32)
     runner = ModelRunner(str(args.model), args.device, kv_cache_tokens=kv_tokens, decode_graphs=True)
     graphs = runner.lm_forward
     assert isinstance(graphs, DecodeGraphs)
+    has_triton = graphs.triton
     lm_seconds = [0.0]
 
     def sync() -> None:
@@ -91,13 +93,24 @@ def main() -> None:
         engine.step()  # every prompt in one step
         for _ in range(3):  # warm-up decode steps (their shapes are captured here)
             engine.step()
-        for mode, enabled in (("graphs", True), ("eager", False)):
+        modes = [("graphs", True, has_triton), ("eager", False, has_triton)]
+        if has_triton:
+            modes.insert(1, ("graphs, gathered attention", True, False))
+        for mode, enabled, paged_kernel in modes:
             graphs.enabled = enabled
+            if enabled and graphs.triton != paged_kernel:  # capture again, with the other attention
+                graphs.shapes.clear()
+                graphs.triton = paged_kernel
+                engine.step()
             step_ms, _ = measure(engine, phase_split=False)
             _, lm_ms = measure(engine, phase_split=True)
             lines.append(f"| {batch} | {mode} | {step_ms:.2f} | {lm_ms:.2f} | {step_ms - lm_ms:.2f} |")
             print(lines[-1], flush=True)
         graphs.enabled = True
+        if graphs.triton != has_triton:
+            graphs.shapes.clear()
+            graphs.triton = has_triton
+            engine.step()
         if batch == max(batches):
             profiled = _profile(engine, steps, cuda)
         engine.run()

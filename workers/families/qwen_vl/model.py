@@ -6,7 +6,7 @@ levels kept together with the main embeddings as one [num_tokens, levels, hidden
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from transformers import (
@@ -18,6 +18,7 @@ from transformers import (
 
 from wire.protocol import MMFeature
 from workers.families.model import FamilyModel, RequestPositions
+from workers.packed_attention import use_packed_attention
 
 
 class QwenVLModel(FamilyModel):
@@ -26,6 +27,11 @@ class QwenVLModel(FamilyModel):
         "image": frozenset({"pixel_values", "image_grid_thw"}),
         "video": frozenset({"pixel_values_videos", "video_grid_thw"}),
     }
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the vision tower's spans (windows, images) in one attention call per layer
+        use_packed_attention(self.hf_model.model.visual.config)
 
     @property
     def merge_size(self) -> int:
