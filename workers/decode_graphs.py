@@ -85,6 +85,15 @@ class DecodeGraphs:
         self.enabled = True
         self.num_replays = 0
 
+    def reset(self, triton: bool) -> None:
+        """Drop every captured shape (they are captured again as steps need them), attending through
+        the Triton kernel or not from now on. A new memory pool too: the old graphs' pool goes with
+        them, and capturing into a released pool fails."""
+        self.shapes.clear()
+        self.triton = triton and triton_available(self.device)
+        if self.capture:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+
     def __call__(
         self,
         inputs_embeds: torch.Tensor,

@@ -250,7 +250,7 @@ def draw_chart(figures: dict[str, Any], path: Path, card: str) -> None:
     decodes = [k for k in figures if k.startswith("decode_")]
     step = {
         f"batch {k.removeprefix('decode_')}": {
-            "measured (worker step)": figures[k]["forward_ms_per_step"] or 0.0,
+            "measured (TPOT p50)": figures[k]["tpot_ms_p50"] or 0.0,
             "roofline": roof[k]["step_ms"],
         }
         for k in decodes
@@ -270,7 +270,7 @@ def draw_chart(figures: dict[str, Any], path: Path, card: str) -> None:
         "90 % reuse": {"measured": figures["image_90pct"]["req_per_s"]},
     }
     panels = [
-        Panel("decode step (ms)", "ms per step", step, fmt="{:.1f}"),
+        Panel("decode: time per output token (ms)", "ms per token", step, fmt="{:.1f}"),
         Panel("encoder per image (ms)", "ms", encoder, fmt="{:.1f}"),
         Panel("images at c=64, 128 tokens (req/s)", "requests/s", rates, fmt="{:.1f}"),
     ]

@@ -128,7 +128,7 @@ def main() -> None:
         if args.dry:
             tier_env["MMSERVE_GPU_TIER_FAMILIES"] = "qwen2_5_vl"
         tier_cmd = [py, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider", "-rfE"]
-        steps.run("tier", tier_cmd, "tier.log", limit_s=200, env=tier_env)
+        steps.run("tier", tier_cmd, "tier.log", limit_s=300, env=tier_env)
     built = building is not None and steps.finish("checkpoint", building, 240, ckpt_started)
 
     def script(name: str, *extra: str) -> list[str]:  # a bench/gpu script on the checkpoint

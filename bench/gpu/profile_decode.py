@@ -99,8 +99,7 @@ def main() -> None:
         for mode, enabled, paged_kernel in modes:
             graphs.enabled = enabled
             if enabled and graphs.triton != paged_kernel:  # capture again, with the other attention
-                graphs.shapes.clear()
-                graphs.triton = paged_kernel
+                graphs.reset(paged_kernel)
                 engine.step()
             step_ms, _ = measure(engine, phase_split=False)
             _, lm_ms = measure(engine, phase_split=True)
@@ -108,8 +107,7 @@ def main() -> None:
             print(lines[-1], flush=True)
         graphs.enabled = True
         if graphs.triton != has_triton:
-            graphs.shapes.clear()
-            graphs.triton = has_triton
+            graphs.reset(has_triton)
             engine.step()
         if batch == max(batches):
             profiled = _profile(engine, steps, cuda)
