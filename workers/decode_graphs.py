@@ -158,6 +158,8 @@ class DecodeGraphs:
             if self.triton:
                 logger.exception("capturing with the Triton decode attention failed: capturing without it")
                 self.triton = False
+                # a fresh pool: a failed capture may have released the one it used
+                self.graph_pool = torch.cuda.graph_pool_handle()
                 return self._try_capture(shape)
             logger.exception("capturing a decode CUDA graph failed: decode steps run eagerly from now on")
             self.enabled = False
