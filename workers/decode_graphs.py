@@ -186,9 +186,8 @@ class DecodeGraphs:
     def _forward(self, shape: _Shape) -> torch.Tensor:
         """The fixed-shape step: device work only."""
         tables, num_keys, slots, positions = self._views(shape, shape.ints)
-        step = FixedDecodeAttention(self.pool, tables, num_keys, slots, self.dtype, self.triton)
-        hidden = self.model.decoder(shape.embeds, positions, step)
-        return self.model.lm_head(self.model.lm.norm(hidden)).float()
+        step = FixedDecodeAttention(self.pool, tables, num_keys, slots, self.triton)
+        return self.model.logits(self.model.decoder(shape.embeds, positions, step))
 
     def _fill_host(self, shape: _Shape, spans: list[SeqSpan], positions: torch.Tensor) -> None:
         """The step's inputs into the host buffer; rows and table entries past the real ones point at

@@ -72,7 +72,11 @@ class PagedLanguageModel:
         step = self.attention(self.kv_pool, spans, device)
         hidden = self.decoder(inputs_embeds, position_ids.to(device), step, deepstack)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
-        return self.lm_head(self.lm.norm(hidden.index_select(0, rows))).float()
+        return self.logits(hidden.index_select(0, rows))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the last hidden states ``hidden`` ([rows, hidden]): final norm, LM head."""
+        return self.lm_head(self.lm.norm(hidden)).float()
 
     def decoder(
         self,

@@ -29,8 +29,8 @@ def test_paged_kernel_equals_gathered_attention(kv_heads: int, group: int, head_
     num_keys[0], num_keys[-1] = 1, width * block_size
     slots = torch.zeros(num_rows, dtype=torch.long, device=device)
     query = torch.randn(kv_heads * group, num_rows, head_dim, dtype=torch.bfloat16, device=device)
-    expected = FixedDecodeAttention(pool, tables, num_keys, slots, torch.bfloat16).attend(0, query, None)
-    got = FixedDecodeAttention(pool, tables, num_keys, slots, torch.bfloat16, True).attend(0, query, None)
+    expected = FixedDecodeAttention(pool, tables, num_keys, slots).attend(0, query, None)
+    got = FixedDecodeAttention(pool, tables, num_keys, slots, True).attend(0, query, None)
     torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
 
 

@@ -36,7 +36,6 @@ class FixedDecodeAttention(StepAttention):
         block_tables: torch.Tensor,
         num_keys: torch.Tensor,
         write_slots: torch.Tensor,
-        dtype: torch.dtype,
         use_triton: bool = False,
     ) -> None:
         """``block_tables`` [B, N], ``num_keys`` [B] (each row's keys, its new token included) and
@@ -51,7 +50,7 @@ class FixedDecodeAttention(StepAttention):
         self.key_blocks = block_tables.flatten()
         keys = torch.arange(self.num_keys_padded, device=num_keys.device)
         visible = keys.unsqueeze(0) < num_keys.unsqueeze(1)
-        mask = torch.zeros(visible.shape, dtype=dtype, device=num_keys.device)
+        mask = torch.zeros(visible.shape, dtype=pool.kv.dtype, device=num_keys.device)
         self.mask = mask.masked_fill_(~visible, float("-inf")).view(self.num_rows, 1, 1, -1)
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
