@@ -33,6 +33,7 @@ import torch
 from workers.attention import SeqSpan
 from workers.attention.fixed_decode import FixedDecodeAttention
 from workers.attention.triton_decode import triton_available
+from workers.fused_decode import FusedDecoder, fusable
 from workers.paged_lm import Deepstack, PagedLanguageModel
 
 logger = logging.getLogger(__name__)
@@ -81,16 +82,18 @@ class DecodeGraphs:
         self.capture = self.device.type == "cuda"
         self.shapes: dict[tuple[int, int], _Shape] = {}
         self.graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.triton = triton_available(self.device)  # the paged kernel for attention, while it works
+        self.triton = triton_available(self.device)  # the Triton kernels, while they work
+        self.fused = fusable(model.layers)  # the layers' elementwise work in fewer kernels
         self.enabled = True
         self.num_replays = 0
 
-    def reset(self, triton: bool) -> None:
-        """Drop every captured shape (they are captured again as steps need them), attending through
-        the Triton kernel or not from now on. A new memory pool too: the old graphs' pool goes with
-        them, and capturing into a released pool fails."""
+    def reset(self, triton: bool, fused: bool = True) -> None:
+        """Drop every captured shape (they are captured again as steps need them), with the Triton
+        kernels or not, and the fused layers or transformers' from now on. A new memory pool too: the
+        old graphs' pool goes with them, and capturing into a released pool fails."""
         self.shapes.clear()
         self.triton = triton and triton_available(self.device)
+        self.fused = fused and fusable(self.model.layers)
         if self.capture:
             self.graph_pool = torch.cuda.graph_pool_handle()
 
@@ -187,7 +190,12 @@ class DecodeGraphs:
         """The fixed-shape step: device work only."""
         tables, num_keys, slots, positions = self._views(shape, shape.ints)
         step = FixedDecodeAttention(self.pool, tables, num_keys, slots, self.triton)
-        return self.model.logits(self.model.decoder(shape.embeds, positions, step))
+        if self.fused:
+            decoder = FusedDecoder(self.model.lm, self.model.layers, self.triton)
+            hidden = decoder(shape.embeds, positions, step)
+        else:
+            hidden = self.model.decoder(shape.embeds, positions, step)
+        return self.model.logits(hidden)
 
     def _fill_host(self, shape: _Shape, spans: list[SeqSpan], positions: torch.Tensor) -> None:
         """The step's inputs into the host buffer; rows and table entries past the real ones point at

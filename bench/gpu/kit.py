@@ -148,7 +148,7 @@ def main() -> None:
         steps.run("bench", script("bench_gpu", *(["--dry"] if args.dry else [])), "bench.log", limit_s=200)
     if built and "profile" not in skip:
         toy = ["--batches", "1,3", "--prompt-tokens", "40", "--steps", "2"] if args.dry else []
-        steps.run("profile", script("profile_decode", *toy), "bench.log", limit_s=150)
+        steps.run("profile", script("profile_decode", *toy), "bench.log", limit_s=200)
     write_summary(args.out, steps)
 
 

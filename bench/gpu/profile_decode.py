@@ -1,8 +1,8 @@
 """Where a decode step's time goes: the worker's ``ModelRunner`` in this process (no API, engine or IPC),
 ``--batches`` of text requests of ``--prompt-tokens`` each prefilled, then decode steps timed with the
-decode CUDA graphs (workers/decode_graphs.py; with the paged Triton attention, and with gathered blocks
-and PyTorch's attention where Triton is there) and without them (eager), and the largest batch's graph
-steps under the torch profiler.
+decode CUDA graphs (workers/decode_graphs.py: with the fused layers and the Triton kernels; with
+transformers' layers; where Triton is there, without it) and without graphs (eager), and the largest
+batch's graph steps under the torch profiler.
 
     python bench/gpu/profile_decode.py --model DIR --out DIR [--device cuda] [--batches 1,16,64]
 
@@ -53,7 +53,7 @@ def main() -> None:
     runner = ModelRunner(str(args.model), args.device, kv_cache_tokens=kv_tokens, decode_graphs=True)
     graphs = runner.lm_forward
     assert isinstance(graphs, DecodeGraphs)
-    has_triton = graphs.triton
+    has_triton, can_fuse = graphs.triton, graphs.fused
     lm_seconds = [0.0]
 
     def sync() -> None:
@@ -93,20 +93,22 @@ def main() -> None:
         engine.step()  # every prompt in one step
         for _ in range(3):  # warm-up decode steps (their shapes are captured here)
             engine.step()
-        modes = [("graphs", True, has_triton), ("eager", False, has_triton)]
+        # (mode, graphs on, Triton kernels, fused layers); each graph mode captures its shapes again
+        modes = [("graphs", True, has_triton, True), ("graphs, unfused layers", True, has_triton, False)]
         if has_triton:
-            modes.insert(1, ("graphs, gathered attention", True, False))
-        for mode, enabled, paged_kernel in modes:
+            modes.append(("graphs, no Triton", True, False, True))
+        modes.append(("eager", False, has_triton, True))
+        for mode, enabled, triton, fused in modes:
             graphs.enabled = enabled
-            if enabled and graphs.triton != paged_kernel:  # capture again, with the other attention
-                graphs.reset(paged_kernel)
+            if enabled and (graphs.triton, graphs.fused) != (triton, fused and can_fuse):
+                graphs.reset(triton, fused)
                 engine.step()
             step_ms, _ = measure(engine, phase_split=False)
             _, lm_ms = measure(engine, phase_split=True)
             lines.append(f"| {batch} | {mode} | {step_ms:.2f} | {lm_ms:.2f} | {step_ms - lm_ms:.2f} |")
             print(lines[-1], flush=True)
         graphs.enabled = True
-        if graphs.triton != has_triton:
+        if (graphs.triton, graphs.fused) != (has_triton, can_fuse):
             graphs.reset(has_triton)
             engine.step()
         if batch == max(batches):

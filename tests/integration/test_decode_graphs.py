@@ -52,6 +52,7 @@ def test_fixed_shape_decode_steps_give_the_eager_logits(tiny_model: Callable[[st
     for step, (got, expected) in enumerate(zip(fixed_logits, eager_logits, strict=True)):
         torch.testing.assert_close(got, expected, atol=BACKEND_LOGITS_ATOL, rtol=0, msg=f"step {step}")
     assert isinstance(forward, DecodeGraphs)
+    assert forward.fused  # the layers ran as workers/fused_decode.py computes them
     assert forward.num_replays >= 20
     rows = {num_rows for num_rows, _ in forward.shapes}
     assert {4, 8} <= rows, "batches of 3 and 5 decodes ran padded"
