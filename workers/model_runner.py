@@ -281,6 +281,7 @@ class ModelRunner:
         spans = step_spans(num_scheduled_tokens, self.requests, self.block_size)
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []
+        decode_positions: list[list[int]] = []  # consecutive decodes' positions, not yet in ``positions``
         req_ids: list[str] = []
         sampling_rows: list[SamplingRow] = []
         logits_rows: list[int] = []  # each sampling request's last scheduled token
@@ -288,7 +289,11 @@ class ModelRunner:
             req = self.requests[span.req_id]
             num_computed = span.num_past_tokens + span.num_new_tokens
             token_ids.extend(req.token_ids[span.num_past_tokens : num_computed])
-            positions.append(req.positions.between(span.num_past_tokens, num_computed))
+            if span.num_new_tokens == 1:  # one Python list per decode, one tensor per run of them
+                decode_positions.append(req.positions.at(span.num_past_tokens))
+            else:
+                positions += _as_columns(decode_positions)
+                positions.append(req.positions.between(span.num_past_tokens, num_computed))
             if num_computed == len(req.token_ids):
                 req_ids.append(span.req_id)
                 logits_rows.append(len(token_ids) - 1)
@@ -296,6 +301,7 @@ class ModelRunner:
                     req.sampling, req.num_output_tokens, req.generator, allowed.get(span.req_id), req.history
                 )
                 sampling_rows.append(row)
+        positions += _as_columns(decode_positions)
         embeds, deepstack = step_embeddings(
             self.embed_tokens, token_ids, spans, self.requests, self.encoder_store, self.device
         )
@@ -340,3 +346,13 @@ class ModelRunner:
             return tensors_from_shm(item.shm, self.shm_reader.payload(item.shm))
         except StaleShmRef as exc:
             raise StepError(f"mm item {item.mm_hash!r}: {exc}") from exc
+
+
+def _as_columns(decode_positions: list[list[int]]) -> list[torch.Tensor]:
+    """The run of decodes' positions as one [rows, n] tensor (none for an empty run), and the run
+    emptied."""
+    if not decode_positions:
+        return []
+    columns = torch.tensor(decode_positions, dtype=torch.long).T
+    decode_positions.clear()
+    return [columns]

@@ -107,6 +107,9 @@ def test_positions_equal_get_rope_index(runner, hf_model, inputs, prompts, name)
     # generated tokens continue at index + delta on every row
     n = len(prompt.input_ids)
     assert positions.between(n, n + 2).tolist() == [[n + positions.delta, n + 1 + positions.delta]] * 3
+    # a decode's one position, without a tensor: the same columns, in the prompt and after it
+    for index in (0, n // 2, n - 1, n, n + 5):
+        assert [positions.at(index)] == positions.between(index, index + 1).T.tolist()
 
 
 @pytest.mark.parametrize("name", ["one", "two", "text"])

@@ -51,6 +51,15 @@ class RequestPositions:
             parts.append(generated.unsqueeze(0).expand(self.table.shape[0], -1))
         return torch.cat(parts, dim=1)
 
+    def at(self, index: int) -> list[int]:
+        """The position of token ``index`` on each row, as ``between(index, index + 1)`` gives it but
+        without a tensor: a decode step asks this of every request."""
+        if self.table is None:
+            return [index]
+        if index < self.table.shape[1]:
+            return self.table[:, index].tolist()
+        return [index + self.delta] * self.table.shape[0]
+
 
 class FamilyModel:
     """Subclasses name their transformers class and implement ``encode``; 1-D positions by default."""
