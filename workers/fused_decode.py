@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.models.llama.modeling_llama import rotate_half  # every family's, the same
 
 from workers import fused_kernels
 from workers.attention.fixed_decode import FixedDecodeAttention
@@ -147,8 +148,3 @@ class FusedDecoder:
         if self.use_triton:
             return fused_kernels.silu_mul(gate, up)
         return nn.functional.silu(gate) * up
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -20,6 +20,7 @@ checkpoint's family (``workers.families``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -280,8 +281,7 @@ class ModelRunner:
             return [], [], []
         spans = step_spans(num_scheduled_tokens, self.requests, self.block_size)
         token_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        decode_positions: list[list[int]] = []  # consecutive decodes' positions, not yet in ``positions``
+        positions: list[torch.Tensor | list[int]] = []  # each span's; a decode's as a list
         req_ids: list[str] = []
         sampling_rows: list[SamplingRow] = []
         logits_rows: list[int] = []  # each sampling request's last scheduled token
@@ -289,10 +289,9 @@ class ModelRunner:
             req = self.requests[span.req_id]
             num_computed = span.num_past_tokens + span.num_new_tokens
             token_ids.extend(req.token_ids[span.num_past_tokens : num_computed])
-            if span.num_new_tokens == 1:  # one Python list per decode, one tensor per run of them
-                decode_positions.append(req.positions.at(span.num_past_tokens))
+            if span.num_new_tokens == 1:
+                positions.append(req.positions.at(span.num_past_tokens))
             else:
-                positions += _as_columns(decode_positions)
                 positions.append(req.positions.between(span.num_past_tokens, num_computed))
             if num_computed == len(req.token_ids):
                 req_ids.append(span.req_id)
@@ -301,12 +300,11 @@ class ModelRunner:
                     req.sampling, req.num_output_tokens, req.generator, allowed.get(span.req_id), req.history
                 )
                 sampling_rows.append(row)
-        positions += _as_columns(decode_positions)
         embeds, deepstack = step_embeddings(
             self.embed_tokens, token_ids, spans, self.requests, self.encoder_store, self.device
         )
         assert self.lm_forward is not None  # (execute runs the LM only where there is one)
-        logits = self.lm_forward(embeds, torch.cat(positions, dim=1), spans, logits_rows, deepstack)
+        logits = self.lm_forward(embeds, _step_positions(positions), spans, logits_rows, deepstack)
         if not set(allowed) <= set(req_ids):
             raise StepError(
                 f"grammar bitmask rows for requests that do not sample: {sorted(set(allowed) - set(req_ids))}"
@@ -348,11 +346,14 @@ class ModelRunner:
             raise StepError(f"mm item {item.mm_hash!r}: {exc}") from exc
 
 
-def _as_columns(decode_positions: list[list[int]]) -> list[torch.Tensor]:
-    """The run of decodes' positions as one [rows, n] tensor (none for an empty run), and the run
-    emptied."""
-    if not decode_positions:
-        return []
-    columns = torch.tensor(decode_positions, dtype=torch.long).T
-    decode_positions.clear()
-    return [columns]
+def _step_positions(parts: list[torch.Tensor | list[int]]) -> torch.Tensor:
+    """The step's positions [rows, num_tokens] from each span's: a tensor, or a decode's list (one
+    tensor per run of decodes, not a few small torch ops per request)."""
+    tensors: list[torch.Tensor] = []
+    for is_decode, run in itertools.groupby(parts, key=lambda part: isinstance(part, list)):
+        items = list(run)
+        if is_decode:
+            tensors.append(torch.tensor(items, dtype=torch.long).T)
+        else:
+            tensors += [item for item in items if isinstance(item, torch.Tensor)]
+    return torch.cat(tensors, dim=1)
