@@ -83,8 +83,9 @@ def run_worker(config: WorkerConfig) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    # transformers' "Loading weights" bar would make tqdm create a multiprocessing RLock: under spawn a
-    # named semaphore in /dev/shm that only the resource tracker unlinks (a SIGKILLed group leaks it)
+    # transformers' "Loading weights" bar would make tqdm create a multiprocessing RLock: under spawn or
+    # forkserver a named semaphore in /dev/shm that only the resource tracker unlinks (a SIGKILLed group
+    # leaks it)
     transformers_logging.disable_progress_bar()
     keep_freed_memory()
     torch.set_num_threads(config.threads or default_threads())

@@ -27,6 +27,7 @@ import httpx
 import setproctitle
 import uvicorn
 
+from app.child_processes import leave_fork_server, start_fork_server
 from app.inputs.encoder_budgets import budget_warnings, derive_encoder_budgets, startup_error
 from app.launch.process_configs import engine_config, worker_config
 from app.launch.supervisor import Supervisor
@@ -208,9 +209,11 @@ def _claim_port(settings: Settings) -> Settings:
 
 
 def _child_main(role: str, settings: Settings, api_index: int | None = None) -> None:
-    """Entry of a child started by ``serve``: dies with its parent, then runs its role. An API process
+    """Entry of a child started by ``serve``: dies with its parent (the fork server, which exits with
+    ``serve``: app/child_processes.py), then runs its role. An API process
     (``api_index`` 1..N-1) shares the port and leaves the engine running when it exits; ``serve``
     already checked the model folder and the budgets."""
+    leave_fork_server()
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     if api_index is None:
@@ -273,11 +276,13 @@ def _serve(settings: Settings) -> int:
     from app.api.drain import Drain
 
     _remove_orphan_rings()
+    # The fork server imports the children's modules while this process imports the API's; the children
+    # start once it has (app/child_processes.py), on the supervisor's thread.
+    start_fork_server(api_processes=settings.api_server_count > 1)
     supervisor = Supervisor(settings, _child_main, _remove_orphan_rings)
-    supervisor.start()
     stop = threading.Event()
     threading.Thread(target=_announce_when_ready, args=(settings, stop), daemon=True).start()
-    threading.Thread(target=supervisor.watch, args=(stop,), daemon=True).start()
+    threading.Thread(target=supervisor.run, args=(stop,), daemon=True).start()
     # SIGTERM: the other API processes drain at the same time, and the engine runs until they are done
     drain = Drain(
         settings.shutdown_timeout, on_start=[supervisor.drain_apis], waits_for=[supervisor.apis_running]

@@ -86,6 +86,10 @@ def process_title(pid: int) -> str:
         return ""
 
 
+def parent_pid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
 def role_pid(root_pid: int, role: str) -> int:
     """The live process under ``root_pid`` titled ``mmserve: <role>``."""
     found = role_pids(root_pid, role)

@@ -18,6 +18,7 @@ from tests.e2e.server import (
     assert_ctrl_c_stops_all,
     descendants,
     free_port,
+    parent_pid,
     process_title,
     seconds_until_health,
     start_serve,
@@ -43,7 +44,13 @@ def test_ctrl_c_stops_every_process(tiny_model_dir: Path, tmp_path: Path) -> Non
         # each role's process title names it, as ps shows it
         pids = [server.process.proc.pid, *children]
         titles = {process_title(pid) for pid in pids}
-        assert {"mmserve: api", "mmserve: engine", "mmserve: worker"} <= titles, titles
+        roles = {"mmserve: api", "mmserve: engine", "mmserve: worker", "mmserve: fork server"}
+        assert roles <= titles, titles
+        # the worker is a fork of the fork server, which imported its modules; the engine is spawned
+        # by serve (app/child_processes.py)
+        pid_of = {process_title(pid): pid for pid in pids}
+        assert parent_pid(pid_of["mmserve: worker"]) == pid_of["mmserve: fork server"]
+        assert parent_pid(pid_of["mmserve: engine"]) == server.process.proc.pid
     except BaseException:
         server.process.kill()
         raise

@@ -377,9 +377,10 @@ def test_killed_call_and_close_leave_no_shm_entry(loop, tiny_model_dir: Path) ->
 def test_killed_api_leaves_no_process_nor_shm_entry(
     tiny_model_dir: Path, tmp_path: Path, killed: str
 ) -> None:
-    """An API-like process with a started pool, SIGKILLed alone (its pool processes follow by
-    PR_SET_PDEATHSIG) or with its whole process group (resource tracker included): every process goes
-    and no /dev/shm entry stays behind (``sem.*`` names carry no owner, so none may be created at all)."""
+    """An API-like process with a started pool, SIGKILLed alone (the fork server sees it go and exits;
+    the pool processes it forked follow by PR_SET_PDEATHSIG) or with its whole process group (resource
+    tracker included): every process goes and no /dev/shm entry stays behind (``sem.*`` names carry no
+    owner, so none may be created at all)."""
     script = textwrap.dedent(
         f"""
         import asyncio, os
@@ -411,18 +412,30 @@ def test_killed_api_leaves_no_process_nor_shm_entry(
         try:
             assert api.stdout is not None
             line = api.stdout.readline()
-            pids = [api.pid, *_children(api.pid)]  # the pool process and the resource tracker
+            # the resource tracker, the fork server and the pool process it forked
+            pids = [api.pid, *_descendants(api.pid)]
+            fork_servers = [pid for pid in pids if _title(pid) == "mmserve: fork server"]
             assert not any(_maps_a_semaphore(pid) for pid in pids)
         finally:
             if killed == "group":
                 os.killpg(api.pid, signal.SIGKILL)
             else:
+                # stopped, the pool process cannot see its pipe close: only PR_SET_PDEATHSIG can end it
+                os.kill(int(line), signal.SIGSTOP)
                 api.kill()
             api.wait()
         stderr.seek(0)
         assert line.strip().isdigit(), stderr.read()
         (pool_pid,) = map(int, line.split())
-        assert pool_pid in pids and len(pids) == 3
+        assert pool_pid in pids and len(pids) == 4
+        if killed == "api":
+            (fork_server,) = fork_servers
+            deadline = time.monotonic() + 10
+            while _alive(fork_server) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not _alive(fork_server), "the fork server exits with the API, whatever its forks do"
+            assert _pending(pool_pid) & (1 << (signal.SIGTERM - 1)), "the fork's PR_SET_PDEATHSIG fired"
+            os.kill(pool_pid, signal.SIGCONT)
         deadline = time.monotonic() + 10
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -446,13 +459,25 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)
 
 
-def _children(pid: int) -> list[int]:
-    children = []
+def _descendants(pid: int) -> list[int]:
+    found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):
             if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
-                children.append(int(stat.parent.name))
-    return children
+                found += [int(stat.parent.name), *_descendants(int(stat.parent.name))]
+    return found
+
+
+def _title(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+
+
+def _pending(pid: int) -> int:
+    """The signals pending for ``pid`` (its threads' or the whole process's), as a bit mask."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return int(next(line for line in lines if line.startswith("ShdPnd")).split()[1], 16) | int(
+        next(line for line in lines if line.startswith("SigPnd")).split()[1], 16
+    )
 
 
 def _maps_a_semaphore(pid: int) -> bool:

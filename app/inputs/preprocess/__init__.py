@@ -1,1 +1,1 @@
-"""The preprocessing pool: decode + the HF processor in spawned processes, results through /dev/shm."""
+"""The preprocessing pool: decode + the HF processor in child processes, results through /dev/shm."""

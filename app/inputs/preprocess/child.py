@@ -14,6 +14,7 @@ import msgspec
 import setproctitle
 import torch
 
+from app.child_processes import leave_fork_server
 from app.errors import InternalError, MMServeError, from_family_error
 from app.inputs.preprocess.transfer import ShmOutput, write_output
 from app.inputs.preprocess.video_item import VideoRules, decode_and_process_video
@@ -108,13 +109,19 @@ def request_error(refused: Refused) -> MMServeError:
 
 def child_main(model: str, api_pid: int, conn: Connection, video: VideoRules | None = None) -> None:
     """A pool process: dies with the API process, leaves Ctrl-C to it, loads the family, then answers
-    one call at a time until the API closes its end of the pipe."""
+    one call at a time until the API closes its end of the pipe.
+
+    Its parent is the fork server (app/child_processes.py), which exits when the API process does: then
+    PR_SET_PDEATHSIG ends this process. One whose API was gone before that was set exits here, or at
+    its first write to the pipe."""
+    leave_fork_server()
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != api_pid:  # the API process died before prctl
+    try:
+        os.kill(api_pid, 0)
+    except ProcessLookupError:  # the API process died before prctl
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the pool while starting
     setproctitle.setproctitle("mmserve: preprocess")
     # one image at a time per process: a second OpenMP thread would only spin on a core the worker needs
     torch.set_num_threads(1)

@@ -1,4 +1,5 @@
-"""Decode + the family's HF image processor for processor-cache misses, in spawned processes, so a slow
+"""Decode + the family's HF image processor for processor-cache misses, in processes forked from the
+fork server (app/child_processes.py), so a slow
 image never holds the event loop or the GIL that other requests' cache hits need::
 
     API process (event loop)                              pool process i ("mmserve: preprocess")
@@ -19,7 +20,7 @@ The API names the output file, so it can unlink the file whoever holds it when s
 process until it replies, then the API (a call cancelled meanwhile unlinks it when the reply lands; a
 process that died may have left it half written). Request errors (``MMServeError``) come back as the
 same class, message, param and code. A dead process fails only the call it had (``InternalError``) and
-is spawned again; it takes calls once it has loaded the family.
+is started again; it takes calls once it has loaded the family.
 """
 
 from __future__ import annotations
@@ -28,15 +29,14 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from multiprocessing import get_context
 from typing import Any
 
 import msgspec
 
+from app.child_processes import child_context
 from app.errors import EngineUnavailableError, InternalError, InvalidRequestError, MediaError, MMServeError
 from app.inputs.preprocess.child import (
     Answer,
@@ -72,28 +72,23 @@ class _ProcessLost(Exception):
 
 
 class _PoolProcess:
-    """One pool process and the API's end of its pipe. Built on the event loop's thread (PR_SET_PDEATHSIG
-    ties the process to the thread that spawned it); ``on_lost`` runs once if the process dies."""
+    """One pool process and the API's end of its pipe, built on the event loop's thread; ``on_lost``
+    runs once if the process dies."""
 
     def __init__(
         self, model: str, api_pid: int, video: VideoRules | None, on_lost: Callable[[_PoolProcess], None]
     ) -> None:
-        ctx = get_context("spawn")
+        ctx = child_context()
         self.conn, child_end = ctx.Pipe()
         self.process = ctx.Process(
             target=child_main, args=(model, api_pid, child_end, video), name="mmserve-preprocess", daemon=True
         )
-        # SIGINT blocked while the child starts: it inherits the mask, so a Ctrl-C to the process group
-        # during its imports (the API serves meanwhile) stays pending until child_main ignores it, and
-        # here it is delivered, not lost, once unblocked
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
             self.process.start()
         except BaseException:
             self.conn.close()
             raise
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             child_end.close()
         assert self.process.pid is not None
         self.pid = self.process.pid
@@ -241,9 +236,8 @@ def _settle(future: asyncio.Future[Any], error: BaseException) -> None:
 
 
 class PreprocessPool:
-    """Decode + HF processor for cache misses in ``processes`` spawned processes (0: threads of this
-    process, running ``family``). Built, started, used and closed from the event loop's thread:
-    PR_SET_PDEATHSIG ties each process to the thread that spawned it."""
+    """Decode + HF processor for cache misses in ``processes`` child processes (0: threads of this
+    process, running ``family``). Built, started, used and closed from the event loop's thread."""
 
     def __init__(
         self,
