@@ -4,9 +4,11 @@ server, which imported torch, transformers and their modules once. Such a child 
 CPU, where a spawned one imported them again (5-7 s of CPU each on a 2-core machine), and a restarted
 worker or preprocessing process is back as soon as it has loaded its model.
 
-The fork server only imports: it never runs a model, so no CUDA context exists in it and its forks may
-use the GPU (importing torch initialises no CUDA). A child inherits the environment the fork server was
-started with, so ``start_fork_server`` runs once the launcher has set the variables its children read.
+The fork server dies with the thread that started it (PR_SET_PDEATHSIG): ``serve``'s main thread, or
+an API's event loop. It only imports: it never runs a model, so no CUDA context exists in it and its
+forks may use the GPU (importing torch initialises no CUDA). A child inherits the environment the fork
+server was started with, so ``start_fork_server`` runs once the launcher has set the variables its
+children read.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import os
 from multiprocessing.context import ForkServerContext
 from typing import Any
 
-# The fork server's title first (app/fork_server_title.py), then what the children import anyway: the
+# The fork server's own set-up first (app/fork_server_init.py), then what the children import anyway: the
 # worker's model code and the preprocessing processes' processors. (The engine, which imports no torch,
 # is spawned: app/launch/supervisor.py.)
-PRELOAD = ["app.fork_server_title", "workers.worker_main", "app.inputs.preprocess.child"]
+PRELOAD = ["app.fork_server_init", "workers.worker_main", "app.inputs.preprocess.child"]
 # API processes 1..N-1 (``--api-server-count``) run the API's modules too (about 0.7 s more to import)
 API_PRELOAD = "app.api.server"
 

@@ -47,10 +47,11 @@ def test_ctrl_c_stops_every_process(tiny_model_dir: Path, tmp_path: Path) -> Non
         roles = {"mmserve: api", "mmserve: engine", "mmserve: worker", "mmserve: fork server"}
         assert roles <= titles, titles
         # the worker is a fork of the fork server, which imported its modules; the engine is spawned
-        # by serve (app/child_processes.py)
-        pid_of = {process_title(pid): pid for pid in pids}
-        assert parent_pid(pid_of["mmserve: worker"]) == pid_of["mmserve: fork server"]
-        assert parent_pid(pid_of["mmserve: engine"]) == server.process.proc.pid
+        # by serve (app/child_processes.py). (A fork is titled as the fork server until it names itself.)
+        (worker,) = [pid for pid in pids if process_title(pid) == "mmserve: worker"]
+        (engine,) = [pid for pid in pids if process_title(pid) == "mmserve: engine"]
+        assert process_title(parent_pid(worker)) == "mmserve: fork server"
+        assert parent_pid(engine) == server.process.proc.pid
     except BaseException:
         server.process.kill()
         raise

@@ -429,13 +429,15 @@ def test_killed_api_leaves_no_process_nor_shm_entry(
         (pool_pid,) = map(int, line.split())
         assert pool_pid in pids and len(pids) == 4
         if killed == "api":
-            (fork_server,) = fork_servers
-            deadline = time.monotonic() + 10
-            while _alive(fork_server) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert not _alive(fork_server), "the fork server exits with the API, whatever its forks do"
-            assert _pending(pool_pid) & (1 << (signal.SIGTERM - 1)), "the fork's PR_SET_PDEATHSIG fired"
-            os.kill(pool_pid, signal.SIGCONT)
+            try:
+                (fork_server,) = fork_servers
+                deadline = time.monotonic() + 10
+                while _alive(fork_server) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert not _alive(fork_server), "the fork server exits with the API, whatever its forks do"
+                assert _pending(pool_pid) & (1 << (signal.SIGTERM - 1)), "the fork's PR_SET_PDEATHSIG fired"
+            finally:  # continued, it ends by its pending SIGTERM, or else at its pipe's EOF
+                os.kill(pool_pid, signal.SIGCONT)
         deadline = time.monotonic() + 10
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)

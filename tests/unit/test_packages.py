@@ -19,7 +19,7 @@ ALLOWED = {
 }
 # app's subpackages, bottom first: each may import the shared modules and those before it
 APP_LAYERS = ["media", "inputs", "api", "proxy", "ray_serve", "launch"]
-APP_SHARED = {"errors", "settings", "metrics", "sqlite_file", "child_processes", "fork_server_title"}
+APP_SHARED = {"errors", "settings", "metrics", "sqlite_file", "child_processes", "fork_server_init"}
 
 
 def imported_modules(path: Path) -> set[str]:
