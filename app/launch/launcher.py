@@ -209,10 +209,10 @@ def _claim_port(settings: Settings) -> Settings:
 
 
 def _child_main(role: str, settings: Settings, api_index: int | None = None) -> None:
-    """Entry of a child started by ``serve``: dies with its parent (the fork server, which exits with
-    ``serve``: app/child_processes.py), then runs its role. An API process
-    (``api_index`` 1..N-1) shares the port and leaves the engine running when it exits; ``serve``
-    already checked the model folder and the budgets."""
+    """Entry of a child started by ``serve``: dies with its parent (``serve``, or the fork server, which
+    exits with ``serve``: app/child_processes.py), then runs its role. An API process (``api_index``
+    1..N-1) shares the port and leaves the engine running when it exits; ``serve`` already checked the
+    model folder and the budgets."""
     leave_fork_server()
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -1,6 +1,6 @@
 """Decode + the family's HF image processor for processor-cache misses, in processes forked from the
-fork server (app/child_processes.py), so a slow
-image never holds the event loop or the GIL that other requests' cache hits need::
+fork server (app/child_processes.py), so a slow image never holds the event loop or the GIL that other
+requests' cache hits need::
 
     API process (event loop)                              pool process i ("mmserve: preprocess")
                                           ◀── Loaded ──── load_processing(model), once
