@@ -35,7 +35,7 @@ from app.errors import (
     ModelNotFoundError,
 )
 from app.inputs.preprocess.pool import PreprocessPool, output_name, read_output, write_output
-from tests.e2e.server import cpu_ticks
+from tests.e2e.server import alive, cpu_ticks, descendants, process_title
 from workers.families import load_processing
 from workers.families.processing import FamilyProcessor, ItemLayout, ProcessedItem
 
@@ -367,7 +367,7 @@ def test_killed_call_and_close_leave_no_shm_entry(loop, tiny_model_dir: Path) ->
     finally:
         run(loop, pool.close())
     assert pool.pids == []
-    assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)
+    assert not alive(pid)
     assert shm_entries("sem.") - sems_before == set()
     assert shm_files() == []
 
@@ -413,8 +413,8 @@ def test_killed_api_leaves_no_process_nor_shm_entry(
             assert api.stdout is not None
             line = api.stdout.readline()
             # the resource tracker, the fork server and the pool process it forked
-            pids = [api.pid, *_descendants(api.pid)]
-            fork_servers = [pid for pid in pids if _title(pid) == "mmserve: fork server"]
+            pids = [api.pid, *descendants(api.pid)]
+            fork_servers = [pid for pid in pids if process_title(pid) == "mmserve: fork server"]
             assert not any(_maps_a_semaphore(pid) for pid in pids)
         finally:
             if killed == "group":
@@ -432,46 +432,20 @@ def test_killed_api_leaves_no_process_nor_shm_entry(
             try:
                 (fork_server,) = fork_servers
                 deadline = time.monotonic() + 10
-                while _alive(fork_server) and time.monotonic() < deadline:
+                while alive(fork_server) and time.monotonic() < deadline:
                     time.sleep(0.05)
-                assert not _alive(fork_server), "the fork server exits with the API, whatever its forks do"
+                assert not alive(fork_server), "the fork server exits with the API, whatever its forks do"
                 assert _pending(pool_pid) & (1 << (signal.SIGTERM - 1)), "the fork's PR_SET_PDEATHSIG fired"
             finally:  # continued, it ends by its pending SIGTERM, or else at its pipe's EOF
                 os.kill(pool_pid, signal.SIGCONT)
         deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not any(_alive(pid) for pid in pids)
+        assert not any(alive(pid) for pid in pids)
         stderr.seek(0)
         assert "leaked" not in stderr.read()
     assert shm_entries("sem.") - sems_before == set()
     assert shm_entries(f"mmserve.{api.pid}.") == set()
-
-
-def _state(pid: int) -> str:
-    try:
-        return next(
-            line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State")
-        )
-    except (FileNotFoundError, ProcessLookupError):
-        return "Z (gone)"
-
-
-def _alive(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)
-
-
-def _descendants(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            if int(stat.read_text().rpartition(")")[2].split()[1]) == pid:
-                found += [int(stat.parent.name), *_descendants(int(stat.parent.name))]
-    return found
-
-
-def _title(pid: int) -> str:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
 
 
 def _pending(pid: int) -> int:
