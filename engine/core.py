@@ -306,7 +306,9 @@ class EngineCore:
         launched = Launched(plan, defaultdict(list))
         for request in plan.unavailable:  # ended before the step: nothing here can produce its embeddings
             launched.outputs[request.client].append(_unavailable_output(request.req_id))
-        if plan.is_empty and not (plan.free_mm_hashes or plan.finished_req_ids or plan.preempted_req_ids):
+        if plan.is_empty and not (
+            plan.free_mm_hashes or plan.finished_req_ids or plan.preempted_req_ids or plan.forced_tokens
+        ):
             return launched
         sched, frames = to_scheduler_output(plan, self.scheduler.kv_cache, self._sampling_grammars(plan))
         try:

@@ -38,6 +38,7 @@ class EncodeOnlyScheduler:
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_tokens)
         self.kv_cache = KVCacheManager(0, config.block_size, enable_prefix_caching=False)  # (metrics)
         self.num_preemptions = 0
+        self.num_forced_tokens = 0  # (metrics: an encoder-only instance samples nothing)
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self._pending: dict[str, list[str]] = {}  # req_id -> its items not done yet, in prompt order

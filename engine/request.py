@@ -21,6 +21,10 @@ class OutputGrammar(Protocol):
         """Advances past a sampled token; False if the grammar does not allow it."""
         ...
 
+    def forced_token(self) -> int | None:
+        """The one token the grammar allows next when it allows only one (no stop token), else None."""
+        ...
+
 
 @dataclass(frozen=True)
 class MMItem:

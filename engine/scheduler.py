@@ -76,6 +76,8 @@ class StepPlan:
     ec_meta: ECConnectorMeta | None = None  # the connector's loads (and saves) of this step
     # ended before the step: an item neither cached, nor in the store, nor encodable here (503)
     unavailable: list[Request] = field(default_factory=list)
+    # tokens appended without sampling since the last step: req_id -> (tokens before them, the tokens)
+    forced_tokens: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
 
     @property
     def load_mm_hashes(self) -> list[str]:
@@ -107,12 +109,14 @@ class Scheduler:
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_tokens)
         self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.num_preemptions = 0
+        self.num_forced_tokens = 0  # appended without sampling (_append_forced)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._step_id = 0
         # finished since the last plan; the worker drops their state at the start of the next step
         self._finished_req_ids: list[str] = []
+        self._forced_tokens: dict[str, tuple[int, list[int]]] = {}  # for the next step (StepPlan's)
         self._preempted_req_ids: list[str] = []  # likewise, their block tables
         self._resend_free_mm_hashes: list[str] = []  # a failed step's frees, sent again
         self._unavailable: list[Request] = []  # found unservable while scheduling this step
@@ -266,6 +270,7 @@ class Scheduler:
         finished, self._finished_req_ids = self._finished_req_ids, []
         preempted, self._preempted_req_ids = self._preempted_req_ids, []
         resent, self._resend_free_mm_hashes = self._resend_free_mm_hashes, []
+        forced, self._forced_tokens = self._forced_tokens, {}
         return StepPlan(
             step_id=self._step_id,
             new_requests=new_requests,
@@ -279,6 +284,9 @@ class Scheduler:
             cached_blocks=self.kv_cache.take_newly_cached(),
             ec_meta=self.connector.build_connector_meta() if self.connector is not None else None,
             unavailable=unavailable,
+            forced_tokens={
+                r: f for r, f in forced.items() if r in self.requests and not self.requests[r].is_finished
+            },
         )
 
     def _preempt(self, request: Request) -> None:
@@ -394,10 +402,38 @@ class Scheduler:
             request.output_token_ids.append(token_id)
             result.new_token_ids[req_id] = [token_id]
             reason = self._stop_reason(request, token_id)
+            if reason is None and request.grammar is not None:
+                reason = self._append_forced(request, result.new_token_ids[req_id])
             if reason is not None:
                 self._finish(request, reason)
                 result.finished.append(request)
         return result
+
+    def _append_forced(self, request: Request, new_token_ids: list[int]) -> FinishReason | None:
+        """Appends the tokens the request's grammar forces (one allowed token, no stop token) without
+        sampling them, as far as they go or until the request stops (docs/architecture.md, "Structured
+        outputs"); the worker gets them with the next step, which computes them as one span. Not for a
+        request that wants logprobs (a forced token has no logits) or limits its ids. Returns the
+        request's stop reason, if it stopped."""
+        grammar, params = request.grammar, request.sampling
+        assert grammar is not None
+        if params.num_top_logprobs is not None or params.allowed_token_ids is not None:
+            return None
+        num_before = request.num_tokens
+        forced: list[int] = []
+        reason = None
+        while reason is None and (token_id := grammar.forced_token()) is not None:
+            accepted = grammar.accept(token_id)
+            assert accepted  # the grammar's own only token
+            request.output_token_ids.append(token_id)
+            forced.append(token_id)
+            reason = self._stop_reason(request, token_id)
+        if forced:
+            new_token_ids += forced
+            self.num_forced_tokens += len(forced)
+            if reason is None:
+                self._forced_tokens[request.req_id] = (num_before, forced)
+        return reason
 
     def fail_step(self, plan: StepPlan) -> list[Request]:
         """Called instead of ``postprocess`` when the worker did not complete ``plan`` (an error or a
@@ -417,6 +453,9 @@ class Scheduler:
             self.encoder_cache.discard(mm_hash)  # reported in the next step's free_mm_hashes
         self._resend_free_mm_hashes += plan.free_mm_hashes
         self._finished_req_ids[:0] = plan.finished_req_ids
+        for req_id, entry in plan.forced_tokens.items():  # the worker may not have appended them
+            if req_id in self.requests and not self.requests[req_id].is_finished:
+                self._forced_tokens.setdefault(req_id, entry)
         self._preempted_req_ids[:0] = plan.preempted_req_ids
         return failed
 

@@ -82,6 +82,7 @@ class EngineMetrics:
         counters[EngineCounter.PREFIX_CACHE_QUERIES] = kv_cache.num_prefix_queries_tokens
         counters[EngineCounter.PREFIX_CACHE_HITS] = kv_cache.num_prefix_hits_tokens
         counters[EngineCounter.PREEMPTIONS] = scheduler.num_preemptions
+        counters[EngineCounter.FORCED_TOKENS] = scheduler.num_forced_tokens
         gauges |= {
             EngineGauge.ENCODER_CACHE_USAGE: float(encoder_cache.num_used_tokens),
             EngineGauge.ENCODER_CACHE_CAPACITY: float(encoder_cache.capacity_tokens),

@@ -97,6 +97,7 @@ def to_scheduler_output(
         preempted_req_ids=plan.preempted_req_ids,
         ec_meta=plan.ec_meta,
         grammar_bitmask=_bitmask(grammars, frames),
+        forced_tokens=plan.forced_tokens,
     )
     return sched, frames
 

@@ -7,7 +7,8 @@
                  serve() (tests/standin_worker_process.py) runs in a thread (``serving``) or as a process
 
 A step runs as in ``ModelRunner.execute`` (workers/model_runner.py), in its order, bytes for tensors:
-drops (unknown ids ignored); additions, checked first; ``ec_meta`` loads from ``ec_store``; "encoding"
+drops (unknown ids ignored); forced tokens appended (a resend ignored), checked first; additions, checked
+first; ``ec_meta`` loads from ``ec_store``; "encoding"
 (``pixel_values`` in a valid frame or shm chunk; output ``b"output of " + mm_hash``); a producer's
 saves; each scheduled chunk checked (request known and not preempted, tokens uncomputed, KV slots in its
 blocks, the encoder outputs its placeholders need held), then advanced, sampling where the step computed
@@ -273,6 +274,7 @@ class StandinWorker:
         for req_id in sched.preempted_req_ids:
             if (req := self.requests.get(req_id)) is not None:
                 req.block_ids, req.num_computed_tokens = None, 0
+        self._append_forced(sched.forced_tokens)
         self._check_additions(sched)
         for resumed in sched.resumed_requests:
             req = self.requests[resumed.req_id]
@@ -290,6 +292,22 @@ class StandinWorker:
             table = self.requests[req_id].block_ids
             assert table is not None  # checked
             table.extend(block_ids)
+
+    def _append_forced(self, forced_tokens: Mapping[str, tuple[int, list[int]]]) -> None:
+        """Each entry continues its request's list, or was appended already (a resend); all checked first."""
+        entries = [(self.requests.get(r), n, tokens) for r, (n, tokens) in forced_tokens.items()]
+        for req, num_before, tokens in entries:
+            if (
+                req is not None
+                and len(req.token_ids) != num_before
+                and req.token_ids[num_before:][: len(tokens)] != tokens
+            ):
+                raise StepError(
+                    f"request {req.req_id!r}: forced tokens after {num_before} of {len(req.token_ids)}"
+                )
+        for req, num_before, tokens in entries:
+            if req is not None and len(req.token_ids) == num_before:
+                req.token_ids.extend(tokens)
 
     def _check_additions(self, sched: SchedulerOutput) -> None:
         if not self.ready.has_language_model and (

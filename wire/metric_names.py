@@ -114,6 +114,10 @@ class EngineCounter(_Named):
         "structured_output_compile_timeouts_total",
         "Requests that stopped waiting for their grammar at --structured-output-compile-timeout-s.",
     )
+    FORCED_TOKENS = (
+        "structured_output_forced_tokens_total",
+        "Output tokens appended without sampling: the only token a request's grammar allowed next.",
+    )
 
 
 class EngineGauge(_Named):

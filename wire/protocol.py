@@ -340,8 +340,9 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
 
     Before running the step the worker drops ``free_mm_hashes`` (encoder outputs),
     ``finished_req_ids`` (all state) and ``preempted_req_ids`` (block tables only: token lists and
-    sampling state stay for the resume), then applies ``resumed_requests``, ``new_requests`` and
-    ``new_block_ids`` (blocks appended to running requests' tables)."""
+    sampling state stay for the resume), appends ``forced_tokens`` to their requests' token lists, then
+    applies ``resumed_requests``, ``new_requests`` and ``new_block_ids`` (blocks appended to running
+    requests' tables)."""
 
     step_id: int
     new_requests: list[NewRequestData]
@@ -354,6 +355,10 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
     preempted_req_ids: list[str] = []
     ec_meta: ECConnectorMeta | None = None  # None: no connector, or nothing to load or save
     grammar_bitmask: GrammarBitmask | None = None  # None: no constrained request samples this step
+    # Tokens the engine appended to requests without sampling (a grammar that allows one token only):
+    # req_id -> (the request's number of tokens before them, the tokens). Applied once: an entry the
+    # worker's list already ends with (a resend after a failed step) changes nothing.
+    forced_tokens: dict[str, tuple[int, list[TokenId]]] = {}
 
 
 class WorkerShutdown(msgspec.Struct, frozen=True, tag="wshutdown"):

@@ -46,7 +46,15 @@ from workers.families import family_for
 from workers.frames import Buffer, tensor_from_frame, tensors_from_shm
 from workers.kv_pool import KVPool, kv_bytes_per_token, plan_num_kv_blocks
 from workers.paged_lm import PagedLanguageModel
-from workers.runner_requests import Pool, RequestState, StepError, check_additions, grammar_rows, step_spans
+from workers.runner_requests import (
+    Pool,
+    RequestState,
+    StepError,
+    append_forced_tokens,
+    check_additions,
+    grammar_rows,
+    step_spans,
+)
 from workers.sampler import SamplingRow, make_generator, sample
 from workers.step_embeddings import step_embeddings
 
@@ -234,8 +242,9 @@ class ModelRunner:
 
     def _apply_decisions(self, sched: SchedulerOutput) -> None:
         """The scheduler's bookkeeping for this step, in the protocol's order. Drops never fail (unknown
-        ids are ignored: the engine may end a request this worker never saw); additions are checked
-        first, so a contradicting step raises ``StepError`` before it changes any request."""
+        ids are ignored: the engine may end a request this worker never saw); forced tokens are checked
+        before any is appended, additions before any is applied, so a contradicting step raises
+        ``StepError`` before it changes what it contradicts."""
         self.encoder_store.free(sched.free_mm_hashes)
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
@@ -246,6 +255,7 @@ class ModelRunner:
                 # the resumed request continues exactly where it stopped.
                 req.block_ids, req.num_computed_tokens = None, 0
 
+        append_forced_tokens(sched.forced_tokens, self.requests)
         pool = Pool(self.kv_pool.num_blocks if self.lm_forward is not None else None, self.block_size)
         layouts = check_additions(
             sched, self.requests, pool, self.model.prompt_positions, self.model.placeholder_token_ids

@@ -8,7 +8,7 @@ that state (an unknown request, blocks outside the pool, more tokens than are kn
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -152,6 +152,30 @@ def _check_num_computed(data: NewRequestData | ResumedRequestData, num_tokens: i
             f"request {data.req_id!r}: {data.num_computed_tokens} computed tokens but only "
             f"{len(data.block_ids)} blocks"
         )
+
+
+def append_forced_tokens(
+    forced_tokens: Mapping[str, tuple[int, list[int]]], requests: Mapping[str, RequestState]
+) -> None:
+    """Appends the tokens the engine forced (``SchedulerOutput.forced_tokens``) to their requests'
+    token lists; an entry a list already holds there (resent after a failed step) changes nothing, and
+    an unknown request is ignored (it ended). ``StepError``, before anything changes, when an entry
+    does not continue its list."""
+    for req_id, (num_before, tokens) in forced_tokens.items():
+        req = requests.get(req_id)
+        if (
+            req is None
+            or len(req.token_ids) == num_before
+            or req.token_ids[num_before:][: len(tokens)] == tokens
+        ):
+            continue
+        raise StepError(
+            f"request {req_id!r}: forced tokens after {num_before} of its {len(req.token_ids)} tokens"
+        )
+    for req_id, (num_before, tokens) in forced_tokens.items():
+        req = requests.get(req_id)
+        if req is not None and len(req.token_ids) == num_before:
+            req.token_ids.extend(tokens)
 
 
 def step_spans(

@@ -45,6 +45,19 @@ class RequestGrammar:
         """The allowed tokens of the next sample: one int32 row (valid until the next ``accept``)."""
         return self._mask[0]
 
+    def forced_token(self) -> int | None:
+        """The one token the grammar allows next, when it allows one only and that is no stop token
+        (the engine appends it without sampling: engine/scheduler.py), else None."""
+        if self.is_complete:
+            return None
+        words = np.flatnonzero(self._mask[0])
+        if len(words) != 1:
+            return None
+        word = int(self._mask[0, words[0]]) & 0xFFFFFFFF
+        if word & (word - 1) or self._stop_words[words[0]] & np.int32(np.uint32(word).view(np.int32)):
+            return None
+        return int(words[0]) * BITS_PER_WORD + word.bit_length() - 1
+
     def accept(self, token_id: int) -> bool:
         """Advances past a sampled token; False if the grammar does not allow it (the worker sampled
         outside the mask: the request cannot go on)."""

@@ -18,7 +18,12 @@ from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.metrics import delta
 from tests.e2e.parity import concurrent_bodies
 from tests.e2e.server import Server, serving
-from tests.e2e.structured_oracle import assert_matches_constrained, compile_grammar, constrained_greedy
+from tests.e2e.structured_oracle import (
+    assert_matches_constrained,
+    compile_grammar,
+    constrained_greedy,
+    served_tokens_are_the_oracles,
+)
 from tests.e2e.test_qwen_requests import POOL_FLAGS
 from tests.e2e.test_video_serving import CHUNKED, CLIP_A, IMAGE
 from tests.e2e.video_oracle import Case, Expected, body, expected_answers
@@ -92,6 +97,19 @@ def test_a_json_schema_answer_equals_generate_cold_warm_and_in_128_token_steps(
     cold = ask(server, constrained_body(family, [image], COMPACT, MAX_TOKENS))
     assert_matches_constrained(cold, oracle, hf_ids, hf_logprobs)
     validated(cold, RECORD)
+
+    # Without logprobs, the tokens the grammar forces (its only allowed one) are appended unsampled and
+    # computed with the next step as one span: the same answer (where the sampled one had no near-tie).
+    before = server.metrics()
+    unsampled = {
+        k: v for k, v in constrained_body(family, [image], COMPACT, MAX_TOKENS).items() if "logprobs" not in k
+    }
+    forced = ask(server, unsampled)
+    assert delta(before, server.metrics(), "mmserve_structured_output_forced_tokens_total") > 0
+    validated(forced, RECORD)
+    if served_tokens_are_the_oracles(cold, oracle, hf_ids, hf_logprobs):
+        assert forced["choices"][0]["message"] == cold["choices"][0]["message"]
+        assert forced["usage"]["completion_tokens"] == cold["usage"]["completion_tokens"]
 
     before = server.metrics()
     warm = ask(server, constrained_body(family, [image], COMPACT, MAX_TOKENS))

@@ -205,3 +205,24 @@ def test_memory_stays_flat_across_many_requests(runner, prompts):
     before = _rss_bytes()
     serve(200)
     assert _rss_bytes() - before < 8 * 2**20
+
+
+def test_forced_tokens_are_computed_as_one_span_and_appended_once(runner, hf_model, prompts):
+    """Tokens the engine forced (a grammar that allowed one token only) come with the next step: the
+    worker appends them after its sampled token and computes them with it as one span, and samples what
+    generate samples after them; the same entry again (a resend after a failed step) changes nothing;
+    one that does not continue the request's tokens fails the step before anything changes."""
+    prompt = prompts["text"]
+    num_prompt, ref = len(prompt.input_ids), prompt.reference
+    new = NewRequestData("f", prompt.input_ids, [], greedy(hf_model), blocks(prompt, runner))
+    runner.execute(SchedulerOutput(0, [new], {"f": num_prompt}, [], [], []), [b""])
+    forced = {"f": (num_prompt + 1, ref[1:4])}
+    out = runner.execute(SchedulerOutput(1, [], {"f": 4}, [], [], [], forced_tokens=forced), [b""])
+    assert out.sampled_token_ids == [ref[4]]
+    out = runner.execute(SchedulerOutput(2, [], {"f": 1}, [], [], [], forced_tokens=forced), [b""])
+    assert out.sampled_token_ids == [ref[5]]
+    assert runner.requests["f"].token_ids[num_prompt:] == ref[:6]
+    wrong = {"f": (num_prompt + 1, [ref[1], ref[1]])}
+    with pytest.raises(StepError, match="forced tokens"):
+        runner.execute(SchedulerOutput(3, [], {"f": 1}, [], [], [], forced_tokens=wrong), [b""])
+    assert runner.requests["f"].token_ids[num_prompt:] == ref[:6]

@@ -134,8 +134,9 @@ def test_every_kind_is_followed(grammars: GrammarCompiler, tokenizer: PreTrained
 
 def test_only_requests_that_sample_get_a_bitmask_row(grammars: GrammarCompiler) -> None:
     """A prefill chunk that does not reach the prompt's end samples nothing and gets no row; every token
-    the constrained request samples had one; an unconstrained request beside it samples what it samples
-    alone, without a row."""
+    the constrained request samples had one, and the tokens its grammar forced (the only one allowed)
+    were appended without a sample; an unconstrained request beside it samples what it samples alone,
+    without a row."""
     worker = StandinWorker(vocab_size=VOCAB_SIZE)
     core = core_with(grammars, worker, max_num_batched_tokens=64)
     core.add_request(b"a", request("c", schema(POINT), prompt_len=150), [])
@@ -146,7 +147,9 @@ def test_only_requests_that_sample_get_a_bitmask_row(grammars: GrammarCompiler) 
     rows = [step.sched.grammar_bitmask.req_ids if step.sched.grammar_bitmask else [] for step in worker.steps]
     assert rows[0] == [] and worker.steps[0].sched.num_scheduled_tokens["c"] == 64  # no sample yet
     assert all(row in ([], ["c"]) for row in rows)
-    assert sum(row == ["c"] for row in rows) == len(found["c"][0])
+    forced = core.scheduler.num_forced_tokens
+    assert forced > 0  # '{"x": ' and the like
+    assert sum(row == ["c"] for row in rows) == len(found["c"][0]) - forced
 
 
 def test_a_request_waits_for_its_grammar_without_holding_a_slot(grammars: GrammarCompiler) -> None:
@@ -296,3 +299,32 @@ def test_a_grammar_complete_before_any_token_ends_at_once(grammars: GrammarCompi
     [out] = [*at_once.get(b"a", []), *wait_for_grammars(core).get(b"a", [])]
     assert (out.new_token_ids, out.finish_reason, out.error) == ([], FinishReason.STOP, None)
     assert not core.holds_requests
+
+
+def test_forced_tokens_reach_the_worker_with_the_next_step_and_none_are_forced_with_logprobs(
+    grammars: GrammarCompiler, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    """Where a constant's grammar allows one token only, that token comes out with the sampled one and
+    reaches the worker with the next step, at its place in the answer (the stand-in refuses a span past
+    the tokens it has); a request that asks for logprobs samples every token (a forced one has no
+    logits), and both answers are the constant."""
+    const = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps({"const": "abcdefghij klmnopqrst"}))
+    worker = StandinWorker(vocab_size=VOCAB_SIZE)
+    core = core_with(grammars, worker)
+    core.add_request(b"a", request("c", const), [])
+    wait_for_grammars(core)
+    tokens, reason = answers(run_until_idle(core, MAX_STEPS))["c"]
+    assert reason is FinishReason.STOP and json.loads(tokenizer.decode(tokens)) == "abcdefghij klmnopqrst"
+    sent = [step.sched.forced_tokens["c"] for step in worker.steps if "c" in step.sched.forced_tokens]
+    for num_before, forced in sent:
+        assert tokens[num_before - 20 : num_before - 20 + len(forced)] == forced  # 20 prompt tokens
+    # the last ones, which end the answer, are never sent: nothing computes them
+    assert 0 < sum(len(forced) for _, forced in sent) <= core.scheduler.num_forced_tokens
+
+    core = core_with(grammars)
+    with_logprobs = SamplingParams(max_tokens=200, eos_token_ids=(EOS,), num_top_logprobs=0)
+    core.add_request(b"a", AddRequest("lp", list(range(3, 23)), with_logprobs, constraint=const), [])
+    wait_for_grammars(core)
+    sampled, reason = answers(run_until_idle(core, MAX_STEPS))["lp"]
+    assert core.scheduler.num_forced_tokens == 0 and reason is FinishReason.STOP
+    assert json.loads(tokenizer.decode(sampled)) == "abcdefghij klmnopqrst"
