@@ -8,9 +8,11 @@ The load: streamed chat completions at concurrency 16, 1024x1024 JPEG data URLs 
 images; every tenth request a new one, as bench/engine_loads.py's "reuse90", each load with new images of
 its own), 64 output tokens
 (``ignore_eos``), temperature 0. A constrained request carries ``response_format: json_schema`` with a
-10-field object whose answers are far longer than 64 tokens, so every request, constrained or not,
-generates exactly 64 tokens (checked). Per server, the free and the constrained load alternate over
-``--rounds`` rounds, free first in odd rounds and constrained first in even ones: the medians of
+10-field object whose answers are far longer than 64 tokens (the "json_schema" load: JSON whitespace as
+the server allows by default), or the same schema as ``structured_outputs`` with
+``disable_any_whitespace`` (the "compact" load: the grammar forces keys and separators), so every
+request, constrained or not, generates exactly 64 tokens (checked). Per server, the three loads take
+turns over ``--rounds`` rounds, in one order in odd rounds and the reverse in even ones: the medians of
 requests/s and of time per output token (TPOT p50), and the median of the rounds' constrained / free
 ratios. Then a schema's first use
 against a repeat: eight new schemas, one request at a time on a pool image, each sent twice: TTFT p50 of
@@ -71,6 +73,17 @@ def constrained(body: bytes, variant: int = 0) -> bytes:
     return json.dumps(payload).encode()
 
 
+def compact(body: bytes) -> bytes:
+    """The schema as vLLM's ``structured_outputs`` with ``disable_any_whitespace``: compact JSON, whose
+    keys and separators the grammar forces."""
+    payload = json.loads(body)
+    payload["structured_outputs"] = {"json": schema(), "disable_any_whitespace": True}
+    return json.dumps(payload).encode()
+
+
+KINDS = {"free": None, "json_schema": constrained, "compact": compact}  # load -> how its bodies change
+
+
 def run(base_url: str, bodies: Iterator[tuple[bytes, bool]], max_tokens: int = MAX_TOKENS) -> Result:
     """Sends ``bodies`` at concurrency 16; each must stream exactly ``max_tokens`` tokens."""
     wall_s, answers = asyncio.run(send(base_url, bodies, CONCURRENCY, 600.0))
@@ -83,26 +96,28 @@ def run(base_url: str, bodies: Iterator[tuple[bytes, bool]], max_tokens: int = M
 def loads(
     base_url: str, requests: Requests, num: int, rounds: int, new_images: Iterator[list[str]]
 ) -> dict[str, dict[str, float]]:
-    """Free and constrained loads, alternating (free first in odd rounds, constrained first in even ones,
-    so the machine's drift through a run favours neither), each with never-seen images of its own
-    (``new_images``: one list per load); the median of each figure over the rounds, and (as the
-    constrained load's "ratio") the median of the rounds' constrained / free requests/s: a round's two
-    loads ran back to back."""
-    figures: dict[str, list[dict[str, float]]] = {"free": [], "json_schema": []}
+    """The free and the two constrained loads (``KINDS``), in turn, in one order in odd rounds and the
+    reverse in even ones (so the machine's drift through a run favours none), each with never-seen images
+    of its own (``new_images``: one list per load); the median of each figure over the rounds, and (as a
+    constrained load's "ratio") the median of the rounds' constrained / free requests/s: a round's loads
+    ran back to back."""
+    figures: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
     for round_index in range(rounds):
-        for kind in list(figures) if round_index % 2 == 0 else list(figures)[::-1]:
+        for kind in list(KINDS) if round_index % 2 == 0 else list(KINDS)[::-1]:
             requests.new = next(new_images)
+            change = KINDS[kind]
             bodies = (requests.body(LOAD, i) for i in range(num))
-            if kind == "json_schema":
-                bodies = ((constrained(body), new) for body, new in bodies)
+            if change is not None:
+                bodies = ((change(body), new) for body, new in bodies)
             result = run(base_url, bodies)
             tpot = [a.tpot_s for a in result.ok if a.tpot_s is not None]
             row = {"req/s": result.req_per_s, "TPOT ms": 1e3 * statistics.median(tpot)}
             figures[kind].append(row)
             print(f"  round {round_index + 1} {kind}: {row}", flush=True)
     table = {kind: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for kind, rs in figures.items()}
-    pairs = zip(figures["json_schema"], figures["free"], strict=True)
-    table["json_schema"]["ratio"] = statistics.median(con["req/s"] / free["req/s"] for con, free in pairs)
+    for kind in ("json_schema", "compact"):
+        pairs = zip(figures[kind], figures["free"], strict=True)
+        table[kind]["ratio"] = statistics.median(con["req/s"] / free["req/s"] for con, free in pairs)
     return table
 
 
@@ -142,9 +157,9 @@ def main() -> None:
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="mmserve-bench-structured-"))
     pool = [jpeg_data_url(1024, seed=i) for i in range(8)]
-    # every load its own never-seen images (a tenth of its requests): 2 loads per round
+    # every load its own never-seen images (a tenth of its requests): one load per kind per round
     per_load = -(-args.requests // 10)
-    new = [jpeg_data_url(1024, seed=100 + i) for i in range(2 * args.rounds * per_load)]
+    new = [jpeg_data_url(1024, seed=100 + i) for i in range(len(KINDS) * args.rounds * per_load)]
     warm = [jpeg_data_url(1024, seed=900 + i) for i in range(8)]
     servers: list[tuple[str, Server]] = []
     for family in args.families.split(","):
@@ -163,7 +178,7 @@ def main() -> None:
         with serving(server, args.vllm_peer, args.vllm_dir, folder) as base_url:
             warm_up(base_url, requests)
             started = time.monotonic()
-            slices = (new[k * per_load : (k + 1) * per_load] for k in range(2 * args.rounds))
+            slices = (new[k * per_load : (k + 1) * per_load] for k in range(len(KINDS) * args.rounds))
             table[server.label] = loads(base_url, requests, args.requests, args.rounds, slices)
             table[server.label]["TTFT ms"] = first_uses(base_url, requests, 1000 * (offset + 1))
             print(f"  {time.monotonic() - started:.0f} s", flush=True)
@@ -171,37 +186,41 @@ def main() -> None:
     print(f"\n{machine()}, revision {revision}, {date.today()}")
     print(f"\nconcurrency {CONCURRENCY}, {MAX_TOKENS} tokens, 1024x1024 JPEGs at 90 % reuse, {args.requests} "
           f"requests per load, median of {args.rounds} rounds:")  # fmt: skip
-    print("| server | req/s free | req/s schema | ratio of medians | median ratio | TPOT p50 free / schema "
-          "| TTFT 1st use / repeat |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("| server | req/s free | req/s schema | req/s compact | schema / free | compact / free "
+          "| TPOT p50 free / schema / compact | TTFT 1st use / repeat |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for label, row in table.items():
-        free, con, ttft = row["free"], row["json_schema"], row["TTFT ms"]
-        ratio = con["req/s"] / free["req/s"]
-        tpot = f"{free['TPOT ms']:.1f} / {con['TPOT ms']:.1f} ms"
+        free, con, tight, ttft = row["free"], row["json_schema"], row["compact"], row["TTFT ms"]
+        req_s = f"{free['req/s']:.1f} | {con['req/s']:.1f} | {tight['req/s']:.1f}"
+        ratios = f"{con['ratio']:.2f}x | {tight['ratio']:.2f}x"
+        tpot = f"{free['TPOT ms']:.1f} / {con['TPOT ms']:.1f} / {tight['TPOT ms']:.1f} ms"
         first = f"{ttft['first use']:.0f} / {ttft['repeat']:.0f} ms"
-        ratios = f"{ratio:.2f}x | {con['ratio']:.2f}x"
-        print(f"| {label} | {free['req/s']:.1f} | {con['req/s']:.1f} | {ratios} | {tpot} | {first} |")
+        print(f"| {label} | {req_s} | {ratios} | {tpot} | {first} |")
+    print("(ratios: the median of the rounds' constrained / free requests/s)")
     for label, row in table.items():
         if label.startswith("mmserve"):
-            ratio = row["json_schema"]["ratio"]
-            print(f"{label}: json_schema / free, req/s, median round: {ratio:.2f}x (target >= 0.9x)")
+            for kind in ("json_schema", "compact"):
+                ratio = row[kind]["ratio"]
+                print(f"{label}: {kind} / free, req/s, median round: {ratio:.2f}x (target >= 0.9x)")
     vllm = next((row for label, row in table.items() if label.startswith("vLLM")), None)
     if vllm is not None and "mmserve llava" in table:
         ratio = table["mmserve llava"]["json_schema"]["req/s"] / vllm["json_schema"]["req/s"]
         print(f"mmserve llava / vLLM, json_schema req/s: {ratio:.2f}x (target >= 1.5x)")
+        ratio = table["mmserve llava"]["compact"]["req/s"] / vllm["compact"]["req/s"]
+        print(f"mmserve llava / vLLM, compact req/s: {ratio:.2f}x")
     draw(
         args.chart,
-        "Structured outputs: a 10-field JSON schema vs free text, c=16, 64 tokens, 90 % image reuse",
+        "Structured outputs: a 10-field JSON schema (default, compact) vs free text, c=16, 64 tokens",
         [
             Panel(
                 "Requests/s",
                 "req/s",
-                {k: {f: v[f]["req/s"] for f in ("free", "json_schema")} for k, v in table.items()},
+                {k: {f: v[f]["req/s"] for f in KINDS} for k, v in table.items()},
             ),
             Panel(
                 "TPOT p50",
                 "ms",
-                {k: {f: v[f]["TPOT ms"] for f in ("free", "json_schema")} for k, v in table.items()},
+                {k: {f: v[f]["TPOT ms"] for f in KINDS} for k, v in table.items()},
             ),
             Panel("TTFT of a schema: first use vs repeat", "ms", {k: v["TTFT ms"] for k, v in table.items()}),
         ],
