@@ -423,8 +423,10 @@ class Scheduler:
         forced: list[int] = []
         reason = None
         while reason is None and (token_id := grammar.forced_token()) is not None:
-            accepted = grammar.accept(token_id)
-            assert accepted  # the grammar's own only token
+            if not grammar.accept(token_id):  # its own only token: never, unless the matcher is broken
+                request.error = GRAMMAR_BROKEN
+                reason = FinishReason.ABORT
+                break
             request.output_token_ids.append(token_id)
             forced.append(token_id)
             reason = self._stop_reason(request, token_id)
@@ -477,6 +479,7 @@ class Scheduler:
         """Releases everything the request held; its worker state is dropped in the next step."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        self._forced_tokens.pop(request.req_id, None)
         if request.awaits_grammar:
             request.awaits_grammar = False
             self.num_awaiting_grammar -= 1
