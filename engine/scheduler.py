@@ -284,9 +284,7 @@ class Scheduler:
             cached_blocks=self.kv_cache.take_newly_cached(),
             ec_meta=self.connector.build_connector_meta() if self.connector is not None else None,
             unavailable=unavailable,
-            forced_tokens={
-                r: f for r, f in forced.items() if r in self.requests and not self.requests[r].is_finished
-            },
+            forced_tokens=forced,  # a request's entry goes when it finishes (_finish)
         )
 
     def _preempt(self, request: Request) -> None:
@@ -430,11 +428,10 @@ class Scheduler:
             request.output_token_ids.append(token_id)
             forced.append(token_id)
             reason = self._stop_reason(request, token_id)
-        if forced:
+        if forced:  # (dropped again if the request stops now: _finish)
             new_token_ids += forced
             self.num_forced_tokens += len(forced)
-            if reason is None:
-                self._forced_tokens[request.req_id] = (num_before, forced)
+            self._forced_tokens[request.req_id] = (num_before, forced)
         return reason
 
     def fail_step(self, plan: StepPlan) -> list[Request]:
@@ -456,7 +453,7 @@ class Scheduler:
         self._resend_free_mm_hashes += plan.free_mm_hashes
         self._finished_req_ids[:0] = plan.finished_req_ids
         for req_id, entry in plan.forced_tokens.items():  # the worker may not have appended them
-            if req_id in self.requests and not self.requests[req_id].is_finished:
+            if req_id in self.requests:  # not finished
                 self._forced_tokens.setdefault(req_id, entry)
         self._preempted_req_ids[:0] = plan.preempted_req_ids
         return failed

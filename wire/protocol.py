@@ -357,7 +357,7 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
     grammar_bitmask: GrammarBitmask | None = None  # None: no constrained request samples this step
     # Tokens the engine appended to requests without sampling (a grammar that allows one token only):
     # req_id -> (the request's number of tokens before them, the tokens). Applied once: an entry the
-    # worker's list already ends with (a resend after a failed step) changes nothing.
+    # worker's list already holds there (a resend after a failed step) changes nothing.
     forced_tokens: dict[str, tuple[int, list[TokenId]]] = {}
 
 
