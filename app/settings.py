@@ -213,6 +213,13 @@ class Settings(BaseSettings):
         description="Compiled grammars of structured outputs the engine keeps for requests that repeat "
         "a constraint, in MiB; 0 compiles every request's anew.",
     )
+    response_format_whitespace: Literal["compact", "any"] = Field(
+        "compact",
+        description="Whitespace in JSON answers to OpenAI's response_format (json_schema, json_object, "
+        "and the Responses API's text.format): compact writes only the separators ', ' and ': ', as "
+        "OpenAI's answers read; any allows up to 16 whitespace characters between elements, as vLLM's "
+        "default. A request's structured_outputs.disable_any_whitespace overrides it.",
+    )
     structured_output_compile_timeout_s: float = Field(
         30.0,
         gt=0,

@@ -51,6 +51,7 @@ class ChatService:
         engine: EngineClient,
         metrics: ApiMetrics,
         defaults: SamplingDefaults | None = None,
+        response_format_whitespace: bool = False,
     ) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -58,6 +59,7 @@ class ChatService:
         self.engine = engine
         self.metrics = metrics
         self.defaults = defaults if defaults is not None else SamplingDefaults()
+        self.response_format_whitespace = response_format_whitespace  # --response-format-whitespace any
         self.tokenizer = inputs.family.tokenizer
         self._warned_fields: set[str] = set()  # unknown request fields logged once each
 
@@ -107,7 +109,9 @@ class ChatService:
 
     def spec(self, body: ChatCompletionRequest, raw: Request) -> RequestSpec:
         """The request as the input path takes it; its constraint is checked first, before any work."""
-        constraint = requested_constraint(body.response_format, body.structured_outputs)
+        constraint = requested_constraint(
+            body.response_format, body.structured_outputs, self.response_format_whitespace
+        )
         tools = self._tools(body, constraint)
         if tools.constraint is not None:
             constraint = RequestedConstraint(tools.constraint, "tools")

@@ -25,10 +25,15 @@ class RequestedConstraint:
 
 
 def requested_constraint(
-    response_format: ResponseFormat | None, structured_outputs: StructuredOutputs | None
+    response_format: ResponseFormat | None,
+    structured_outputs: StructuredOutputs | None,
+    response_format_whitespace: bool = False,
 ) -> RequestedConstraint | None:
     """The request's constraint, or None; ``InvalidRequestError`` when it is malformed, unsupported, too
-    large, or one of several."""
+    large, or one of several. JSON from ``response_format`` allows free whitespace where
+    ``response_format_whitespace`` says so (the server's default, ``--response-format-whitespace``),
+    from ``structured_outputs`` unless it disables it (vLLM's default); a request's
+    ``disable_any_whitespace``, where it sets it, rules both (docs/api.md, "Structured outputs")."""
     found: list[tuple[str, ConstraintKind, Any]] = []
     if response_format is not None and response_format.type == "json_object":
         found.append(("response_format", ConstraintKind.JSON_OBJECT, None))
@@ -40,10 +45,12 @@ def requested_constraint(
                 response_format.json_schema.json_schema,
             )
         )
-    any_whitespace = True
+    any_whitespace = response_format_whitespace
     if structured_outputs is not None:
         fields = structured_outputs
-        any_whitespace = not fields.disable_any_whitespace
+        # vLLM's default for its own constraints; with response_format, only where the request says
+        if not found or "disable_any_whitespace" in fields.model_fields_set:
+            any_whitespace = not fields.disable_any_whitespace
         candidates = [
             ("json", ConstraintKind.JSON_SCHEMA, fields.json_schema),
             ("json_object", ConstraintKind.JSON_OBJECT, True if fields.json_object else None),

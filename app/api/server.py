@@ -83,7 +83,15 @@ def create_app(
         media_ids = media_ids_for(settings)
         inputs = InputProcessor(settings, family, processor_cache, engine, metrics, media, pool, media_ids)
         defaults = SamplingDefaults.load(settings.model, settings.generation_config)
-        chat_service = ChatService(settings.model_name, max_model_len, inputs, engine, metrics, defaults)
+        chat_service = ChatService(
+            settings.model_name,
+            max_model_len,
+            inputs,
+            engine,
+            metrics,
+            defaults,
+            response_format_whitespace=settings.response_format_whitespace == "any",
+        )
         tokenize = TokenizeService(settings.model_name, max_model_len, inputs)
         response_store = ResponseStore(
             settings.responses_store, settings.responses_store_entries, settings.responses_store_mb << 20

@@ -76,6 +76,7 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("Structured outputs", (
         ("structured_output_cache_mb", "engine"),
         ("structured_output_compile_timeout_s", "engine"),
+        ("response_format_whitespace", "api"),
     )),
     ("Worker", (
         ("device", "worker"),

@@ -6,6 +6,7 @@ through the image, and after a preemption. Each answer that ends parses and vali
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,9 @@ TEXT = "Describe the picture as a record."
 
 @pytest.fixture(scope="module")
 def llava_chunked(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    with serving(tiny_model_dir, tmp_path_factory.mktemp("structured-chunked"), *CHUNKED) as srv:
+    """128-token steps; response_format's JSON with free whitespace (vLLM's default) instead of compact."""
+    folder = tmp_path_factory.mktemp("structured-chunked")
+    with serving(tiny_model_dir, folder, *CHUNKED, "--response-format-whitespace", "any") as srv:
         yield srv
 
 
@@ -82,6 +85,12 @@ def validated(response: dict[str, Any], schema: dict[str, Any]) -> Any:
     return value
 
 
+def is_compact(text: str) -> bool:
+    """JSON with no whitespace outside strings but the one space of the separators ", " and ": "."""
+    outside = re.sub(r'"(?:[^"\\]|\\.)*"', '""', text)
+    return re.sub(r"([,:]) ", r"\1", outside) == "".join(outside.split()) != ""
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_json_schema_answer_equals_generate_cold_warm_and_in_128_token_steps(
     family: str,
@@ -100,13 +109,17 @@ def test_a_json_schema_answer_equals_generate_cold_warm_and_in_128_token_steps(
 
     # Without logprobs, the tokens the grammar forces (its only allowed one) are appended unsampled and
     # computed with the next step as one span: the same answer (where the sampled one had no near-tie).
+    # Asked as OpenAI's response_format, whose JSON is compact by default: the same grammar.
     before = server.metrics()
     unsampled = {
         k: v for k, v in constrained_body(family, [image], COMPACT, MAX_TOKENS).items() if "logprobs" not in k
     }
+    del unsampled["structured_outputs"]
+    unsampled["response_format"] = {"type": "json_schema", "json_schema": {"name": "r", "schema": RECORD}}
     forced = ask(server, unsampled)
     assert delta(before, server.metrics(), "mmserve_structured_output_forced_tokens_total") > 0
     validated(forced, RECORD)
+    assert is_compact(forced["choices"][0]["message"]["content"])
     if served_tokens_are_the_oracles(cold, oracle, hf_ids, hf_logprobs):
         assert forced["choices"][0]["message"] == cold["choices"][0]["message"]
         assert forced["usage"]["completion_tokens"] == cold["usage"]["completion_tokens"]
@@ -132,9 +145,12 @@ def test_a_json_schema_answer_equals_generate_cold_warm_and_in_128_token_steps(
     )  # no step above 128 tokens: the prefill ran in chunks
 
 
-def test_free_whitespace_is_bounded_as_documented(server: Server, oracle: Oracle) -> None:
-    """The default JSON whitespace (any, at most JSON_MAX_WHITESPACE characters per gap) is the one the
-    oracle compiles: the same answer, token for token."""
+def test_free_whitespace_is_bounded_as_documented(
+    server: Server, oracle: Oracle, llava_chunked: Server
+) -> None:
+    """structured_outputs' default JSON whitespace (any, at most JSON_MAX_WHITESPACE characters per gap)
+    is the one the oracle compiles: the same answer, token for token; and response_format's, on a server
+    started with ``--response-format-whitespace any``."""
     structured = {"json": RECORD}
     image = make_image(951)
     hf_ids, hf_logprobs = constrained_greedy(
@@ -142,6 +158,12 @@ def test_free_whitespace_is_bounded_as_documented(server: Server, oracle: Oracle
     )
     response = ask(server, constrained_body("llava", [image], structured, 192))
     assert_matches_constrained(response, oracle, hf_ids, hf_logprobs)
+    assert not is_compact(response["choices"][0]["message"]["content"])  # the model takes the freedom
+
+    spaced = constrained_body("llava", [image], structured, 192)
+    del spaced["structured_outputs"]
+    spaced["response_format"] = {"type": "json_schema", "json_schema": {"name": "r", "schema": RECORD}}
+    assert_matches_constrained(ask(llava_chunked, spaced), oracle, hf_ids, hf_logprobs)
 
 
 VIDEO_CASES = {

@@ -64,13 +64,37 @@ def test_each_field_makes_its_constraint() -> None:
     }
     for param, (fields, kind) in cases.items():
         found = constraint_of(**fields)
-        assert (found.param, found.constraint.kind, found.constraint.any_whitespace) == (param, kind, True)
+        # OpenAI's field gives compact JSON by default, vLLM's allows whitespace as vLLM does
+        any_whitespace = param.startswith("structured_outputs")
+        assert (found.param, found.constraint.kind, found.constraint.any_whitespace) == (
+            param,
+            kind,
+            any_whitespace,
+        )
     assert json.loads(constraint_of(**cases["structured_outputs.json"][0]).constraint.spec) == POINT
     assert json.loads(constraint_of(structured_outputs={"json": json.dumps(POINT)}).constraint.spec) == POINT
     assert constraint_of(structured_outputs={"choice": ["a", "b", "a"]}).constraint.spec == '["a", "b"]'
     compact = constraint_of(structured_outputs={"json": POINT, "disable_any_whitespace": True})
     assert not compact.constraint.any_whitespace
     assert constraint_of() is None and constraint_of(response_format={"type": "text"}) is None
+
+
+def test_json_whitespace_follows_the_server_default_unless_the_request_says() -> None:
+    schema_format = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT}}
+    for server_allows in (False, True):
+
+        def whitespace(**fields: Any) -> bool:
+            body = chat(**fields)
+            found = requested_constraint(body.response_format, body.structured_outputs, server_allows)
+            return bool(found.constraint.any_whitespace)
+
+        assert whitespace(response_format=schema_format) is server_allows
+        assert whitespace(response_format={"type": "json_object"}) is server_allows
+        for disable in (False, True):  # the request's own word rules response_format's JSON too
+            said = {"disable_any_whitespace": disable}
+            assert whitespace(response_format=schema_format, structured_outputs=said) is not disable
+        # vLLM's constraints keep vLLM's default, whatever the server's default for response_format
+        assert whitespace(structured_outputs={"json": POINT}) is True
 
 
 def test_the_schema_keeps_its_property_order() -> None:
