@@ -114,7 +114,7 @@ bench-agents: setup model
 bench-ray: setup model
 	$(PY) bench/bench_ray.py --model $(MODEL)
 
-# ~9 min: a 10-field JSON schema (default and compact whitespace) vs free text at c=16, 64 tokens, 90 % reuse of 1024x1024 JPEGs, on the tiny
+# ~9 min: a 10-field JSON schema (compact, as response_format answers, and spaced) vs free text at c=16, 64 tokens, 90 % reuse of 1024x1024 JPEGs, on the tiny
 # LLaVA and Qwen2.5-VL and vLLM's CPU peer (if set up); a schema's first use vs a repeat; draws docs/img/structured.png
 bench-structured: setup
 	$(PY) bench/bench_structured.py

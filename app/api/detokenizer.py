@@ -86,11 +86,21 @@ class IncrementalDetokenizer:
         return self._released[0] if self._released else ""
 
     def push(self, token_ids: list[int]) -> str:
-        """Adds new token ids; returns the text that may be sent now (often "")."""
+        """Adds new token ids; returns the text that may be sent now (often ""). With stop strings, ids
+        are taken one at a time up to the one that completes a stop string: ``token_ids`` ends there, and
+        several ids in one push end where they would have one by one."""
         if self.stopped or self._finished:
             return ""
-        self.token_ids.extend(token_ids)
-        return self._release(self._decode_new(final=False), final=False)
+        if not self.stop or len(token_ids) <= 1:
+            self.token_ids.extend(token_ids)
+            return self._release(self._decode_new(final=False), final=False)
+        released = []
+        for token_id in token_ids:
+            self.token_ids.append(token_id)
+            released.append(self._release(self._decode_new(final=False), final=False))
+            if self.stopped:
+                break
+        return "".join(released)
 
     def flush(self) -> str:
         """Called once when the request finished (EOS, length): decodes what was waiting for more bytes

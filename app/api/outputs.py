@@ -118,14 +118,17 @@ class ChoiceOutputs:
                     yield ChoiceDelta(index, text, logprobs, gen.finish_reason)
 
     def _advance(self, gen: Generation, out: RequestOutput) -> str:
-        """Applies one engine output to ``gen``; returns the new text."""
-        if out.new_token_ids:
-            self._observe_latency(gen, len(out.new_token_ids))
-        gen.token_ids.extend(out.new_token_ids)
-        self.metrics.generation_tokens.inc(len(out.new_token_ids))
-        if gen.want_logprobs and out.logprobs:
-            gen.logprobs.extend(logprob_entries(out.logprobs, gen.detok))
+        """Applies one engine output to ``gen``; returns the new text. Of an output of several tokens
+        (forced tokens, or outputs merged while the API was busy), those after the one that completed a
+        stop string are dropped: the answer, its logprobs and its usage are as one token at a time."""
         delta = gen.detok.push(out.new_token_ids)
+        new_token_ids = gen.detok.token_ids[len(gen.token_ids) :]
+        if new_token_ids:
+            self._observe_latency(gen, len(new_token_ids))
+        gen.token_ids.extend(new_token_ids)
+        self.metrics.generation_tokens.inc(len(new_token_ids))
+        if gen.want_logprobs and out.logprobs:
+            gen.logprobs.extend(logprob_entries(out.logprobs[: len(new_token_ids)], gen.detok))
         if gen.detok.stopped:
             gen.finish_reason = "stop"
             self.engine.release(gen.req_id, abort=True)

@@ -8,6 +8,9 @@
 - **images**: 1024x1024 JPEGs at concurrency 64, 128 output tokens, every image new (0 % reuse) and then
   90 % reuse (one request in ten brings a new image, the rest draw from 8 sent before): requests/s, TTFT
   p50, output tokens/s, and encoder ms per image (the worker's encoder time over its encoder runs);
+- **agent loop**: one agent alone, five turns on ``/v1/responses`` chained by ``previous_response_id``,
+  each a new image (bench/bench_agents.py's loop): TTFT per turn, turn 5's over turn 1's (the history's
+  cost; docs/benchmarks.md, "Agent loops");
 - **decode**: 1, 16 and 64 text requests at once (~280-token prompts, 128 tokens), their prompts sent
   once before (one output token) so that they come from the prefix cache: time per output token (client
   p50) and the worker's mean forward time per step.
@@ -34,6 +37,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
+from bench_agents import agent_alone  # noqa: E402
 from bench_input_scale import scrape  # noqa: E402
 from bench_throughput import Proc, chat_body, free_port, wait_healthy  # noqa: E402
 from charts import Panel, draw  # noqa: E402
@@ -43,6 +47,7 @@ from images import jpeg_data_url  # noqa: E402
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM's datasheet (an H200: 4.8e12)
 BF16_FLOPS = 800e12  # an 8192^3 bf16 matmul here: 769-798 TFLOP/s on the H100 and H200
 POOL = 8
+AGENT_TURNS, NUM_AGENTS = 5, 2
 
 
 @dataclass(frozen=True)
@@ -135,6 +140,27 @@ def probe(base_url: str, body: bytes) -> dict[str, Any]:
     return {
         "prompt_tokens": after["mmserve_prompt_tokens_total"] - before.get("mmserve_prompt_tokens_total", 0),
         "ttft_ms": 1e3 * (answer.ttft_s or 0.0),
+    }
+
+
+def agent_turns(base_url: str, model: str, sizes: Sizes) -> dict[str, Any]:
+    """TTFT per turn of ``NUM_AGENTS`` agents alone, one after another (the median per turn), each turn a
+    new image, and turn 5's over turn 1's."""
+    runs = [
+        agent_alone(
+            base_url,
+            model,
+            "previous_response_id",
+            [jpeg_data_url(sizes.image_px, 5000 + 10 * agent + turn) for turn in range(AGENT_TURNS)],
+        )
+        for agent in range(NUM_AGENTS)
+    ]
+    ttft_ms = [1e3 * statistics.median(run[turn]["TTFT"] for run in runs) for turn in range(AGENT_TURNS)]
+    return {
+        "ttft_ms": ttft_ms,
+        "prompt_tokens": [runs[0][turn]["prompt tokens"] for turn in range(AGENT_TURNS)],
+        "cached_tokens": [runs[0][turn]["cached tokens"] for turn in range(AGENT_TURNS)],
+        "last_over_first": ttft_ms[-1] / ttft_ms[0],
     }
 
 
@@ -235,6 +261,8 @@ def main() -> None:
                 base_url, text_bodies(model, sizes, batch), batch, sizes.max_tokens
             )
             print(f"decode_{batch}", json.dumps(figures[f"decode_{batch}"]), flush=True)
+        figures["agent"] = agent_turns(base_url, model, sizes)
+        print("agent", json.dumps(figures["agent"]), flush=True)
     finally:
         proc.stop()
     figures["roofline"] = rooflines(checkpoint, config, figures, args.hbm_bytes_per_s, args.flops)
@@ -306,6 +334,13 @@ def print_table(figures: dict[str, Any]) -> None:
         )
         print("  ".join(f"{v:>12}" for v in values))
     print(f"encoder roofline per image: {image.get('encoder_ms_per_image', 0):.2f} ms")
+    agent = figures.get("agent")
+    if agent is not None:
+        turns = ", ".join(f"{t:.0f}" for t in agent["ttft_ms"])
+        print(
+            f"agent loop alone, TTFT by turn: {turns} ms (prompt tokens {agent['prompt_tokens']}); "
+            f"turn {AGENT_TURNS} / turn 1: {agent['last_over_first']:.2f}x (target <= 1.2x)"
+        )
 
 
 if __name__ == "__main__":

@@ -194,10 +194,17 @@ def test_constraints_work_with_the_other_request_features(server: Server) -> Non
     short = answer(server, **COMPACT, min_tokens=150)
     assert short["finish_reason"] == "stop"
     jsonschema.validate(json.loads(short["message"]["content"]), RECORD)
-    # a stop string cuts the constrained answer like any other
-    cut = answer(server, **COMPACT, stop=['"n"'])
+    # a stop string cuts the constrained answer like any other; its usage counts the tokens up to the
+    # one that completed the stop string, though forced tokens after it came in the same output (with
+    # logprobs nothing is forced: one token at a time)
+    cut_whole = chat(server, **COMPACT, stop=['"n"']).json()
+    cut = cut_whole["choices"][0]
     assert cut["finish_reason"] == "stop" and '"n"' not in cut["message"]["content"]
     assert short["message"]["content"].startswith(cut["message"]["content"])
+    one_by_one = chat(server, **COMPACT, stop=['"n"'], logprobs=True).json()
+    assert one_by_one["choices"][0]["message"] == cut["message"]
+    assert cut_whole["usage"]["completion_tokens"] == one_by_one["usage"]["completion_tokens"]
+    assert len(one_by_one["choices"][0]["logprobs"]["content"]) == one_by_one["usage"]["completion_tokens"]
     # logprobs are those of the raw logits: the sampled token's, and alternatives the grammar refused
     with_logprobs = answer(server, **COMPACT, logprobs=True, top_logprobs=3)
     entries = with_logprobs["logprobs"]["content"]

@@ -39,6 +39,10 @@ def test_the_kit_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     assert figures["image_0pct"]["encoder_runs"] == figures["image_0pct"]["num_requests"]
     assert 0 < figures["image_90pct"]["encoder_runs"] < figures["image_90pct"]["num_requests"]
     assert figures["roofline"]["decode_3"]["step_ms"] > 0
+    agent = figures["agent"]  # five chained turns: each turn's history is in its prompt, and cached
+    assert len(agent["ttft_ms"]) == 5 and all(t > 0 for t in agent["ttft_ms"])
+    assert all(a < b for a, b in zip(agent["prompt_tokens"], agent["prompt_tokens"][1:], strict=False))
+    assert all(c > 0 for c in agent["cached_tokens"][1:])
     profile = (out / "profile.txt").read_text()
     assert "| 3 | graphs |" in profile and "| 3 | eager |" in profile, profile
     assert len(list(out.iterdir())) <= 8  # what the device tool brings back

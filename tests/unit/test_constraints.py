@@ -81,20 +81,22 @@ def test_each_field_makes_its_constraint() -> None:
 
 def test_json_whitespace_follows_the_server_default_unless_the_request_says() -> None:
     schema_format = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT}}
+
+    def whitespace(server_allows: bool, **fields: Any) -> bool:
+        body = chat(**fields)
+        found = requested_constraint(body.response_format, body.structured_outputs, server_allows)
+        return bool(found.constraint.any_whitespace)
+
     for server_allows in (False, True):
-
-        def whitespace(**fields: Any) -> bool:
-            body = chat(**fields)
-            found = requested_constraint(body.response_format, body.structured_outputs, server_allows)
-            return bool(found.constraint.any_whitespace)
-
-        assert whitespace(response_format=schema_format) is server_allows
-        assert whitespace(response_format={"type": "json_object"}) is server_allows
+        assert whitespace(server_allows, response_format=schema_format) is server_allows
+        assert whitespace(server_allows, response_format={"type": "json_object"}) is server_allows
         for disable in (False, True):  # the request's own word rules response_format's JSON too
             said = {"disable_any_whitespace": disable}
-            assert whitespace(response_format=schema_format, structured_outputs=said) is not disable
+            assert whitespace(server_allows, response_format=schema_format, structured_outputs=said) is (
+                not disable
+            )
         # vLLM's constraints keep vLLM's default, whatever the server's default for response_format
-        assert whitespace(structured_outputs={"json": POINT}) is True
+        assert whitespace(server_allows, structured_outputs={"json": POINT}) is True
 
 
 def test_the_schema_keeps_its_property_order() -> None:

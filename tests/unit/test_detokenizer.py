@@ -167,3 +167,15 @@ def test_token_strings_and_bytes(tokenizer: PreTrainedTokenizerFast) -> None:
             assert string.encode("utf-8") == raw
     assert any(s.startswith("bytes:") for s in strings)
     assert detok.token_strings([tokenizer.eos_token_id]) == ["</s>"]
+
+
+def test_ids_after_a_stop_string_are_not_taken(tokenizer: PreTrainedTokenizerFast) -> None:
+    """Several ids in one push end where single ids would: at the one that completes the stop string."""
+    ids = tokenizer.encode("héllo wörld 日本語 🙂", add_special_tokens=False)
+    one_by_one = IncrementalDetokenizer(tokenizer, stop=["wör"])
+    text = "".join(_stream(one_by_one, ids))
+    assert one_by_one.stopped and len(one_by_one.token_ids) < len(ids)
+    for chunk in (2, 5, len(ids)):
+        batched = IncrementalDetokenizer(tokenizer, stop=["wör"])
+        assert "".join(_stream(batched, ids, chunk)) == text == "héllo "
+        assert batched.token_ids == one_by_one.token_ids
