@@ -84,6 +84,7 @@ class DecodeGraphs:
         self.graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.triton = triton_available(self.device)  # the Triton kernels, while they work
         self.fused = fusable(model.layers)  # the layers' elementwise work in fewer kernels
+        self.decoder = self._fused_decoder()
         self.enabled = True
         self.num_replays = 0
 
@@ -94,6 +95,7 @@ class DecodeGraphs:
         self.shapes.clear()
         self.triton = triton and triton_available(self.device)
         self.fused = fused and fusable(self.model.layers)
+        self.decoder = self._fused_decoder()
         if self.capture:
             self.graph_pool = torch.cuda.graph_pool_handle()
 
@@ -190,12 +192,18 @@ class DecodeGraphs:
         """The fixed-shape step: device work only."""
         tables, num_keys, slots, positions = self._views(shape, shape.ints)
         step = FixedDecodeAttention(self.pool, tables, num_keys, slots, self.triton)
-        if self.fused:
-            decoder = FusedDecoder(self.model.lm, self.model.layers, self.triton)
-            hidden = decoder(shape.embeds, positions, step)
+        if self.decoder is not None:
+            hidden = self.decoder(shape.embeds, positions, step)
         else:
             hidden = self.model.decoder(shape.embeds, positions, step)
         return self.model.logits(hidden)
+
+    def _fused_decoder(self) -> FusedDecoder | None:
+        """The fused layers, built here and not while a graph is captured (the first build merges
+        the layers' projections, which allocates)."""
+        if not self.fused:
+            return None
+        return FusedDecoder(self.model.lm, self.model.layers, self.triton)
 
     def _fill_host(self, shape: _Shape, spans: list[SeqSpan], positions: torch.Tensor) -> None:
         """The step's inputs into the host buffer; rows and table entries past the real ones point at

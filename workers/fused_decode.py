@@ -8,12 +8,21 @@ common shape (Llama for LLaVA, Qwen2 for Qwen2-VL / Qwen2.5-VL, Qwen3 for Qwen3-
 same modules' weights in about a dozen::
 
     x, residual = add_rms_norm(mlp_out, residual)     # the residual add and input_layernorm: one kernel
-    q, k, v = q_proj(x), k_proj(x), v_proj(x)          # the layer's own Linear modules
+    q, k, v = split(x @ qkv.T + qkv_bias)              # q/k/v projections as one matmul
     (Qwen3: q_norm, k_norm over each head, as modules)
     q = rope_write(q, k, v, cos, sin, pool, slots)    # RoPE of q and k, K/V into the pool: one kernel
     o = o_proj(attention(q))                           # the step's FixedDecodeAttention
     x, residual = add_rms_norm(o, residual)           # post_attention_layernorm
-    mlp_out = down_proj(silu_mul(gate_proj(x), up_proj(x)))
+    gate, up = split(x @ gate_up.T)                    # gate/up projections as one matmul
+    mlp_out = down_proj(silu_mul(gate, up))
+
+The merged projections (``merge_projections``) are one weight per layer whose row slices the q/k/v (and
+gate/up) modules now hold as views, so the model's memory does not grow and its other paths (prefill,
+transformers' layers) read the same weights. One matmul instead of three gives the thin k/v
+projections (a 7B's 512 columns) the bandwidth of a wide one and saves two launches and two bias adds.
+Each output element is the same dot product, but a matmul kernel chosen for more columns may sum in
+another order (as a GPU's choice for another batch size already does), so the CPU's path, which gives
+transformers' bits, keeps the projections apart.
 
 with the Triton kernels of ``workers.fused_kernels`` where Triton runs (CUDA), and otherwise as the
 PyTorch calls below, which are transformers' own operations in its order: on the CPU this path gives
@@ -23,6 +32,7 @@ have another shape is not fused (``fusable``): its graphs call transformers' lay
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,12 +87,64 @@ def fusable(layers: list[Any]) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class MergedProjections:
+    """One layer's q/k/v projections as one weight (and bias, where they have one), its gate/up as
+    another; ``qkv_sizes`` and ``gate_up_sizes`` split their outputs."""
+
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    qkv_sizes: list[int]
+    gate_up_weight: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    gate_up_sizes: list[int]
+
+
+def _merge(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+    """The modules' weights (and biases) concatenated; each module's own then a view of its rows."""
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in modules])
+        has_bias = [m.bias is not None for m in modules]
+        bias = torch.cat([m.bias for m in modules]) if all(has_bias) else None
+        sizes = [m.weight.shape[0] for m in modules]
+        start = 0
+        for module, size in zip(modules, sizes, strict=True):
+            module.weight = nn.Parameter(weight[start : start + size], requires_grad=False)
+            if bias is not None:
+                module.bias = nn.Parameter(bias[start : start + size], requires_grad=False)
+            start += size
+    return weight, bias, sizes
+
+
+def merge_projections(layer: Any) -> MergedProjections | None:
+    """The layer's merged projections, made on the first call (before any graph is captured: it
+    allocates); None where some of q/k/v (or gate/up) have a bias and others not."""
+    merged = getattr(layer, "_mmserve_merged", None)
+    if merged is not None:
+        return merged
+    attn, mlp = layer.self_attn, layer.mlp
+    groups = ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj])
+    if any(len({m.bias is None for m in group}) > 1 for group in groups):
+        return None
+    merged = MergedProjections(*_merge(groups[0]), *_merge(groups[1]))
+    layer._mmserve_merged = merged
+    return merged
+
+
 class FusedDecoder:
     """``PagedLanguageModel.decoder`` for a decode-only step in fixed shapes (hidden [B, hidden]):
-    the same result from fewer kernels. ``use_triton``: the Triton kernels (CUDA), else PyTorch's."""
+    the same result from fewer kernels. ``use_triton``: the Triton kernels (CUDA), else PyTorch's.
+    ``merge`` (default: with Triton) merges the layers' projections, once per model, so it is built
+    outside graph capture. The CPU's path keeps them apart: there a one-row matmul's sum can round
+    differently with more columns or with its weights at another alignment, and this path is the one
+    that gives transformers' bits."""
 
-    def __init__(self, language_model: Any, layers: list[Any], use_triton: bool) -> None:
+    def __init__(
+        self, language_model: Any, layers: list[Any], use_triton: bool, merge: bool | None = None
+    ) -> None:
         self.lm, self.layers, self.use_triton = language_model, layers, use_triton
+        merge = use_triton if merge is None else merge
+        self.merged = [merge_projections(layer) if merge else None for layer in layers]
 
     def __call__(
         self, embeds: torch.Tensor, positions: torch.Tensor, step: FixedDecodeAttention
@@ -95,13 +157,15 @@ class FusedDecoder:
         pos = positions if positions.shape[0] == 1 else positions.unsqueeze(1)
         cos, sin = (t.reshape(rows, -1) for t in self.lm.rotary_emb(embeds.unsqueeze(0), pos))
         hidden, residual = embeds, None
-        for layer_idx, layer in enumerate(self.layers):
+        for layer_idx, (layer, merged) in enumerate(zip(self.layers, self.merged, strict=True)):
             attn, mlp = layer.self_attn, layer.mlp
             x, residual = self._add_rms_norm(hidden, residual, layer.input_layernorm)
             head_dim = attn.head_dim
-            q = attn.q_proj(x).view(rows, -1, head_dim)
-            k = attn.k_proj(x).view(rows, -1, head_dim)
-            v = attn.v_proj(x).view(rows, -1, head_dim)
+            if merged is not None:
+                qkv = nn.functional.linear(x, merged.qkv_weight, merged.qkv_bias)
+                q, k, v = (t.view(rows, -1, head_dim) for t in qkv.split(merged.qkv_sizes, -1))
+            else:
+                q, k, v = (p(x).view(rows, -1, head_dim) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q = self._rope_write(layer_idx, q, k, v, cos, sin, step)  # [B, heads, d]
@@ -109,7 +173,12 @@ class FusedDecoder:
             x, residual = self._add_rms_norm(
                 attn.o_proj(out.reshape(rows, -1)), residual, layer.post_attention_layernorm
             )
-            hidden = mlp.down_proj(self._silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+            if merged is not None:
+                gate_up = nn.functional.linear(x, merged.gate_up_weight, merged.gate_up_bias)
+                gate, up = gate_up.split(merged.gate_up_sizes, -1)
+            else:
+                gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+            hidden = mlp.down_proj(self._silu_mul(gate, up))
         assert residual is not None
         return residual + hidden
 
@@ -135,9 +204,8 @@ class FusedDecoder:
         pool = step.pool
         if self.use_triton:
             k_pool, v_pool = pool.kv[layer_idx, 0], pool.kv[layer_idx, 1]
-            return fused_kernels.rope_write(
-                q.contiguous(), k.contiguous(), v.contiguous(), cos, sin, k_pool, v_pool, step.write_slots
-            )
+            q, k, v = (_heads_dense(t) for t in (q, k, v))
+            return fused_kernels.rope_write(q, k, v, cos, sin, k_pool, v_pool, step.write_slots)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = (q * cos) + (rotate_half(q) * sin)
         k = (k * cos) + (rotate_half(k) * sin)
@@ -145,6 +213,13 @@ class FusedDecoder:
         return q
 
     def _silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``gate``/``up`` [B, intermediate], each row dense (row slices of one matmul's output)."""
         if self.use_triton:
             return fused_kernels.silu_mul(gate, up)
         return nn.functional.silu(gate) * up
+
+
+def _heads_dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [B, heads, d] with each row's heads side by side (a row slice of a merged projection's
+    output is), as the RoPE kernel reads it; else a contiguous copy."""
+    return t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous()

@@ -1,7 +1,7 @@
 """The decode step's elementwise work as Triton kernels, one launch where transformers' modules launch
 several (docs/architecture.md, "Decode steps as CUDA graphs"): a residual add with the RMSNorm after
 it, RoPE of one token's query and key heads with the write of its K/V into the pool, and SiLU times
-the up projection.
+the up projection. They read their inputs in place from row slices of a merged projection's output.
 
 Each kernel rounds where transformers' modules round, so its results are theirs: in a bf16 model,
 ``residual + x`` is rounded to bf16 before the norm reads it, the norm computes in float32 and rounds
@@ -95,14 +95,16 @@ def _compile() -> dict[str, Any]:
             tl.store(v_pool_ptr + dst + HALF, tl.load(v_src + HALF, mask=ok, other=0.0), mask=ok)
 
     @triton.jit
-    def silu_mul(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < numel
-        g = tl.load(gate_ptr + offs, mask=ok, other=0.0)
-        u = tl.load(up_ptr + offs, mask=ok, other=0.0)
+    def silu_mul(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, BLOCK: tl.constexpr):
+        """Program (row, block): BLOCK columns of one row."""
+        row = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < width
+        g = tl.load(gate_ptr + row * stride_gate + offs, mask=ok, other=0.0)
+        u = tl.load(up_ptr + row * stride_up + offs, mask=ok, other=0.0)
         g32 = g.to(tl.float32)
         act = (g32 / (1.0 + tl.exp(-g32))).to(g.dtype)
-        tl.store(out_ptr + offs, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=ok)
+        tl.store(out_ptr + row * width + offs, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=ok)
 
     return {"add_rms_norm": add_rms_norm, "rope_write": rope_write, "silu_mul": silu_mul}
 
@@ -158,8 +160,13 @@ def rope_write(
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for contiguous tensors of one shape."""
-    out = torch.empty_like(gate)
+    """``silu(gate) * up`` for [B, width] tensors of one shape whose rows are dense (the two halves of
+    a merged gate/up projection's output are) -> a contiguous [B, width]."""
+    rows, width = gate.shape
+    assert up.shape == gate.shape and gate.stride(1) == 1 and up.stride(1) == 1
+    out = torch.empty((rows, width), dtype=gate.dtype, device=gate.device)
     block = 1024
-    _kernel("silu_mul")[(-(-gate.numel() // block),)](gate, up, out, gate.numel(), BLOCK=block)
+    _kernel("silu_mul")[(rows, -(-width // block))](
+        gate, up, out, width, gate.stride(0), up.stride(0), BLOCK=block
+    )
     return out

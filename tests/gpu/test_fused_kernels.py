@@ -77,6 +77,29 @@ def test_silu_mul() -> None:
     gate = torch.randn(64, 18944, dtype=torch.bfloat16, device=DEVICE) * 4
     up = torch.randn(64, 18944, dtype=torch.bfloat16, device=DEVICE)
     assert_within_one_rounding(fused_kernels.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
+    # the halves of a merged gate/up projection's output, read in place
+    gate_up = torch.cat((gate, up), -1)
+    halves = gate_up.split([18944, 18944], -1)
+    assert torch.equal(fused_kernels.silu_mul(*halves), fused_kernels.silu_mul(gate, up))
+
+
+def test_rope_write_reads_row_slices_of_a_merged_projection() -> None:
+    torch.manual_seed(0)
+    rows, heads, kv_heads, head_dim = 64, 28, 4, 128
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16, device=DEVICE)
+    q, k, v = (
+        t.view(rows, -1, head_dim) for t in qkv.split([heads * head_dim, *(2 * [kv_heads * head_dim])], -1)
+    )
+    angles = torch.rand(rows, head_dim // 2, device=DEVICE) * 100
+    cos, sin = (f(torch.cat((angles, angles), -1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    pools = [torch.zeros(4096, kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE) for _ in range(4)]
+    slots = torch.randperm(4096, device=DEVICE)[:rows]
+    in_place = fused_kernels.rope_write(q, k, v, cos, sin, pools[0], pools[1], slots)
+    copied = fused_kernels.rope_write(
+        q.contiguous(), k.contiguous(), v.contiguous(), cos, sin, *pools[2:], slots
+    )
+    assert torch.equal(in_place, copied)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3])
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "qwen3_vl"])
@@ -96,3 +119,4 @@ def test_fused_layers_on_the_gpu(tiny_model: Callable[[str], Path], family: str)
         step = FixedDecodeAttention(lm.kv_pool, tables, num_keys, slots, True)
         got = FusedDecoder(lm.lm, lm.layers, use_triton=True)(embeds, positions, step)
     torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)
+    assert all(merged is not None for merged in FusedDecoder(lm.lm, lm.layers, use_triton=True).merged)

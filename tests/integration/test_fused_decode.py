@@ -72,3 +72,55 @@ def test_a_layer_of_another_shape_is_not_fused(tiny_model: Callable[[str], Path]
     del layer.mlp.extra
     layer.mlp.act_fn = torch.nn.GELU()
     assert not fusable(lm.layers)
+
+
+def storage_bytes(module: torch.nn.Module) -> int:
+    """Bytes of the distinct storages behind the module's parameters."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in module.parameters()}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl", "qwen3_vl"])
+def test_merged_projections_are_views_and_compute_the_same(tiny_model: Callable[[str], Path], family: str):
+    """The GPU's path merges each layer's q/k/v and gate/up projections: the modules then hold views of
+    the merged weights (no memory added), and the fused layers on merged projections give transformers'
+    hidden states and K/V within float32 rounding (here a one-row matmul may sum in another order with
+    more columns, or with its weights at another alignment: safetensors' mapped weights are 8-byte
+    aligned, the merged ones 64-byte)."""
+    runner = ModelRunner(str(tiny_model(family)), device="cpu", kv_cache_tokens=1024, decode_graphs=False)
+    lm = runner.lm_forward
+    assert isinstance(lm, PagedLanguageModel)
+    torch.manual_seed(0)
+    lm.kv_pool.kv.normal_()
+    before_kv = lm.kv_pool.kv.clone()
+    inputs = [decode_step(lm, rows, 1 if family == "llava" else 3) for rows in (1, 5)]
+
+    def eager(embeds, positions, tables, num_keys, slots):  # type: ignore[no-untyped-def]
+        lm.kv_pool.kv.copy_(before_kv)
+        with torch.inference_mode():
+            hidden = lm.decoder(embeds, positions, FixedDecodeAttention(lm.kv_pool, tables, num_keys, slots))
+        return hidden, lm.kv_pool.kv.clone()
+
+    expected = [eager(*step) for step in inputs]
+    memory = storage_bytes(lm.lm)
+    decoder = FusedDecoder(lm.lm, lm.layers, use_triton=False, merge=True)
+    assert storage_bytes(lm.lm) == memory
+    for layer, merged in zip(lm.layers, decoder.merged, strict=True):
+        assert merged is not None
+        attn, mlp = layer.self_attn, layer.mlp
+        for weight, modules in ((merged.qkv_weight, (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                (merged.gate_up_weight, (mlp.gate_proj, mlp.up_proj))):  # fmt: skip
+            assert torch.equal(torch.cat([m.weight for m in modules]), weight)
+            assert all(
+                m.weight.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr() for m in modules
+            )
+        assert (merged.qkv_bias is not None) == (attn.q_proj.bias is not None)
+    again = FusedDecoder(lm.lm, lm.layers, use_triton=False, merge=True)
+    assert all(a is b for a, b in zip(again.merged, decoder.merged, strict=True))  # merged once
+    for step, (hidden, kv) in zip(inputs, expected, strict=True):
+        embeds, positions, tables, num_keys, slots = step
+        lm.kv_pool.kv.copy_(before_kv)
+        with torch.inference_mode():
+            got = decoder(embeds, positions, FixedDecodeAttention(lm.kv_pool, tables, num_keys, slots))
+        torch.testing.assert_close(got, hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lm.kv_pool.kv, kv, rtol=1e-5, atol=1e-5)
