@@ -194,13 +194,13 @@ class EngineCore:
         for req_id, ticket in list(self.grammar_tickets.items()):
             request = self.scheduler.requests.get(req_id)
             if request is None or not request.awaits_grammar:  # ended meanwhile (aborted)
-                del self.grammar_tickets[req_id]
+                self._drop_ticket(req_id)
                 continue
             assert self.grammars is not None and isinstance(self.scheduler, Scheduler)
             try:
                 compiled = self.grammars.poll(ticket)
             except CompileError as exc:
-                del self.grammar_tickets[req_id]
+                self._drop_ticket(req_id)
                 self.scheduler.abort(req_id)
                 error = ErrorInfo(message=str(exc), code=exc.code, http_status=exc.http_status)
                 outputs[request.client].append(
@@ -209,7 +209,7 @@ class EngineCore:
                 continue
             if compiled is None:
                 continue
-            del self.grammar_tickets[req_id]
+            self._drop_ticket(req_id)
             self.scheduler.grammar_ready(
                 request, self.grammars.matcher(ticket, list(request.sampling.eos_token_ids))
             )
@@ -222,6 +222,12 @@ class EngineCore:
                     )
                 )
         return dict(outputs)
+
+    def _drop_ticket(self, req_id: str) -> None:
+        """The request stopped waiting for its grammar: a compile nobody waits for may be cancelled."""
+        ticket = self.grammar_tickets.pop(req_id)
+        if self.grammars is not None:
+            self.grammars.release(ticket)
 
     def _stale_shm_refs(self, features: Sequence[MMFeature]) -> list[str]:
         """Shared-memory references whose chunk header does not match (a stale or corrupt reference,
@@ -272,7 +278,8 @@ class EngineCore:
     def fail_all(self, error: ErrorInfo) -> Outputs:
         """Ends every request held, running or waiting, with ``error``: the worker is gone. The core
         is not used for steps afterwards (its caches describe the lost worker)."""
-        self.grammar_tickets.clear()
+        for req_id in list(self.grammar_tickets):
+            self._drop_ticket(req_id)
         outputs: Outputs = defaultdict(list)
         for request in list(self.scheduler.requests.values()):
             self.scheduler.abort(request.req_id)

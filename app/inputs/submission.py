@@ -29,7 +29,9 @@ from workers.families.processing import TemplateOptions
 
 MAX_RESENDS = 2
 # the engine's errors about a request's constraint (engine/structured/): 400s naming the field it came from
-CONSTRAINT_ERROR_CODES = frozenset({"invalid_constraint", "constraint_compile_timeout"})
+CONSTRAINT_ERROR_CODES = frozenset(
+    {"invalid_constraint", "constraint_compile_timeout", "constraint_too_large"}
+)
 
 OutputQueue = asyncio.Queue[RequestOutput | EngineGone]
 

@@ -5,10 +5,16 @@ in bytes (docs/architecture.md, "Structured outputs").
                                         └──▶ miss: a compile thread (one per constraint, however many
                                              requests ask) ──done──▶ wake() ──▶ the engine loop polls
 
-xgrammar releases the GIL while it compiles, so steps run on meanwhile. A compile cannot be interrupted:
-a request that waited past the timeout stops waiting (a 400), while its compile runs to its end (the
-constraint's size is bounded at the HTTP edge) and lands in the cache for whoever asks next. All methods
-but the compile itself run on the engine's thread.
+xgrammar releases the GIL while it compiles, so steps run on meanwhile. A request that waited past the
+timeout stops waiting (a 400). Its compile is then abandoned as far as xgrammar allows: one that has not
+started is cancelled once no request waits for it (each ticket is released when its request stops
+waiting, for whatever reason), so compiles nobody wants never queue up before wanted ones. One that
+runs cannot be interrupted inside xgrammar (returning its grammar from a process that could be killed
+costs several times the compile: ``CompiledGrammar`` crosses only as JSON): it runs to its end (the
+constraint's size is bounded at the HTTP edge) and lands in the cache for whoever asks next. A
+constraint whose compile alone ran past the timeout is refused at once from then on (``_too_slow``,
+bounded), unless the cache holds its grammar: waiting would end in the same 400. All methods but the
+compile itself run on the engine's thread.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from engine.structured.grammar import RequestGrammar
 from wire.protocol import Constraint
 
 NUM_COMPILE_THREADS = 2
+MAX_TOO_SLOW = 256  # constraints remembered as compiling past the timeout (refused at once)
 CacheKey = tuple[int, tuple[str, str, bool]]  # (vocab size, constraint key)
 
 
@@ -38,6 +45,7 @@ class Ticket:
     deadline: float
     compiled: Any = None
     future: Future[tuple[Any, float]] | None = None
+    released: bool = False
 
 
 @dataclass
@@ -60,6 +68,9 @@ class GrammarCompiler:
         self._cache: OrderedDict[CacheKey, tuple[Any, int]] = OrderedDict()  # LRU: compiled, bytes
         self.cache_bytes = 0
         self._compiling: dict[CacheKey, Future[tuple[Any, float]]] = {}
+        self._waiters: dict[CacheKey, int] = {}  # tickets still waiting for each compile
+        self._started: dict[CacheKey, float] = {}  # when each running compile started (its thread sets it)
+        self._too_slow: OrderedDict[CacheKey, None] = OrderedDict()  # compiles that alone overran
         self._backends: dict[int, XGrammarBackend] = {}
         self._backend_lock = threading.Lock()
         self._loaded_at: dict[int, float] = {}  # vocab size -> when its backend was ready
@@ -77,12 +88,33 @@ class GrammarCompiler:
             self.stats.num_hits += 1
             return Ticket(key, deadline, compiled=self._cache[key][0])
         self.stats.num_misses += 1
+        started = self._started.get(key)
+        if key in self._too_slow or (started is not None and now - started >= self.options.compile_timeout_s):
+            self._remember_too_slow(key)
+            deadline = now  # its compile takes longer than a request may wait: the 400 at once
         future = self._compiling.get(key)
-        if future is None:
-            future = self._pool.submit(self._compile, constraint, vocab_size)
+        if future is None and deadline > now:
+            future = self._pool.submit(self._compile, key, constraint, vocab_size)
             future.add_done_callback(lambda _: self._wake())
             self._compiling[key] = future
+        if future is None:
+            return Ticket(key, deadline)
+        self._waiters[key] = self._waiters.get(key, 0) + 1
         return Ticket(key, deadline, future=future)
+
+    def release(self, ticket: Ticket) -> None:
+        """The ticket's request stopped waiting (its grammar came, it failed, or the request ended):
+        a compile nobody waits for any more is cancelled if it has not started."""
+        if ticket.released or ticket.future is None:
+            return
+        ticket.released = True
+        key = ticket.key
+        self._waiters[key] -= 1
+        if self._waiters[key] > 0:
+            return
+        del self._waiters[key]
+        if self._compiling.get(key) is ticket.future and ticket.future.cancel():
+            del self._compiling[key]
 
     def poll(self, ticket: Ticket, now: float | None = None) -> Any:
         """The compiled grammar, or None while it compiles; raises ``CompileError`` if it failed or the
@@ -91,8 +123,7 @@ class GrammarCompiler:
         it)."""
         if ticket.compiled is not None:
             return ticket.compiled
-        assert ticket.future is not None
-        if ticket.future.done():
+        if ticket.future is not None and ticket.future.done():
             self._absorb_finished()
             ticket.compiled, _ = ticket.future.result()  # raises the compile's CompileError
             return ticket.compiled
@@ -102,7 +133,9 @@ class GrammarCompiler:
             if loaded_at is None
             else max(ticket.deadline, loaded_at + self.options.compile_timeout_s)
         )
-        if loaded_at is not None and (time.monotonic() if now is None else now) >= deadline:
+        if (loaded_at is not None or ticket.future is None) and (
+            time.monotonic() if now is None else now
+        ) >= deadline:
             self.stats.num_timeouts += 1
             self.stats.num_failures += 1
             raise CompileError(
@@ -132,6 +165,7 @@ class GrammarCompiler:
             if not future.done():
                 continue
             del self._compiling[key]
+            self._started.pop(key, None)
             try:
                 compiled, seconds = future.result()
             except CompileError:
@@ -139,6 +173,16 @@ class GrammarCompiler:
                 continue
             self.stats.compile_seconds.append(seconds)
             self._insert(key, compiled)
+            if key in self._cache:  # served from the cache, however long it took
+                self._too_slow.pop(key, None)
+            elif seconds >= self.options.compile_timeout_s:
+                self._remember_too_slow(key)
+
+    def _remember_too_slow(self, key: CacheKey) -> None:
+        self._too_slow[key] = None
+        self._too_slow.move_to_end(key)
+        while len(self._too_slow) > MAX_TOO_SLOW:
+            self._too_slow.popitem(last=False)
 
     def _insert(self, key: CacheKey, compiled: Any) -> None:
         """LRU by bytes; a grammar larger than the whole cache is used once and not kept."""
@@ -151,11 +195,22 @@ class GrammarCompiler:
         self._cache[key] = (compiled, num_bytes)
         self.cache_bytes += num_bytes
 
-    def _compile(self, constraint: Constraint, vocab_size: int) -> tuple[Any, float]:
-        """In a compile thread: (compiled grammar, seconds it took). Raises ``CompileError``."""
+    def _compile(self, key: CacheKey, constraint: Constraint, vocab_size: int) -> tuple[Any, float]:
+        """In a compile thread: (compiled grammar, seconds it took). Raises ``CompileError``, whatever
+        went wrong (the engine's loop must not see another exception)."""
         backend = self._backend(vocab_size)
+        self._started[key] = time.monotonic()
         start = time.perf_counter()
-        compiled = backend.compile(constraint)
+        try:
+            compiled = backend.compile(constraint)
+        except CompileError:
+            raise
+        except MemoryError as exc:
+            raise CompileError("compiling the constraint ran out of memory", "constraint_too_large") from exc
+        except Exception as exc:  # an xgrammar fault: this request fails, the engine serves on
+            raise CompileError(
+                f"the constraint could not be compiled ({exc})", "constraint_compile_failed", 500
+            ) from exc
         return compiled, time.perf_counter() - start
 
     def _backend(self, vocab_size: int) -> XGrammarBackend:

@@ -90,10 +90,16 @@ def wait_for_compiles(server: Server) -> Metrics:
 
 
 def test_the_cache_keeps_no_more_than_its_bound(limited: Server) -> None:
-    """An 80 MB grammar, once its compile ends, is not kept by a 1 MiB cache; small ones are."""
+    """An 80 MB grammar, once its compile ends, is not kept by a 1 MiB cache; small ones are. Its
+    compile overran the timeout, so a repeat is refused at once instead of compiled again."""
     before = wait_for_compiles(limited)  # the previous test's abandoned compile, if it still runs
-    hostile = chat(limited, HOSTILE)  # compiled anew: it was not kept
-    assert hostile.status_code == 400, hostile.text
+    hostile = {**HOSTILE, "title": "not seen before"}
+    assert chat(limited, hostile).status_code == 400
     after = wait_for_compiles(limited)
-    assert delta(before, after, "mmserve_structured_output_cache_misses_total") >= 1
+    assert delta(before, after, "mmserve_structured_output_compile_seconds_count") >= 1  # it ended
     assert 0 < after["mmserve_structured_output_cache_bytes"] <= 1 << 20
+    started = time.monotonic()
+    repeat = chat(limited, hostile)
+    assert repeat.status_code == 400 and repeat.json()["error"]["code"] == "constraint_compile_timeout"
+    assert time.monotonic() - started < 1  # before the 1 s timeout: refused at once
+    assert limited.metrics()["mmserve_structured_output_compiles_running"] == 0  # not compiled again

@@ -2,7 +2,8 @@
 without holding a batch slot, samples only what the grammar allows (the stand-in worker takes the first
 token its bitmask row allows), follows its tokens through preemption, and ends with ``stop`` when the
 grammar is complete; compiles are cached by constraint, shared while running, bounded in bytes and in
-time. Real xgrammar over the tiny LLaVA's tokenizer."""
+time, dropped when nobody waits for them, and never fail more than their request. Real xgrammar over
+the tiny LLaVA's tokenizer."""
 
 from __future__ import annotations
 
@@ -246,6 +247,71 @@ def test_a_compile_past_the_timeout_fails_the_request_and_lands_in_the_cache(tok
     core.add_request(b"a", request("again", huge_enum), [])
     assert not core.grammar_tickets  # ready at once: a hit
     grammars.close()
+
+
+def slow_schema(variant: int) -> Constraint:
+    """Seconds of xgrammar's compile over the tiny vocabulary (and ~180 MB): 80 repeated patterns."""
+    pattern = f"([a-z0-9]{{2,30}}@){{1,{30 + variant}}}"
+    properties = {f"p{i}": {"type": "string", "pattern": pattern} for i in range(80)}
+    return schema({"type": "object", "properties": properties}, any_whitespace=False)
+
+
+def test_compiles_nobody_waits_for_are_dropped_and_overrunning_ones_refused_at_once(
+    tokenizer_dir: Path,
+) -> None:
+    """Three slow constraints at once: two compile (the threads), the third queues. All three requests
+    time out; the queued compile is cancelled (it never runs), the running ones run to their end. A
+    repeat of a running one is refused at once, and so is one whose compile overran and whose grammar
+    the cache could not keep, after the compile ended; a small constraint is then served."""
+    grammars = compiler(tokenizer_dir, cache_bytes=1 << 20, timeout_s=0.3)
+    core = core_with(grammars)
+    for variant in range(3):
+        core.add_request(b"a", request(f"slow-{variant}", slow_schema(variant)), [])
+    failed = wait_for_grammars(core)[b"a"]
+    assert sorted(out.req_id for out in failed) == ["slow-0", "slow-1", "slow-2"]
+    assert all(out.error is not None and out.error.code == "constraint_compile_timeout" for out in failed)
+    assert grammars.num_compiling() == 2  # the queued one was cancelled
+    started = time.monotonic()
+    [again] = core.add_request(b"a", request("again", slow_schema(0)), [])[b"a"]
+    assert again.error is not None and again.error.code == "constraint_compile_timeout"
+    assert time.monotonic() - started < 0.3  # at once, not at the timeout
+    deadline = time.monotonic() + 120
+    while grammars.num_compiling():  # the two running compiles end on their own
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert core.stats().counters["structured_output_compile_timeouts_total"] == 4
+    assert grammars.cache_bytes == 0  # ~180 MB each: not kept by a 1 MiB cache
+    [refused] = core.add_request(b"a", request("later", slow_schema(1)), [])[b"a"]
+    assert refused.error is not None and refused.error.code == "constraint_compile_timeout"
+    assert grammars.num_compiling() == 0  # refused without compiling it again
+    core.add_request(b"a", request("small", schema(POINT)), [])
+    wait_for_grammars(core)
+    assert answers(run_until_idle(core, MAX_STEPS))["small"][1] is FinishReason.STOP
+    grammars.close()
+
+
+def test_any_failure_inside_a_compile_fails_its_request_only(
+    grammars: GrammarCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception xgrammar is not expected to raise (out of memory, a fault of its own) ends the
+    request with an error, never the engine's loop."""
+    core = core_with(grammars)
+    core.add_request(b"a", request("warm", schema(POINT)), [])  # loads the backend
+    wait_for_grammars(core)
+    [backend] = grammars._backends.values()
+    faults = {"big": MemoryError(), "odd": OSError("xgrammar fault")}
+
+    def failing(constraint: Constraint) -> None:
+        raise faults[json.loads(constraint.spec)["title"]]
+
+    monkeypatch.setattr(backend, "compile", failing)
+    added = [core.add_request(b"a", request(name, schema({**POINT, "title": name})), []) for name in faults]
+    # a fast failure may come back from add_request itself
+    failed = [out for outs in [*added, wait_for_grammars(core)] for out in outs.get(b"a", [])]
+    outputs = {out.req_id: out for out in failed}
+    found = {name: (out.error.code, out.error.http_status) for name, out in outputs.items() if out.error}
+    assert found == {"big": ("constraint_too_large", 400), "odd": ("constraint_compile_failed", 500)}
+    assert answers(run_until_idle(core, MAX_STEPS))["warm"][1] is FinishReason.STOP
 
 
 def test_the_matcher_follows_a_preempted_request(
