@@ -204,7 +204,8 @@ def test_preempted_constrained_requests_resume_exactly(
 ) -> None:
     """Three image requests (485 prompt tokens) with answers of 50 tokens or more on a 1,024-token KV
     pool: no two fit to their ends at once, so one is preempted and recomputed; its matcher followed it,
-    and every answer equals generate's."""
+    and every answer equals generate's. Each is sent twice at once, the twin without logprobs: its
+    forced tokens (the JSON around the story) go through preemption too, to the same answer."""
     family = "qwen2_5_vl"
     long_text = {
         "type": "object",
@@ -215,12 +216,17 @@ def test_preempted_constrained_requests_resume_exactly(
     server, oracle = family_server(family, *POOL_FLAGS), family_oracle(family)
     images = [make_image(960 + i, (640, 544)) for i in range(3)]
     payloads = [constrained_body(family, [image], structured, 200) for image in images]
+    twins = [{k: v for k, v in body.items() if "logprobs" not in k} for body in payloads]
     before = server.metrics()
-    responses = concurrent_bodies(server, payloads)
+    answered = concurrent_bodies(server, [*payloads, *twins])
     after = server.metrics()
     assert delta(before, after, "mmserve_num_preemptions_total") > 0
+    assert delta(before, after, "mmserve_structured_output_forced_tokens_total") > 0
     grammar = compile_grammar(oracle, structured)
-    for response, image in zip(responses, images, strict=True):
+    for response, twin, image in zip(answered[:3], answered[3:], images, strict=True):
         hf_ids, hf_logprobs = constrained_greedy(oracle, oracle.inputs(TEXT, [image]), grammar, 200)
         assert_matches_constrained(response, oracle, hf_ids, hf_logprobs)
         validated(response, long_text)
+        validated(twin, long_text)
+        if served_tokens_are_the_oracles(response, oracle, hf_ids, hf_logprobs):
+            assert twin["choices"][0]["message"] == response["choices"][0]["message"]
