@@ -27,13 +27,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from workers.attention import SeqSpan
 from workers.attention.fixed_decode import FixedDecodeAttention
 from workers.attention.triton_decode import triton_available
-from workers.fused_decode import FusedDecoder, fusable
+from workers.fused_decode import FusedDecoder, fusable, merge_projections
 from workers.paged_lm import Deepstack, PagedLanguageModel
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,18 @@ def batch_bucket(num_rows: int) -> int:
 
 def key_blocks_bucket(num_blocks: int) -> int:
     return max(MIN_KEY_BLOCKS, 1 << (num_blocks - 1).bit_length())
+
+
+def prepare_weights(language_model: Any, device: torch.device) -> None:
+    """Called before the KV pool is sized: merges the projections the fused layers will use with
+    Triton (``merge_projections``), then hands the replaced weights' memory back to the device, so the
+    pool is sized against the weights as they will be and no freed copy stays reserved."""
+    layers = PagedLanguageModel.decoder_layers(language_model)
+    if not (triton_available(device) and fusable(layers)):
+        return
+    for layer in layers:
+        merge_projections(layer)
+    torch.cuda.empty_cache()
 
 
 @dataclass

@@ -117,8 +117,9 @@ def _merge(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None,
 
 
 def merge_projections(layer: Any) -> MergedProjections | None:
-    """The layer's merged projections, made on the first call (before any graph is captured: it
-    allocates); None where some of q/k/v (or gate/up) have a bias and others not."""
+    """The layer's merged projections, made on the first call (the worker makes them before it sizes
+    its KV pool, ``decode_graphs.prepare_weights``; never while a graph is captured: it allocates);
+    None where some of q/k/v (or gate/up) have a bias and others not."""
     merged = getattr(layer, "_mmserve_merged", None)
     if merged is not None:
         return merged

@@ -39,7 +39,7 @@ from wire.protocol import (
 from wire.shm_ring import ShmRingReader, StaleShmRef
 from workers.attention import attention_backend
 from workers.config import ModelParts
-from workers.decode_graphs import DecodeGraphs
+from workers.decode_graphs import DecodeGraphs, prepare_weights
 from workers.ec_connector import ECConnectorWorker
 from workers.encoder_store import EncoderStore
 from workers.families import family_for
@@ -135,6 +135,8 @@ class ModelRunner:
         self, model_dir: str, kv_cache_tokens: int | None, gpu_memory_utilization: float, graphs: bool
     ) -> None:
         block_size = self.block_size
+        if graphs:
+            prepare_weights(self.model.language_model, self.device)  # before the pool takes the rest
         num_layers, num_kv_heads, head_dim = PagedLanguageModel.kv_shape(self.model.language_model)
         num_blocks = plan_num_kv_blocks(
             block_size=block_size,

@@ -47,7 +47,11 @@ class PagedLanguageModel:
         self.lm_head = lm_head
         self.kv_pool = kv_pool
         self.attention = attention
-        self.layers = list(language_model.layers[: language_model.config.num_hidden_layers])
+        self.layers = self.decoder_layers(language_model)
+
+    @staticmethod
+    def decoder_layers(language_model: Any) -> list[Any]:
+        return list(language_model.layers[: language_model.config.num_hidden_layers])
 
     @staticmethod
     def kv_shape(language_model: Any) -> tuple[int, int, int]:

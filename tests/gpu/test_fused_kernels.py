@@ -18,6 +18,7 @@ from tests.integration.test_fused_decode import decode_step
 from workers import fused_kernels
 from workers.attention.fixed_decode import FixedDecodeAttention
 from workers.attention.triton_decode import triton_available
+from workers.decode_graphs import DecodeGraphs
 from workers.fused_decode import FusedDecoder, rotate_half
 from workers.model_runner import ModelRunner
 
@@ -120,3 +121,15 @@ def test_fused_layers_on_the_gpu(tiny_model: Callable[[str], Path], family: str)
         got = FusedDecoder(lm.lm, lm.layers, use_triton=True)(embeds, positions, step)
     torch.testing.assert_close(got, expected, atol=0.05 * expected.abs().max().item(), rtol=0)
     assert all(merged is not None for merged in FusedDecoder(lm.lm, lm.layers, use_triton=True).merged)
+
+
+def test_the_worker_merges_the_projections_before_sizing_its_pool(tiny_model: Callable[[str], Path]) -> None:
+    runner = ModelRunner(
+        str(tiny_model("qwen2_5_vl")), device="cuda", kv_cache_tokens=1024, decode_graphs=True
+    )
+    graphs = runner.lm_forward
+    assert isinstance(graphs, DecodeGraphs) and graphs.decoder is not None
+    for layer, merged in zip(graphs.model.layers, graphs.decoder.merged, strict=True):
+        assert merged is getattr(layer, "_mmserve_merged", None) is not None  # made once, before the pool
+        weight = layer.self_attn.k_proj.weight
+        assert weight.untyped_storage().data_ptr() == merged.qkv_weight.untyped_storage().data_ptr()
