@@ -174,8 +174,9 @@ class DecodeGraphs:
             return True
         except Exception:
             if self.triton:
-                logger.exception("capturing with the Triton decode attention failed: capturing without it")
+                logger.exception("capturing with the Triton kernels failed: capturing without them")
                 self.triton = False
+                self.decoder = self._fused_decoder()  # the fused layers' PyTorch path (projections apart)
                 # a fresh pool: a failed capture may have released the one it used
                 self.graph_pool = torch.cuda.graph_pool_handle()
                 return self._try_capture(shape)

@@ -119,13 +119,17 @@ def _merge(modules: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None,
 def merge_projections(layer: Any) -> MergedProjections | None:
     """The layer's merged projections, made on the first call (the worker makes them before it sizes
     its KV pool, ``decode_graphs.prepare_weights``; never while a graph is captured: it allocates);
-    None where some of q/k/v (or gate/up) have a bias and others not."""
+    None where some of q/k/v (or gate/up) have a bias and others not, or are not plain ``Linear``
+    layers of one dtype."""
     merged = getattr(layer, "_mmserve_merged", None)
     if merged is not None:
         return merged
     attn, mlp = layer.self_attn, layer.mlp
     groups = ([attn.q_proj, attn.k_proj, attn.v_proj], [mlp.gate_proj, mlp.up_proj])
     if any(len({m.bias is None for m in group}) > 1 for group in groups):
+        return None
+    # plain Linear layers of one dtype only (a quantized layer's weight is not what F.linear takes)
+    if any(type(m) is not nn.Linear or m.weight.dtype != attn.q_proj.weight.dtype for g in groups for m in g):
         return None
     merged = MergedProjections(*_merge(groups[0]), *_merge(groups[1]))
     layer._mmserve_merged = merged

@@ -86,21 +86,37 @@ class IncrementalDetokenizer:
         return self._released[0] if self._released else ""
 
     def push(self, token_ids: list[int]) -> str:
-        """Adds new token ids; returns the text that may be sent now (often ""). With stop strings, ids
-        are taken one at a time up to the one that completes a stop string: ``token_ids`` ends there, and
-        several ids in one push end where they would have one by one."""
+        """Adds new token ids; returns the text that may be sent now (often ""). Several ids in one push
+        end where they would have one by one: with stop strings, ``token_ids`` ends with the id that
+        completed one (a batch is decoded at once, and again id by id only where it holds a stop string
+        or ends in half a character)."""
         if self.stopped or self._finished:
             return ""
-        if not self.stop or len(token_ids) <= 1:
-            self.token_ids.extend(token_ids)
-            return self._release(self._decode_new(final=False), final=False)
-        released = []
+        before = (
+            len(self.token_ids),
+            self._prefix_offset,
+            self._read_offset,
+            self._pending,
+            len(self._released),
+        )
+        self.token_ids.extend(token_ids)
+        released = self._release(self._decode_new(final=False), final=False)
+        if len(token_ids) == 1 or not self.stop:
+            return released
+        if not self.stopped and self._read_offset == len(self.token_ids):
+            return released  # decoded whole, and no stop string in it: one decode for the batch
+        # a stop string in the batch, or a tail held back (half a character) that may hide one: again
+        # one id at a time, so that ``token_ids`` ends with the one that completed it
+        num_ids, self._prefix_offset, self._read_offset, self._pending, num_released = before
+        del self.token_ids[num_ids:], self._released[num_released:]
+        self.stopped, self.stop_str = False, None
+        pieces = []
         for token_id in token_ids:
             self.token_ids.append(token_id)
-            released.append(self._release(self._decode_new(final=False), final=False))
+            pieces.append(self._release(self._decode_new(final=False), final=False))
             if self.stopped:
                 break
-        return "".join(released)
+        return "".join(pieces)
 
     def flush(self) -> str:
         """Called once when the request finished (EOS, length): decodes what was waiting for more bytes

@@ -12,7 +12,7 @@ waiting, for whatever reason), so compiles nobody wants never queue up before wa
 runs cannot be interrupted inside xgrammar (returning its grammar from a process that could be killed
 costs several times the compile: ``CompiledGrammar`` crosses only as JSON): it runs to its end (the
 constraint's size is bounded at the HTTP edge) and lands in the cache for whoever asks next. A
-constraint whose compile alone ran past the timeout is refused at once from then on (``_too_slow``,
+constraint whose compile alone ran past the timeout is refused at once for a while (``_too_slow``,
 bounded), unless the cache holds its grammar: waiting would end in the same 400. All methods but the
 compile itself run on the engine's thread.
 """
@@ -23,7 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,8 @@ from engine.structured.grammar import RequestGrammar
 from wire.protocol import Constraint
 
 NUM_COMPILE_THREADS = 2
-MAX_TOO_SLOW = 256  # constraints remembered as compiling past the timeout (refused at once)
+MAX_TOO_SLOW = 256  # constraints remembered as compiling past the timeout (refused at once) ...
+TOO_SLOW_FOR_S = 600.0  # ... for this long: a compile slowed by a busy machine gets another chance
 CacheKey = tuple[int, tuple[str, str, bool]]  # (vocab size, constraint key)
 
 
@@ -70,7 +71,7 @@ class GrammarCompiler:
         self._compiling: dict[CacheKey, Future[tuple[Any, float]]] = {}
         self._waiters: dict[CacheKey, int] = {}  # tickets still waiting for each compile
         self._started: dict[CacheKey, float] = {}  # when each running compile started (its thread sets it)
-        self._too_slow: OrderedDict[CacheKey, None] = OrderedDict()  # compiles that alone overran
+        self._too_slow: OrderedDict[CacheKey, float] = OrderedDict()  # compiles that alone overran: when
         self._backends: dict[int, XGrammarBackend] = {}
         self._backend_lock = threading.Lock()
         self._loaded_at: dict[int, float] = {}  # vocab size -> when its backend was ready
@@ -89,8 +90,10 @@ class GrammarCompiler:
             return Ticket(key, deadline, compiled=self._cache[key][0])
         self.stats.num_misses += 1
         started = self._started.get(key)
-        if key in self._too_slow or (started is not None and now - started >= self.options.compile_timeout_s):
-            self._remember_too_slow(key)
+        if now - self._too_slow.get(key, -TOO_SLOW_FOR_S) < TOO_SLOW_FOR_S or (
+            started is not None and now - started >= self.options.compile_timeout_s
+        ):
+            self._remember_too_slow(key, now)
             deadline = now  # its compile takes longer than a request may wait: the 400 at once
         future = self._compiling.get(key)
         if future is None and deadline > now:
@@ -168,18 +171,19 @@ class GrammarCompiler:
             self._started.pop(key, None)
             try:
                 compiled, seconds = future.result()
-            except CompileError:
+            except (CompileError, CancelledError):  # (cancelled: only by close)
                 self.stats.num_failures += 1
+                self._too_slow.pop(key, None)  # a repeat gets the real error, not a timeout
                 continue
             self.stats.compile_seconds.append(seconds)
             self._insert(key, compiled)
             if key in self._cache:  # served from the cache, however long it took
                 self._too_slow.pop(key, None)
             elif seconds >= self.options.compile_timeout_s:
-                self._remember_too_slow(key)
+                self._remember_too_slow(key, time.monotonic())
 
-    def _remember_too_slow(self, key: CacheKey) -> None:
-        self._too_slow[key] = None
+    def _remember_too_slow(self, key: CacheKey, now: float) -> None:
+        self._too_slow[key] = now
         self._too_slow.move_to_end(key)
         while len(self._too_slow) > MAX_TOO_SLOW:
             self._too_slow.popitem(last=False)
@@ -198,10 +202,10 @@ class GrammarCompiler:
     def _compile(self, key: CacheKey, constraint: Constraint, vocab_size: int) -> tuple[Any, float]:
         """In a compile thread: (compiled grammar, seconds it took). Raises ``CompileError``, whatever
         went wrong (the engine's loop must not see another exception)."""
-        backend = self._backend(vocab_size)
-        self._started[key] = time.monotonic()
-        start = time.perf_counter()
         try:
+            backend = self._backend(vocab_size)
+            self._started[key] = time.monotonic()
+            start = time.perf_counter()
             compiled = backend.compile(constraint)
         except CompileError:
             raise
