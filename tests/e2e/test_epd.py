@@ -108,6 +108,7 @@ def test_a_constrained_answer_through_the_proxy_is_a_single_servers(split: Split
     through_proxy = answer(split.proxy, payload)
     assert through_proxy == answer(split.single, payload)
     assert isinstance(json.loads(through_proxy)["n"], int)
+    assert streamed_text(split.proxy, {**payload, "stream": True}) == through_proxy  # forced tokens too
 
 
 def test_a_salted_request_is_encoded_under_its_salt(split: Split) -> None:
@@ -120,18 +121,21 @@ def test_a_salted_request_is_encoded_under_its_salt(split: Split) -> None:
         assert delta(enc_before, split.encoder.metrics(), "mmserve_encoder_runs_total") == 1
 
 
-def test_streamed_through_the_proxy(split: Split) -> None:
-    payload = body(split, "Stream it.", 803, stream=True)
+def streamed_text(server: Server, payload: dict[str, Any]) -> str:
+    """The content deltas of a streamed answer, joined."""
     text = ""
-    with httpx.stream(
-        "POST", f"{split.proxy.base_url}/v1/chat/completions", json=payload, timeout=180
-    ) as resp:
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=payload, timeout=180) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 for choice in json.loads(line[6:])["choices"]:
                     text += choice["delta"].get("content") or ""
-    assert text == answer(split.single, {**payload, "stream": False})
+    return text
+
+
+def test_streamed_through_the_proxy(split: Split) -> None:
+    payload = body(split, "Stream it.", 803, stream=True)
+    assert streamed_text(split.proxy, payload) == answer(split.single, {**payload, "stream": False})
 
 
 def test_an_encoded_image_needs_no_encoder_again(split: Split) -> None:
