@@ -160,6 +160,16 @@ def _checkpoint_dir() -> str:
     return "/tmp/mmserve-qwen2_5_vl-7b"
 
 
+def bench_table(log: list[str]) -> list[str]:
+    """bench_gpu.py's table in bench.log, which the profile's output follows (else the log's end)."""
+    headers = [i for i, line in enumerate(log) if "TTFT p50 ms" in line and "req/s" in line]
+    if not headers:
+        return log[-8:]
+    table = log[headers[-1] :]
+    ends = [i for i, line in enumerate(table) if line.startswith("agent loop alone")]
+    return table[: ends[0] + 1] if ends else table[:10]
+
+
 def write_summary(out: Path, steps: Steps) -> None:
     lines = [
         "# GPU kit",
@@ -172,8 +182,7 @@ def write_summary(out: Path, steps: Steps) -> None:
     lines += ["", "## tier", "", tier_summary(out)]
     bench_log = out / "bench.log"
     if bench_log.exists():
-        tail = bench_log.read_text(errors="replace").strip().splitlines()[-8:]
-        lines += ["", "## bench", "", *tail]
+        lines += ["", "## bench", "", *bench_table(bench_log.read_text(errors="replace").splitlines())]
     profile = out / "profile.txt"
     if profile.exists():
         lines += ["", "## profile", "", *profile.read_text().splitlines()[:14]]

@@ -32,6 +32,8 @@ def test_the_kit_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     for step in ("tier", "checkpoint", "bench", "profile"):
         assert f"| {step} | ok |" in summary, summary
     assert "passed" in summary and "failed" not in summary, summary
+    bench = summary.split("## bench")[1].split("## profile")[0]
+    assert "decode_3" in bench and "turn 5 / turn 1" in bench, bench  # the benchmark's own table
     figures = json.loads((out / "gpu_bench.json").read_text())
     for key in ("image_0pct", "image_90pct", "decode_1", "decode_3"):
         assert figures[key]["num_ok"] == figures[key]["num_requests"] > 0, figures[key]
