@@ -47,7 +47,7 @@ from images import jpeg_data_url  # noqa: E402
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM's datasheet (an H200: 4.8e12)
 BF16_FLOPS = 800e12  # an 8192^3 bf16 matmul here: 769-798 TFLOP/s on the H100 and H200
 POOL = 8
-AGENT_TURNS, NUM_AGENTS = 5, 2
+AGENT_TURNS, NUM_AGENTS = 5, 3
 
 
 @dataclass(frozen=True)
