@@ -179,3 +179,31 @@ def test_ids_after_a_stop_string_are_not_taken(tokenizer: PreTrainedTokenizerFas
         batched = IncrementalDetokenizer(tokenizer, stop=["wör"])
         assert "".join(_stream(batched, ids, chunk)) == text == "héllo "
         assert batched.token_ids == one_by_one.token_ids
+
+
+def test_random_batches_with_stop_strings_end_as_one_by_one(tokenizer: PreTrainedTokenizerFast) -> None:
+    """Seeded differential: random texts, stop strings taken from them (or absent), random batch sizes:
+    the released text, the ids taken and the stop found are those of one id at a time."""
+    rng = random.Random(1)
+    texts = [*TEXTS, *CORPUS[-3:]]
+    for _ in range(200):
+        text = rng.choice(texts)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        start = rng.randrange(len(text))
+        stops = [text[start : start + rng.randrange(1, 4)], "never there"][: rng.randrange(1, 3)]
+        include = rng.random() < 0.3
+        one = IncrementalDetokenizer(tokenizer, stop=stops, include_stop_str=include)
+        expected = "".join(_stream(one, ids))
+        batched = IncrementalDetokenizer(tokenizer, stop=stops, include_stop_str=include)
+        pushes, i = [], 0
+        while i < len(ids):
+            size = rng.randrange(1, 8)
+            pushes.append(batched.push(ids[i : i + size]))
+            i += size
+        if not batched.stopped:
+            pushes.append(batched.flush())
+        assert ("".join(pushes), batched.token_ids, batched.stop_str) == (
+            expected,
+            one.token_ids,
+            one.stop_str,
+        )
