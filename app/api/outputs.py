@@ -39,7 +39,6 @@ class Generation:
     num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
     want_logprobs: bool
     detok: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
     text: str = ""
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
@@ -49,6 +48,11 @@ class Generation:
     @property
     def created(self) -> int:
         return int(self.arrival)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The output's tokens: those the detokenizer took (up to a stop string's last)."""
+        return self.detok.token_ids
 
 
 @dataclass(frozen=True)
@@ -121,14 +125,14 @@ class ChoiceOutputs:
         """Applies one engine output to ``gen``; returns the new text. Of an output of several tokens
         (forced tokens, or outputs merged while the API was busy), those after the one that completed a
         stop string are dropped: the answer, its logprobs and its usage are as one token at a time."""
+        num_before = len(gen.token_ids)
         delta = gen.detok.push(out.new_token_ids)
-        new_token_ids = gen.detok.token_ids[len(gen.token_ids) :]
-        if new_token_ids:
-            self._observe_latency(gen, len(new_token_ids))
-        gen.token_ids.extend(new_token_ids)
-        self.metrics.generation_tokens.inc(len(new_token_ids))
+        num_new = len(gen.token_ids) - num_before
+        if num_new:
+            self._observe_latency(gen, num_new)
+        self.metrics.generation_tokens.inc(num_new)
         if gen.want_logprobs and out.logprobs:
-            gen.logprobs.extend(logprob_entries(out.logprobs[: len(new_token_ids)], gen.detok))
+            gen.logprobs.extend(logprob_entries(out.logprobs[:num_new], gen.detok))
         if gen.detok.stopped:
             gen.finish_reason = "stop"
             self.engine.release(gen.req_id, abort=True)

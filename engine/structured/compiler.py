@@ -46,7 +46,6 @@ class Ticket:
     deadline: float
     compiled: Any = None
     future: Future[tuple[Any, float]] | None = None
-    released: bool = False
 
 
 @dataclass
@@ -89,8 +88,8 @@ class GrammarCompiler:
             self.stats.num_hits += 1
             return Ticket(key, deadline, compiled=self._cache[key][0])
         self.stats.num_misses += 1
-        started = self._started.get(key)
-        if now - self._too_slow.get(key, -TOO_SLOW_FOR_S) < TOO_SLOW_FOR_S or (
+        marked, started = self._too_slow.get(key), self._started.get(key)
+        if (marked is not None and now - marked < TOO_SLOW_FOR_S) or (
             started is not None and now - started >= self.options.compile_timeout_s
         ):
             self._remember_too_slow(key, now)
@@ -107,10 +106,10 @@ class GrammarCompiler:
 
     def release(self, ticket: Ticket) -> None:
         """The ticket's request stopped waiting (its grammar came, it failed, or the request ended):
-        a compile nobody waits for any more is cancelled if it has not started."""
-        if ticket.released or ticket.future is None:
+        a compile nobody waits for any more is cancelled if it has not started. Called once per
+        ticket."""
+        if ticket.future is None:
             return
-        ticket.released = True
         key = ticket.key
         self._waiters[key] -= 1
         if self._waiters[key] > 0:
