@@ -21,10 +21,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from app.ray_serve.affinity import IMBALANCE_THRESHOLD  # no Ray: the CLI stays importable without it
+from app.ray_serve.stream_batching import DEFAULT_INTERVAL_S
 from app.settings import Settings
 
 APP_NAME = "mmserve"
 LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Arguments up to this size travel inside Ray's task messages instead of through the object store: a
+# request's body (often hundreds of KB of data URLs) then costs no object creation, raylet round trips
+# or store memory on its way to a replica (Ray's default: 100 KiB; docs/operations.md, "Scale-out on Ray").
+INLINE_ARG_BYTES = 8 << 20
 SHARED_FILES = {"mm_uuid_store": "media-ids.sqlite", "responses_store": "responses.sqlite"}
 
 
@@ -57,6 +62,13 @@ def add_ray_parser(sub: Any, add_settings_flags: Any) -> None:
         "--replica-gpus", type=float, default=0.0, help="GPUs each replica reserves (default: 0)."
     )
     serve.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=DEFAULT_INTERVAL_S * 1e3,
+        help="A streamed answer's items on Ray's hops, after its first token: at most one per interval, "
+        f"as Ray Serve LLM batches streams (default: {DEFAULT_INTERVAL_S * 1e3:g}; 0: one per chunk).",
+    )
+    serve.add_argument(
         "--ray-address",
         default=None,
         help="A running Ray cluster to join (default: start one on this machine).",
@@ -65,7 +77,8 @@ def add_ray_parser(sub: Any, add_settings_flags: Any) -> None:
         "--object-store-mb",
         type=int,
         default=256,
-        help="The object store of a cluster started here, in MiB (default: 256; requests pass by value).",
+        help="The object store of a cluster started here, in MiB (default: 256; bodies up to 8 MiB pass "
+        "inside Ray's messages, not through it).",
     )
 
 
@@ -96,6 +109,7 @@ def run_ray_serve(args: argparse.Namespace, given: dict[str, Any]) -> int:
                 include_dashboard=False,
                 num_cpus=len(os.sched_getaffinity(0)),  # the cores this process may use
                 object_store_memory=args.object_store_mb << 20,
+                _system_config={"max_direct_call_object_size": INLINE_ARG_BYTES},
                 _temp_dir=f"{folder}/ray",
             )
         else:
@@ -112,6 +126,7 @@ def run_ray_serve(args: argparse.Namespace, given: dict[str, Any]) -> int:
                 "imbalance_threshold": args.imbalance_threshold,
                 "replica_cpus": args.replica_cpus,
                 "replica_gpus": args.replica_gpus,
+                "stream_interval_ms": args.stream_interval_ms,
             }
             serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
             url = f"http://{settings.host}:{settings.port}"

@@ -20,6 +20,7 @@ from app.ray_serve.affinity import IMBALANCE_THRESHOLD
 from app.ray_serve.ingress import IngressOptions, build_ingress
 from app.ray_serve.replica import MmserveReplica
 from app.ray_serve.routers import ROUTERS
+from app.ray_serve.stream_batching import DEFAULT_INTERVAL_S
 from app.settings import Settings
 
 REPLICA_DEPLOYMENT = "MmserveReplica"
@@ -49,6 +50,12 @@ class RayAppArgs(BaseModel):
     )
     max_ongoing_requests: int = Field(64, ge=1, description="Requests a replica takes at once.")
     report_keys: int = Field(4096, ge=0, description="Media keys each replica reports (its most recent).")
+    stream_interval_ms: float = Field(
+        DEFAULT_INTERVAL_S * 1e3,
+        ge=0,
+        description="A streamed answer's items on Ray's hops, after its first token: at most one per "
+        "interval (0: one per chunk).",
+    )
     routing_stats_period_s: float = Field(2.0, gt=0, description="How often replicas report.")
     health_check_period_s: float = Field(2.0, gt=0, description="How often Ray checks a replica.")
 
@@ -97,6 +104,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         max_body_bytes=settings.max_request_body_bytes,
         isolate_tenants=settings.tenant_cache_isolation,
         replica_deployment=REPLICA_DEPLOYMENT,
+        chat_messages=parsed.router == "prefix",
     )
     ingress = serve.deployment(
         name="MmserveIngress",
@@ -104,4 +112,6 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         max_ongoing_requests=INGRESS_MAX_ONGOING,
         ray_actor_options={"num_cpus": 0},  # it relays; the replicas hold the CPUs (or GPUs)
     )(build_ingress(ingress_options))
-    return ingress.bind(replica.bind(report_keys=parsed.report_keys))
+    return ingress.bind(
+        replica.bind(report_keys=parsed.report_keys, stream_interval_s=parsed.stream_interval_ms / 1e3)
+    )

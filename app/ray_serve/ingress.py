@@ -43,6 +43,7 @@ class IngressOptions:
     max_body_bytes: int
     isolate_tenants: bool
     replica_deployment: str  # the replica deployment's name, under which its router is listed
+    chat_messages: bool = False  # send the parsed messages too (Ray's prefix router reads them)
 
 
 def build_ingress(options: IngressOptions) -> type:
@@ -82,7 +83,7 @@ def build_ingress(options: IngressOptions) -> type:
                 parsed, tenant=request_tenant(request.scope), isolate_tenants=options.isolate_tenants
             )
             path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-            messages = parsed.get("messages") if isinstance(parsed, dict) else None
+            messages = parsed.get("messages") if options.chat_messages and isinstance(parsed, dict) else None
             message = ReplicaRequest(
                 method=request.method,
                 path=path,

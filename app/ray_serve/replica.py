@@ -5,8 +5,8 @@ processes) on a free loopback port of the replica's node, owned by the replica's
 - Start: the instance is spawned with the deployment's mmserve settings; the replica is ready when its
   ``/health`` answers 200 (Ray waits on the constructor).
 - Requests: ``forward`` relays one ``ReplicaRequest`` over HTTP and streams back a ``ReplicaHead`` and the
-  body's bytes; a client that leaves cancels the stream, which closes the connection, which aborts the
-  request in the instance.
+  body's bytes, an SSE body in fewer, larger items (``stream_batching``); a client that leaves cancels
+  the stream, which closes the connection, which aborts the request in the instance.
 - What it holds: the keys of the media it served most recently (``report_keys`` of them, LRU), reported
   with its URL through ``record_routing_stats``. Its caches are LRU too; a key it reports may have been
   evicted there, which costs a miss and nothing else.
@@ -39,6 +39,7 @@ from app.api.error_handlers import error_response, sse_error_event
 from app.errors import MMServeError
 from app.proxy.forward import RELAYED_RESPONSE_HEADERS, UpstreamUnavailableError, describe, open_upstream
 from app.ray_serve.messages import ReplicaHead, ReplicaRequest
+from app.ray_serve.stream_batching import DEFAULT_INTERVAL_S, batched
 
 log = logging.getLogger("mmserve.ray")
 
@@ -58,13 +59,20 @@ def _die_with_parent() -> None:
 
 
 class MmserveReplica:
-    def __init__(self, report_keys: int = 4096, start_timeout_s: float = 600) -> None:
-        """The instance's settings are this actor's ``MMSERVE_*`` variables (``app.ray_serve.app``)."""
+    def __init__(
+        self,
+        report_keys: int = 4096,
+        start_timeout_s: float = 600,
+        stream_interval_s: float = DEFAULT_INTERVAL_S,
+    ) -> None:
+        """The instance's settings are this actor's ``MMSERVE_*`` variables (``app.ray_serve.app``).
+        ``stream_interval_s``: an SSE answer's items, after the first few, at most one per interval."""
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id
         self.port = _free_loopback_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.report_keys = report_keys
+        self.stream_interval_s = stream_interval_s
         self._keys: OrderedDict[str, None] = OrderedDict()
         self._stopping = False
         fd, self.log_path = tempfile.mkstemp(prefix=f"mmserve-replica-{self.name}-", suffix=".log")
@@ -150,14 +158,18 @@ class MmserveReplica:
                 name: upstream.headers[name] for name in RELAYED_RESPONSE_HEADERS if name in upstream.headers
             }
             yield ReplicaHead(upstream.status_code, headers, self.name)
+            is_sse = headers.get("content-type", "").startswith("text/event-stream")
+            body = upstream.aiter_bytes()  # decoded: Content-Encoding is not relayed
+            interval_s = self.stream_interval_s if is_sse else 0.0  # the ingress reads others whole
             try:
-                async for chunk in upstream.aiter_bytes():  # decoded: Content-Encoding is not relayed
-                    yield chunk
+                async with contextlib.aclosing(batched(body, interval_s)) as items:
+                    async for item in items:
+                        yield item
             except httpx.HTTPError as exc:
                 error = UpstreamUnavailableError(
                     f"The replica's instance failed mid-answer ({describe(exc)})."
                 )
-                if not headers.get("content-type", "").startswith("text/event-stream"):
+                if not is_sse:
                     raise error from exc  # the ingress has sent nothing yet: it answers 503
                 yield sse_error_event(error).encode()  # the stream's status went out: an error event ends it
         finally:
