@@ -1,12 +1,17 @@
 """Request routers on ``mmserve ray serve`` (tiny LLaVA, real processes, two replicas each): the
 media-affinity router vs Ray Serve's default (power of two choices) vs Ray Serve LLM's
-PrefixCacheAffinityRouter, under the same load, one fresh deployment per router, one after another
+PrefixCacheAffinityRouter, under the same loads, one fresh deployment per router, one after another
 (each stopped before the next starts).
 
     python bench/bench_ray.py [--model models/tiny-llava] [--users 32] [--turns 6]
-        [--routers media default prefix] [--chart docs/img/ray_routers.png]
+        [--think-s 0 0.25 1] [--routers media default prefix] [--chart docs/img/ray_routers.png]
 
-Load: ``--users`` conversations at once (user i starts ``i * STAGGER_S`` after the first), each
+One load per ``--think-s`` value, in that order, on each deployment, each with images and text of its
+own: users pause between turns for a uniform random time in [0, 2 x think-s] (seeded per user), as
+people reading an answer or agents running a tool do; 0, no pause, is a closed loop in which a user sends
+its next turn the moment the last one ends.
+
+A load: ``--users`` conversations at once (user i starts ``i * STAGGER_S`` after the first), each
 ``--turns`` streamed chat completions of ``MAX_TOKENS`` tokens at temperature 0 (``ignore_eos``: every
 answer the same length). Every turn resends the whole conversation (its earlier user messages with their
 images and the answers), and some turns add a new 1024x1024 JPEG of the user's own: which ones is chosen
@@ -39,7 +44,8 @@ import signal
 import statistics
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import date
@@ -68,6 +74,13 @@ REPLICA_HEADER = "x-mmserve-replica"
 SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
 PLACEMENTS_TOTAL = "mmserve_ray_placements_total{"  # not its _created series (the ingress has them)
 PLACEMENT_LABEL = re.compile(r'placement="(\w+)"')
+WORK = {  # where the replicas' time went: a counter's delta over the load, summed over the replicas
+    "prompt tokens": "mmserve_prefix_cache_queries_total",
+    "of them cached": "mmserve_prefix_cache_hits_total",
+    "preemptions": "mmserve_num_preemptions_total",
+    "engine steps": "mmserve_engine_steps_total",
+    "worker busy s": "mmserve_worker_busy_seconds_total",
+}
 
 
 def new_image_turns(turns: int) -> tuple[int, ...]:
@@ -88,18 +101,19 @@ def new_image_turns(turns: int) -> tuple[int, ...]:
 
 @dataclass
 class Result:
-    router: str
-    start_s: float = 0.0
+    """One load on one deployment."""
+
+    think_s: float  # mean pause between a user's turns
     wall_s: float = 0.0
     requests: int = 0
     ttft_s: list[float] = field(default_factory=list)
     encoder_runs: float = 0.0
     processor_misses: float = 0.0
+    work: dict[str, float] = field(default_factory=dict)  # WORK counters' deltas, summed over replicas
     placements: dict[str, float] = field(default_factory=dict)
     by_replica: Counter[str] = field(default_factory=Counter)
     same_replica: int = 0  # follow-up turns answered by the replica of the user's previous turn
     follow_ups: int = 0
-    rss_mib: dict[str, float] = field(default_factory=dict)
 
     @property
     def rps(self) -> float:
@@ -108,6 +122,24 @@ class Result:
     @property
     def ttft_p50_ms(self) -> float:
         return 1e3 * statistics.median(self.ttft_s)
+
+    @property
+    def stickiness(self) -> float:
+        return self.same_replica / max(self.follow_ups, 1)
+
+
+@dataclass
+class Deployment:
+    """One ``mmserve ray serve`` with one router, and its loads (one per ``--think-s``)."""
+
+    router: str
+    start_s: float = 0.0
+    rss_mib: dict[str, float] = field(default_factory=dict)  # after its last load
+    results: list[Result] = field(default_factory=list)
+
+
+def pauses(think_s: float) -> str:
+    return f"0-{2 * think_s:g} s" if think_s else "none"
 
 
 async def stream_turn(client: httpx.AsyncClient, url: str, body: bytes) -> tuple[float, str, str]:
@@ -149,14 +181,19 @@ async def conversation(
     images: dict[int, str],
     turns: int,
     delay_s: float,
+    think_s: float,
 ) -> list[tuple[float, str]]:
     """One user's turns, the first after ``delay_s``: ``images`` maps a turn to the new image it adds.
+    Between turns the user pauses a uniform random time in [0, 2 * ``think_s``] (seeded by ``user``).
     (TTFT s, replica) of each turn."""
     await asyncio.sleep(delay_s)
-    tag = f"{random.Random(user).getrandbits(32):08x}"  # no text prefix shared with another user
+    rng = random.Random(user)
+    tag = f"{rng.getrandbits(32):08x}"  # no text prefix shared with another user
     messages: list[dict[str, Any]] = []
     figures = []
     for turn in range(turns):
+        if turn and think_s:
+            await asyncio.sleep(rng.uniform(0.0, 2.0 * think_s))
         messages.append(user_message(tag, turn, images.get(turn)))
         body = json.dumps({"model": model, "messages": messages, **SAMPLING}).encode()
         ttft_s, answer, replica = await stream_turn(client, url, body)
@@ -166,7 +203,12 @@ async def conversation(
 
 
 def run_load(
-    base_url: str, model: str, images: list[dict[int, str]], turns: int, first_user: int = 0
+    base_url: str,
+    model: str,
+    images: list[dict[int, str]],
+    turns: int,
+    think_s: float = 0.0,
+    first_user: int = 0,
 ) -> tuple[float, list[list[tuple[float, str]]]]:
     """Every user at once (user i starting ``i * STAGGER_S`` after the first), numbered from
     ``first_user`` (which picks their text): (wall s, each user's turns)."""
@@ -178,7 +220,7 @@ def run_load(
             start = time.perf_counter()
             runs = await asyncio.gather(
                 *(
-                    conversation(client, url, model, first_user + i, own, turns, i * STAGGER_S)
+                    conversation(client, url, model, first_user + i, own, turns, i * STAGGER_S, think_s)
                     for i, own in enumerate(images)
                 )
             )
@@ -190,7 +232,7 @@ def run_load(
 def scrape(url: str) -> dict[str, float]:
     """``/metrics`` as {name: value summed over label sets} (histogram buckets skipped), and
     ``placement:<label>`` for the media router's placements by label."""
-    totals: Counter[str] = Counter()
+    totals: dict[str, float] = defaultdict(float)
     for line in httpx.get(f"{url}/metrics", timeout=30.0).text.splitlines():
         if not line.startswith("mmserve_") or "_bucket{" in line:
             continue
@@ -283,49 +325,72 @@ def stop(proc: Proc, instance_pids: list[int]) -> None:
             pass
 
 
-def bench_router(args: argparse.Namespace, router: str, images: list[dict[int, str]], folder: Path) -> Result:
+def measure(
+    base_url: str,
+    model: str,
+    listed: list[dict[str, Any]],
+    load: list[dict[int, str]],
+    turns: int,
+    think_s: float,
+    first_user: int,
+) -> Result:
+    """One load on a running deployment: its figures, from the clients, the replicas and the ingress."""
+    result = Result(think_s)
+    before = {entry["url"]: scrape(entry["url"]) for entry in listed}
+    ingress_before = scrape(base_url)
+    result.wall_s, runs = run_load(base_url, model, load, turns, think_s, first_user)
+    after = {url: scrape(url) for url in before}
+    ingress_after = scrape(base_url)
+
+    def delta(name: str) -> float:
+        return sum(after[url].get(name, 0.0) - before[url].get(name, 0.0) for url in before)
+
+    result.encoder_runs = delta("mmserve_encoder_runs_total")
+    result.processor_misses = delta("mmserve_mm_processor_seconds_count")
+    result.work = {label: delta(name) for label, name in WORK.items()}
+    result.placements = {
+        p: ingress_after.get(f"placement:{p}", 0.0) - ingress_before.get(f"placement:{p}", 0.0)
+        for p in PLACEMENTS
+    }
+    for user_turns in runs:
+        result.ttft_s += [ttft for ttft, _ in user_turns]
+        result.by_replica.update(replica for _, replica in user_turns)
+        result.follow_ups += len(user_turns) - 1
+        result.same_replica += sum(a[1] == b[1] for a, b in zip(user_turns, user_turns[1:], strict=False))
+    result.requests = sum(len(user_turns) for user_turns in runs)
+    print(
+        f"    pauses {pauses(think_s)}: {result.rps:.2f} req/s, TTFT p50 {result.ttft_p50_ms:.0f} ms, "
+        f"encoder runs {result.encoder_runs:.0f}, processor misses {result.processor_misses:.0f}, "
+        f"follow-ups on the same replica {result.stickiness:.0%}",
+        flush=True,
+    )
+    return result
+
+
+def bench_router(
+    args: argparse.Namespace, router: str, loads: list[list[dict[int, str]]], folder: Path
+) -> Deployment:
+    """One deployment with ``router``: each load in turn (``loads[k]`` with pauses ``args.think_s[k]``)."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     print(f"[{router}] mmserve ray serve --router {router} --port {port}", flush=True)
-    result = Result(router)
+    deployment = Deployment(router)
     instance_pids: list[int] = []
     with ExitStack() as stack:
-        proc, result.start_s = start(args, router, port, folder / f"{router}.log")
+        proc, deployment.start_s = start(args, router, port, folder / f"{router}.log")
         stack.callback(lambda: stop(proc, instance_pids))
-        print(f"    ready in {result.start_s:.1f} s", flush=True)
+        print(f"    ready in {deployment.start_s:.1f} s", flush=True)
         seeds = iter(range(90_000, 10**6))
         warmup = [{0: jpeg_data_url(1024, next(seeds))} for _ in range(WARMUP_REQUESTS)]
         run_load(base_url, args.model.name, warmup, 1, first_user=10**6)  # text of its own too
         listed = listed_replicas(base_url)
         instance_pids[:] = [int(entry["pid"]) for entry in listed]
-        before = {entry["url"]: scrape(entry["url"]) for entry in listed}
-        ingress_before = scrape(base_url)
-        result.wall_s, runs = run_load(base_url, args.model.name, images, args.turns)
-        after = {url: scrape(url) for url in before}
-        ingress_after = scrape(base_url)
-
-        def delta(name: str) -> float:
-            return sum(after[url].get(name, 0.0) - before[url].get(name, 0.0) for url in before)
-
-        result.encoder_runs = delta("mmserve_encoder_runs_total")
-        result.processor_misses = delta("mmserve_mm_processor_seconds_count")
-        result.placements = {
-            p: ingress_after.get(f"placement:{p}", 0.0) - ingress_before.get(f"placement:{p}", 0.0)
-            for p in PLACEMENTS
-        }
-        for turns in runs:
-            result.ttft_s += [ttft for ttft, _ in turns]
-            result.by_replica.update(replica for _, replica in turns)
-            result.follow_ups += len(turns) - 1
-            result.same_replica += sum(a[1] == b[1] for a, b in zip(turns, turns[1:], strict=False))
-        result.requests = sum(len(turns) for turns in runs)
-        result.rss_mib = {str(entry["replica"]): tree_rss_mib(int(entry["pid"])) for entry in listed}
-    print(
-        f"    {result.rps:.2f} req/s, TTFT p50 {result.ttft_p50_ms:.0f} ms, encoder runs "
-        f"{result.encoder_runs:.0f}, processor misses {result.processor_misses:.0f}",
-        flush=True,
-    )
-    return result
+        for k, (think_s, load) in enumerate(zip(args.think_s, loads, strict=True)):
+            first_user = k * args.users  # text of the load's own
+            result = measure(base_url, args.model.name, listed, load, args.turns, think_s, first_user)
+            deployment.results.append(result)
+        deployment.rss_mib = {str(entry["replica"]): tree_rss_mib(int(entry["pid"])) for entry in listed}
+    return deployment
 
 
 def main() -> None:
@@ -335,6 +400,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=REPO / "models/tiny-llava")
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--think-s", type=float, nargs="+", default=[0.0, 0.25, 1.0])
     parser.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
     parser.add_argument("--chart", type=Path, default=REPO / "docs/img/ray_routers.png")
     args = parser.parse_args()
@@ -342,70 +408,81 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="mmserve-bench-ray-"))
     starts = new_image_turns(args.turns)
     seeds = iter(range(10**6))
-    images = [{turn: jpeg_data_url(1024, next(seeds)) for turn in starts} for _ in range(args.users)]
+    loads = [
+        [{turn: jpeg_data_url(1024, next(seeds)) for turn in starts} for _ in range(args.users)]
+        for _ in args.think_s
+    ]
     refs = args.users * sum(args.turns - t for t in starts)
     distinct = args.users * len(starts)
     print(
         f"{args.users} users x {args.turns} turns; new images at turns {[t + 1 for t in starts]}: "
-        f"{refs} image references to {distinct} images, {100 * (1 - distinct / refs):.0f} % repeats",
+        f"{refs} image references to {distinct} images, {100 * (1 - distinct / refs):.0f} % repeats; "
+        f"pauses between turns {', '.join(pauses(t) for t in args.think_s)}",
         flush=True,
     )
-    results = {router: bench_router(args, router, images, folder) for router in args.routers}
+    deployments = {router: bench_router(args, router, loads, folder) for router in args.routers}
 
     revision = git("rev-parse", "--short", "HEAD").strip()
     print(f"\n{machine()}, revision {revision}, {date.today()}")
     print(f"\n{args.users} users at once, {args.turns} turns each (history resent), {MAX_TOKENS} tokens a "
-          f"turn, {NUM_REPLICAS} replicas of {REPLICA_CPUS} CPU; {distinct} distinct images, "
+          f"turn, {NUM_REPLICAS} replicas of {REPLICA_CPUS} CPU; each load {distinct} new distinct images, "
           f"{100 * (1 - distinct / refs):.0f} % of {refs} image references repeats:")  # fmt: skip
     columns = [
-        "router", "req/s", "TTFT p50", "encoder runs", "processor misses", "encoder runs / image",
+        "pauses", "router", "req/s", "TTFT p50", "encoder runs", "processor misses", "encoder runs / image",
         "placements (affinity/fallback/new)", "requests per replica", "follow-ups on the same replica",
     ]  # fmt: skip
+    rows = [
+        (d.router, r) for k in range(len(args.think_s)) for d in deployments.values() for r in [d.results[k]]
+    ]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
-    for router, r in results.items():
+    for router, r in rows:
         placed = "/".join(f"{r.placements[p]:.0f}" for p in PLACEMENTS) if router == "media" else "-"
         split = " / ".join(str(n) for _, n in sorted(r.by_replica.items()))
         print(
-            f"| {router} | {r.rps:.2f} | {r.ttft_p50_ms:.0f} ms | {r.encoder_runs:.0f} | "
-            f"{r.processor_misses:.0f} | {r.encoder_runs / distinct:.2f} | {placed} | {split} | "
-            f"{100 * r.same_replica / max(r.follow_ups, 1):.0f} % |"
+            f"| {pauses(r.think_s)} | {router} | {r.rps:.2f} | {r.ttft_p50_ms:.0f} ms | "
+            f"{r.encoder_runs:.0f} | {r.processor_misses:.0f} | {r.encoder_runs / distinct:.2f} | "
+            f"{placed} | {split} | {r.stickiness:.0%} |"
         )
-    print("\n| router | start (launch to ready) | RSS per replica (instance process tree) |")
+    print("\n| pauses | router | " + " | ".join(WORK) + " |")
+    print("|---|---|" + "---|" * len(WORK))
+    for router, r in rows:
+        figures = (f"{r.work[label]:,.{1 if label.endswith(' s') else 0}f}" for label in WORK)
+        print(f"| {pauses(r.think_s)} | {router} | " + " | ".join(figures) + " |")
+    print("\n| router | start (launch to ready) | RSS per replica after the loads (instance process tree) |")
     print("|---|---|---|")
-    for router, r in results.items():
-        rss = ", ".join(f"{mib:.0f} MiB" for _, mib in sorted(r.rss_mib.items()))
-        print(f"| {router} | {r.start_s:.1f} s | {rss} |")
+    for router, d in deployments.items():
+        rss = ", ".join(f"{mib:.0f} MiB" for _, mib in sorted(d.rss_mib.items()))
+        print(f"| {router} | {d.start_s:.1f} s | {rss} |")
     print()
-    if "media" in results:
-        media = results["media"]
-        for peer in ("default", "prefix"):
-            if peer in results:
-                ratio = media.rps / results[peer].rps
-                target = " (target >= 1.5x)" if peer == "default" else ""
-                print(f"req/s, media / {peer}: {ratio:.2f}x{target}")
-        print(f"encoder runs / distinct images, media: {media.encoder_runs / distinct:.2f} (target <= 1.1)")
+    if "media" in deployments:
+        media = deployments["media"].results
+        for k, think_s in enumerate(args.think_s):
+            for peer in ("default", "prefix"):
+                if peer in deployments:
+                    other = deployments[peer].results[k]
+                    target = " (target >= 1.5x)" if peer == "default" else ""
+                    print(
+                        f"pauses {pauses(think_s)}, media / {peer}: req/s {media[k].rps / other.rps:.2f}x"
+                        f"{target}, TTFT p50 {other.ttft_p50_ms / media[k].ttft_p50_ms:.2f}x lower"
+                    )
+            print(f"pauses {pauses(think_s)}, encoder runs / distinct images, media: "
+                  f"{media[k].encoder_runs / distinct:.2f} (target <= 1.1)")  # fmt: skip
+
+    def by_load(figure: Callable[[Result], float]) -> dict[str, dict[str, float]]:
+        return {
+            f"pauses {pauses(t)}": {router: figure(d.results[k]) for router, d in deployments.items()}
+            for k, t in enumerate(args.think_s)
+        }
+
     draw(
         args.chart,
         f"Ray Serve routers, {NUM_REPLICAS} replicas: {args.users} users x {args.turns} turns, "
         f"{100 * (1 - distinct / refs):.0f} % repeated 1024x1024 images, {args.model.name}",
         [
-            Panel(
-                "Requests per second", "req/s", {r: {"req/s": x.rps} for r, x in results.items()}, "{:.2f}"
-            ),
-            Panel("TTFT p50", "ms", {r: {"TTFT p50": x.ttft_p50_ms} for r, x in results.items()}),
-            Panel(
-                "Encoder runs vs distinct images",
-                "images",
-                {
-                    r: {
-                        "encoder runs": x.encoder_runs,
-                        "processor misses": x.processor_misses,
-                        "distinct images": distinct,
-                    }
-                    for r, x in results.items()
-                },
-            ),
+            Panel("Requests per second", "req/s", by_load(lambda r: r.rps), "{:.1f}"),
+            Panel("TTFT p50", "ms", by_load(lambda r: r.ttft_p50_ms)),
+            Panel(f"Encoder runs ({distinct} distinct images)", "runs", by_load(lambda r: r.encoder_runs)),
         ],
         f"bench/bench_ray.py · {date.today()} · revision {revision} · {machine()}",
     )
