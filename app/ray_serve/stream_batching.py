@@ -3,9 +3,11 @@
 Each item a replica yields crosses two Ray hops (replica → ingress → Ray's HTTP proxy), and each costs
 Ray CPU there, whatever its size: about a millisecond a hop on the 2-core development machine, where
 streamed answers of 16 tokens cost the ingress and proxy twice what the same answers cost unstreamed.
-So a replica relays an SSE stream's first ``AT_ONCE`` chunks as they come (the role chunk and the first
-token: time to first token is untouched), and after them at most one item per interval, holding what
-arrives in between and sending it joined. Ray Serve LLM batches its streams the same way (every 50 ms
+So a replica relays an SSE stream's first ``AT_ONCE`` chunks as they come, and after them at most one
+item per interval, holding what arrives in between and sending it joined. Five cover either stream's
+opening and its first token (chat: the role chunk, then the first delta; the Responses API:
+``response.created``, ``response.in_progress``, ``output_item.added`` and ``content_part.added``, then the
+first delta), so time to first token is untouched. Ray Serve LLM batches its streams the same way (every 50 ms
 by default, its ``stream_batching_interval_ms``), from the first token on. The bytes are the
 instance's, in order, unchanged; only where one item ends moves.
 """
@@ -18,7 +20,7 @@ import math
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 
-AT_ONCE = 2  # chunks relayed as they come before the interval applies
+AT_ONCE = 5  # chunks relayed as they come before the interval applies
 DEFAULT_INTERVAL_S = 0.05  # Ray Serve LLM's default
 
 

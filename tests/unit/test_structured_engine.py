@@ -270,7 +270,8 @@ def test_compiles_nobody_waits_for_are_dropped_and_overrunning_ones_refused_at_o
     failed = wait_for_grammars(core)[b"a"]
     assert sorted(out.req_id for out in failed) == ["slow-0", "slow-1", "slow-2"]
     assert all(out.error is not None and out.error.code == "constraint_compile_timeout" for out in failed)
-    assert grammars.num_compiling() == 2  # the queued one was cancelled
+    # two threads: at most two compiles ran (one may already have ended on a machine slow to poll)
+    assert grammars.num_compiling() <= 2
     started = time.monotonic()
     [again] = core.add_request(b"a", request("again", slow_schema(0)), [])[b"a"]
     assert again.error is not None and again.error.code == "constraint_compile_timeout"
@@ -279,6 +280,7 @@ def test_compiles_nobody_waits_for_are_dropped_and_overrunning_ones_refused_at_o
     while grammars.num_compiling():  # the two running compiles end on their own
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    assert len(grammars.stats.compile_seconds) == 2  # the queued compile was cancelled: it never ran
     assert core.stats().counters["structured_output_compile_timeouts_total"] == 4
     assert grammars.cache_bytes == 0  # ~180 MB each: not kept by a 1 MiB cache
     [refused] = core.add_request(b"a", request("later", slow_schema(1)), [])[b"a"]
