@@ -1,15 +1,18 @@
 """Request routers on ``mmserve ray serve`` (tiny LLaVA, real processes, two replicas each): the
 media-affinity router vs Ray Serve's default (power of two choices) vs Ray Serve LLM's
-PrefixCacheAffinityRouter, under the same loads, one fresh deployment per router, one after another
-(each stopped before the next starts).
+PrefixCacheAffinityRouter, under the same loads. One deployment per router (each its own Ray cluster),
+all started first and running side by side; the loads then go to one deployment at a time.
 
     python bench/bench_ray.py [--model models/tiny-llava] [--users 32] [--turns 6]
-        [--think-s 0 0.25 1] [--routers media default prefix] [--chart docs/img/ray_routers.png]
+        [--think-s 0 0.25 1] [--rounds 3] [--routers media default prefix]
+        [--chart docs/img/ray_routers.png]
 
-One load per ``--think-s`` value, in that order, on each deployment, each with images and text of its
-own: users pause between turns for a uniform random time in [0, 2 x think-s] (seeded per user), as
-people reading an answer or agents running a tool do; 0, no pause, is a closed loop in which a user sends
-its next turn the moment the last one ends.
+Each round runs one load per ``--think-s`` value, each load on every deployment in turn (the order
+reversed from one load to the next, so a drift in the machine's speed reaches every router alike), each
+with images and text of its own: users pause between turns for a uniform random time in
+[0, 2 x think-s] (seeded per user), as people reading an answer or agents running a tool do; 0, no
+pause, is a closed loop in which a user sends its next turn the moment the last one ends. Figures are
+medians over the rounds, each round's shown beside them.
 
 A load: ``--users`` conversations at once (user i starts ``i * STAGGER_S`` after the first), each
 ``--turns`` streamed chat completions of ``MAX_TOKENS`` tokens at temperature 0 (``ignore_eos``: every
@@ -20,6 +23,7 @@ before is as near ``REPEAT_SHARE`` (80 %) as the turn count allows. With 6 turns
 and 3, so the turns send 1, 1, 2, 2, 2, 2 images: 10 references to 2 images, exactly 80 % repeats. Each
 user's text starts with a tag of its own, so conversations share no text prefix. The same images serve
 every router; each deployment first answers ``WARMUP_REQUESTS`` requests on other images, not counted.
+The deployments waiting their turn are idle but for Ray's own periodic work, alike for each.
 
 Per router: requests/s (requests / wall time of the load), TTFT p50 (to the first content delta), and from
 each replica's own instance (its URL in the ingress's ``GET /replicas``) the deltas over the load of
@@ -130,12 +134,17 @@ class Result:
 
 @dataclass
 class Deployment:
-    """One ``mmserve ray serve`` with one router, and its loads (one per ``--think-s``)."""
+    """One running ``mmserve ray serve`` with one router, and its loads' results by pause length."""
 
     router: str
+    base_url: str = ""
     start_s: float = 0.0
+    listed: list[dict[str, Any]] = field(default_factory=list)  # its replicas, as /replicas lists them
     rss_mib: dict[str, float] = field(default_factory=dict)  # after its last load
-    results: list[Result] = field(default_factory=list)
+    results: dict[float, list[Result]] = field(default_factory=dict)  # think_s -> one per round
+
+    def median(self, think_s: float, figure: Callable[[Result], float]) -> float:
+        return statistics.median(figure(r) for r in self.results[think_s])
 
 
 def pauses(think_s: float) -> str:
@@ -359,7 +368,7 @@ def measure(
         result.same_replica += sum(a[1] == b[1] for a, b in zip(user_turns, user_turns[1:], strict=False))
     result.requests = sum(len(user_turns) for user_turns in runs)
     print(
-        f"    pauses {pauses(think_s)}: {result.rps:.2f} req/s, TTFT p50 {result.ttft_p50_ms:.0f} ms, "
+        f"    {base_url}: {result.rps:.2f} req/s, TTFT p50 {result.ttft_p50_ms:.0f} ms, "
         f"encoder runs {result.encoder_runs:.0f}, processor misses {result.processor_misses:.0f}, "
         f"follow-ups on the same replica {result.stickiness:.0%}",
         flush=True,
@@ -367,30 +376,39 @@ def measure(
     return result
 
 
-def bench_router(
-    args: argparse.Namespace, router: str, loads: list[list[dict[int, str]]], folder: Path
-) -> Deployment:
-    """One deployment with ``router``: each load in turn (``loads[k]`` with pauses ``args.think_s[k]``)."""
+def deploy(args: argparse.Namespace, router: str, folder: Path, stack: ExitStack) -> Deployment:
+    """``mmserve ray serve --router router``, started, warmed up and stopped when ``stack`` closes."""
     port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
+    deployment = Deployment(router, base_url=f"http://127.0.0.1:{port}")
     print(f"[{router}] mmserve ray serve --router {router} --port {port}", flush=True)
-    deployment = Deployment(router)
     instance_pids: list[int] = []
-    with ExitStack() as stack:
-        proc, deployment.start_s = start(args, router, port, folder / f"{router}.log")
-        stack.callback(lambda: stop(proc, instance_pids))
-        print(f"    ready in {deployment.start_s:.1f} s", flush=True)
-        seeds = iter(range(90_000, 10**6))
-        warmup = [{0: jpeg_data_url(1024, next(seeds))} for _ in range(WARMUP_REQUESTS)]
-        run_load(base_url, args.model.name, warmup, 1, first_user=10**6)  # text of its own too
-        listed = listed_replicas(base_url)
-        instance_pids[:] = [int(entry["pid"]) for entry in listed]
-        for k, (think_s, load) in enumerate(zip(args.think_s, loads, strict=True)):
-            first_user = k * args.users  # text of the load's own
-            result = measure(base_url, args.model.name, listed, load, args.turns, think_s, first_user)
-            deployment.results.append(result)
-        deployment.rss_mib = {str(entry["replica"]): tree_rss_mib(int(entry["pid"])) for entry in listed}
+    proc, deployment.start_s = start(args, router, port, folder / f"{router}.log")
+    stack.callback(lambda: stop(proc, instance_pids))
+    print(f"    ready in {deployment.start_s:.1f} s", flush=True)
+    seeds = iter(range(90_000, 10**6))
+    warmup = [{0: jpeg_data_url(1024, next(seeds))} for _ in range(WARMUP_REQUESTS)]
+    run_load(deployment.base_url, args.model.name, warmup, 1, first_user=10**6)  # text of its own too
+    deployment.listed = listed_replicas(deployment.base_url)
+    instance_pids[:] = [int(entry["pid"]) for entry in deployment.listed]
     return deployment
+
+
+def run_rounds(
+    args: argparse.Namespace, deployments: dict[str, Deployment], loads: list[list[list[dict[int, str]]]]
+) -> None:
+    """Round r, pause length k: ``loads[r][k]`` on every deployment, one after another, the order
+    reversed from one load to the next, so that a drift of the machine's speed reaches every router
+    alike."""
+    order = list(deployments)
+    for r, round_loads in enumerate(loads):
+        for k, (think_s, load) in enumerate(zip(args.think_s, round_loads, strict=True)):
+            first_user = (r * len(args.think_s) + k) * args.users  # text of the load's own
+            print(f"round {r + 1}, pauses {pauses(think_s)}:", flush=True)
+            for router in order:
+                d = deployments[router]
+                result = measure(d.base_url, args.model.name, d.listed, load, args.turns, think_s, first_user)
+                d.results.setdefault(think_s, []).append(result)
+            order.reverse()
 
 
 def main() -> None:
@@ -401,54 +419,85 @@ def main() -> None:
     parser.add_argument("--users", type=int, default=32)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--think-s", type=float, nargs="+", default=[0.0, 0.25, 1.0])
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS))
     parser.add_argument("--chart", type=Path, default=REPO / "docs/img/ray_routers.png")
     args = parser.parse_args()
     args.model = args.model.resolve()
-    folder = Path(tempfile.mkdtemp(prefix="mmserve-bench-ray-"))
+    folder = args.folder = Path(tempfile.mkdtemp(prefix="mmserve-bench-ray-"))
     starts = new_image_turns(args.turns)
     seeds = iter(range(10**6))
     loads = [
-        [{turn: jpeg_data_url(1024, next(seeds)) for turn in starts} for _ in range(args.users)]
-        for _ in args.think_s
+        [
+            [{turn: jpeg_data_url(1024, next(seeds)) for turn in starts} for _ in range(args.users)]
+            for _ in args.think_s
+        ]
+        for _ in range(args.rounds)
     ]
     refs = args.users * sum(args.turns - t for t in starts)
     distinct = args.users * len(starts)
     print(
         f"{args.users} users x {args.turns} turns; new images at turns {[t + 1 for t in starts]}: "
         f"{refs} image references to {distinct} images, {100 * (1 - distinct / refs):.0f} % repeats; "
-        f"pauses between turns {', '.join(pauses(t) for t in args.think_s)}",
+        f"pauses between turns {', '.join(pauses(t) for t in args.think_s)}; {args.rounds} rounds",
         flush=True,
     )
-    deployments = {router: bench_router(args, router, loads, folder) for router in args.routers}
+    with ExitStack() as stack:
+        deployments = {router: deploy(args, router, folder, stack) for router in args.routers}
+        run_rounds(args, deployments, loads)
+        for d in deployments.values():
+            d.rss_mib = {str(entry["replica"]): tree_rss_mib(int(entry["pid"])) for entry in d.listed}
+    report(args, deployments, distinct, refs)
 
+
+def work_median(deployment: Deployment, think_s: float, label: str) -> float:
+    return statistics.median(r.work[label] for r in deployment.results[think_s])
+
+
+def report(args: argparse.Namespace, deployments: dict[str, Deployment], distinct: int, refs: int) -> None:
     revision = git("rev-parse", "--short", "HEAD").strip()
     print(f"\n{machine()}, revision {revision}, {date.today()}")
     print(f"\n{args.users} users at once, {args.turns} turns each (history resent), {MAX_TOKENS} tokens a "
           f"turn, {NUM_REPLICAS} replicas of {REPLICA_CPUS} CPU; each load {distinct} new distinct images, "
-          f"{100 * (1 - distinct / refs):.0f} % of {refs} image references repeats:")  # fmt: skip
+          f"{100 * (1 - distinct / refs):.0f} % of {refs} image references repeats; medians of "
+          f"{args.rounds} rounds (each round's figures after the slash):")  # fmt: skip
     columns = [
-        "pauses", "router", "req/s", "TTFT p50", "encoder runs", "processor misses", "encoder runs / image",
-        "placements (affinity/fallback/new)", "requests per replica", "follow-ups on the same replica",
+        "pauses", "router", "req/s", "TTFT p50", "encoder runs", "processor misses",
+        "placements (affinity/fallback/new)", "follow-ups on the same replica", "worker busy s",
     ]  # fmt: skip
-    rows = [
-        (d.router, r) for k in range(len(args.think_s)) for d in deployments.values() for r in [d.results[k]]
-    ]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
-    for router, r in rows:
-        placed = "/".join(f"{r.placements[p]:.0f}" for p in PLACEMENTS) if router == "media" else "-"
-        split = " / ".join(str(n) for _, n in sorted(r.by_replica.items()))
-        print(
-            f"| {pauses(r.think_s)} | {router} | {r.rps:.2f} | {r.ttft_p50_ms:.0f} ms | "
-            f"{r.encoder_runs:.0f} | {r.processor_misses:.0f} | {r.encoder_runs / distinct:.2f} | "
-            f"{placed} | {split} | {r.stickiness:.0%} |"
-        )
-    print("\n| pauses | router | " + " | ".join(WORK) + " |")
+    for think_s in args.think_s:
+        for router, d in deployments.items():
+            results = d.results[think_s]
+
+            def each(figure: Callable[[Result], float], fmt: str, results: list[Result] = results) -> str:
+                values = [figure(r) for r in results]
+                return f"{fmt.format(statistics.median(values))} / " + ", ".join(
+                    fmt.format(v) for v in values
+                )
+
+            placed = "-"
+            if router == "media":
+                placed = "/".join(
+                    f"{statistics.median(r.placements[p] for r in results):.0f}" for p in PLACEMENTS
+                )
+            print(
+                f"| {pauses(think_s)} | {router} | {each(lambda r: r.rps, '{:.2f}')} | "
+                f"{each(lambda r: r.ttft_p50_ms, '{:.0f}')} ms | "
+                f"{each(lambda r: r.encoder_runs, '{:.0f}')} | "
+                f"{each(lambda r: r.processor_misses, '{:.0f}')} | {placed} | "
+                f"{each(lambda r: 100 * r.stickiness, '{:.0f}')} % | "
+                f"{each(lambda r: r.work['worker busy s'], '{:.1f}')} |"
+            )
+    print("\n| pauses | router | " + " | ".join(WORK) + " (medians) |")
     print("|---|---|" + "---|" * len(WORK))
-    for router, r in rows:
-        figures = (f"{r.work[label]:,.{1 if label.endswith(' s') else 0}f}" for label in WORK)
-        print(f"| {pauses(r.think_s)} | {router} | " + " | ".join(figures) + " |")
+    for think_s in args.think_s:
+        for router, d in deployments.items():
+            figures = (
+                f"{work_median(d, think_s, label):,.{1 if label.endswith(' s') else 0}f}" for label in WORK
+            )
+            print(f"| {pauses(think_s)} | {router} | " + " | ".join(figures) + " |")
     print("\n| router | start (launch to ready) | RSS per replica after the loads (instance process tree) |")
     print("|---|---|---|")
     for router, d in deployments.items():
@@ -456,29 +505,39 @@ def main() -> None:
         print(f"| {router} | {d.start_s:.1f} s | {rss} |")
     print()
     if "media" in deployments:
-        media = deployments["media"].results
-        for k, think_s in enumerate(args.think_s):
+        media = deployments["media"]
+        for think_s in args.think_s:
             for peer in ("default", "prefix"):
-                if peer in deployments:
-                    other = deployments[peer].results[k]
-                    target = " (target >= 1.5x)" if peer == "default" else ""
-                    print(
-                        f"pauses {pauses(think_s)}, media / {peer}: req/s {media[k].rps / other.rps:.2f}x"
-                        f"{target}, TTFT p50 {other.ttft_p50_ms / media[k].ttft_p50_ms:.2f}x lower"
-                    )
-            print(f"pauses {pauses(think_s)}, encoder runs / distinct images, media: "
-                  f"{media[k].encoder_runs / distinct:.2f} (target <= 1.1)")  # fmt: skip
+                if peer not in deployments:
+                    continue
+                other = deployments[peer]
+                ratios = [
+                    m.rps / o.rps for m, o in zip(media.results[think_s], other.results[think_s], strict=True)
+                ]
+                target = " (target >= 1.5x)" if peer == "default" else ""
+                ttft = other.median(think_s, lambda r: r.ttft_p50_ms) / media.median(
+                    think_s, lambda r: r.ttft_p50_ms
+                )
+                print(
+                    f"pauses {pauses(think_s)}, media / {peer}: "
+                    f"req/s {statistics.median(ratios):.2f}x{target} "
+                    f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)}), TTFT p50 {ttft:.2f}x lower"
+                )
+            runs = media.median(think_s, lambda r: r.encoder_runs)
+            print(f"pauses {pauses(think_s)}, encoder runs / distinct images, media: {runs / distinct:.2f} "
+                  "(target <= 1.1)")  # fmt: skip
 
     def by_load(figure: Callable[[Result], float]) -> dict[str, dict[str, float]]:
         return {
-            f"pauses {pauses(t)}": {router: figure(d.results[k]) for router, d in deployments.items()}
-            for k, t in enumerate(args.think_s)
+            f"pauses {pauses(t)}": {router: d.median(t, figure) for router, d in deployments.items()}
+            for t in args.think_s
         }
 
     draw(
         args.chart,
         f"Ray Serve routers, {NUM_REPLICAS} replicas: {args.users} users x {args.turns} turns, "
-        f"{100 * (1 - distinct / refs):.0f} % repeated 1024x1024 images, {args.model.name}",
+        f"{100 * (1 - distinct / refs):.0f} % repeated 1024x1024 images, {args.model.name}; "
+        f"medians of {args.rounds} rounds",
         [
             Panel("Requests per second", "req/s", by_load(lambda r: r.rps), "{:.1f}"),
             Panel("TTFT p50", "ms", by_load(lambda r: r.ttft_p50_ms)),
@@ -486,7 +545,7 @@ def main() -> None:
         ],
         f"bench/bench_ray.py · {date.today()} · revision {revision} · {machine()}",
     )
-    print(f"\nlogs: {folder}")
+    print(f"\nlogs: {args.folder}")
 
 
 if __name__ == "__main__":
