@@ -450,6 +450,11 @@ def main() -> None:
     report(args, deployments, distinct, refs)
 
 
+def split(results: list[Result]) -> str:
+    """Each round's requests per replica, the busier replica first."""
+    return ", ".join("/".join(str(n) for n in sorted(r.by_replica.values(), reverse=True)) for r in results)
+
+
 def work_median(deployment: Deployment, think_s: float, label: str) -> float:
     return statistics.median(r.work[label] for r in deployment.results[think_s])
 
@@ -463,7 +468,8 @@ def report(args: argparse.Namespace, deployments: dict[str, Deployment], distinc
           f"{args.rounds} rounds (each round's figures after the slash):")  # fmt: skip
     columns = [
         "pauses", "router", "req/s", "TTFT p50", "encoder runs", "processor misses",
-        "placements (affinity/fallback/new)", "follow-ups on the same replica", "worker busy s",
+        "placements (affinity/fallback/new)", "requests per replica", "follow-ups on the same replica",
+        "worker busy s",
     ]  # fmt: skip
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
@@ -486,7 +492,7 @@ def report(args: argparse.Namespace, deployments: dict[str, Deployment], distinc
                 f"| {pauses(think_s)} | {router} | {each(lambda r: r.rps, '{:.2f}')} | "
                 f"{each(lambda r: r.ttft_p50_ms, '{:.0f}')} ms | "
                 f"{each(lambda r: r.encoder_runs, '{:.0f}')} | "
-                f"{each(lambda r: r.processor_misses, '{:.0f}')} | {placed} | "
+                f"{each(lambda r: r.processor_misses, '{:.0f}')} | {placed} | {split(results)} | "
                 f"{each(lambda r: 100 * r.stickiness, '{:.0f}')} % | "
                 f"{each(lambda r: r.work['worker busy s'], '{:.1f}')} |"
             )
