@@ -109,9 +109,9 @@ bench-media-ids: setup model
 bench-agents: setup model
 	$(PY) bench/bench_agents.py --model $(MODEL)
 
-# ~13 min: mmserve ray serve, two replicas, the media-affinity router vs Ray Serve's default and prefix-cache
+# ~8 min: mmserve ray serve, two replicas, the media-affinity router vs Ray Serve's default and prefix-cache
 # routers: 32 users x 6 turns, history resent, 80 % repeated 1024x1024 JPEGs, three pause lengths between
-# turns; draws docs/img/ray_routers.png
+# turns, medians of 3 interleaved rounds; draws docs/img/ray_routers.png
 bench-ray: setup model
 	$(PY) bench/bench_ray.py --model $(MODEL)
 
