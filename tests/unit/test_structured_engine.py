@@ -370,6 +370,42 @@ def test_a_grammar_complete_before_any_token_ends_at_once(grammars: GrammarCompi
     assert not core.holds_requests
 
 
+def test_forced_tokens_of_a_request_preempted_in_a_step_the_worker_never_read_go_out_again(
+    grammars: GrammarCompiler,
+) -> None:
+    """A constrained request with forced tokens pending is preempted in a step that the worker could
+    not decode, so it applied nothing of it. The step's forced tokens and preemption go out again with
+    the next step (``Scheduler.fail_step``): the worker's copy of the request's tokens stays the
+    engine's, and when the request resumes it answers as in a run without the failure. (Without the
+    re-send the stand-in refuses the resumed span: it lacks the forced tokens.) The plain request the
+    failed step ran ends with an error, as every request of a failed step does."""
+
+    def run(
+        undecodable_steps: set[int],
+    ) -> tuple[dict[str, tuple[list[int], FinishReason | None]], StandinWorker]:
+        # 5 blocks of 16: "d" (40 prompt tokens) grows until "c" (20) must give its blocks back
+        worker = StandinWorker(
+            vocab_size=VOCAB_SIZE, num_kv_blocks=5, block_size=16, undecodable_steps=undecodable_steps
+        )
+        core = core_with(grammars, worker)
+        core.add_request(b"a", request("d", None, max_tokens=20, prompt_len=40), [])
+        core.add_request(b"a", request("c", schema(POINT, any_whitespace=False), max_tokens=40), [])
+        wait_for_grammars(core)  # before any step: "d" is admitted first, "c" second
+        return answers(run_until_idle(core, MAX_STEPS)), worker
+
+    clean, worker = run(set())
+    [step] = [  # the step that preempts "c" while its forced tokens go to the worker
+        s.sched.step_id
+        for s in worker.steps
+        if "c" in s.sched.preempted_req_ids and "c" in s.sched.forced_tokens
+    ]
+    failed, worker = run({step})
+    assert failed["c"] == clean["c"] and clean["c"][1] is FinishReason.STOP
+    assert failed["d"][1] is FinishReason.ABORT
+    [after] = [s.sched for s in worker.steps if s.sched.step_id == step + 1]
+    assert after.preempted_req_ids == ["c"] and "c" in after.forced_tokens  # sent again
+
+
 def test_forced_tokens_reach_the_worker_with_the_next_step_and_none_are_forced_with_logprobs(
     grammars: GrammarCompiler, tokenizer: PreTrainedTokenizerFast
 ) -> None:
