@@ -12,7 +12,6 @@ reports: its instance's URL and pid, how many media keys it holds).
 No ``from __future__ import annotations`` here: Ray ships the ingress class by value, without the
 module's globals its annotations would name, and FastAPI reads the annotations to bind ``Request``."""
 
-import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from app.proxy.forward import UpstreamUnavailableError, describe, forwarded_head
 from app.ray_serve import router_state
 from app.ray_serve.media_keys import media_keys, response_key
 from app.ray_serve.messages import ReplicaHead, ReplicaRequest
+from app.ray_serve.response_ids import ResponseIdWatch, json_or_none
 
 REPLICA_HEADER = "x-mmserve-replica"
 TRIES = 3  # a replica that died before answering: the request goes to another (the router forgot it)
@@ -78,10 +78,10 @@ def build_ingress(options: IngressOptions) -> type:
 
         async def _forward(self, request: Request) -> Response:
             body = await request.body()
-            parsed = _json_or_none(body)
-            keys = media_keys(
-                parsed, tenant=request_tenant(request.scope), isolate_tenants=options.isolate_tenants
-            )
+            parsed = json_or_none(body)
+            tenant = request_tenant(request.scope)
+            keys = media_keys(parsed, tenant=tenant, isolate_tenants=options.isolate_tenants)
+            makes_response = request.method == "POST" and request.url.path == "/v1/responses"
             path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             messages = parsed.get("messages") if options.chat_messages and isinstance(parsed, dict) else None
             message = ReplicaRequest(
@@ -91,6 +91,7 @@ def build_ingress(options: IngressOptions) -> type:
                 body=body,
                 media_keys=keys,
                 chat_messages=messages if isinstance(messages, list) else None,
+                response_tenant=tenant if makes_response else None,
             )
             failure: BaseException | None = None
             for _ in range(TRIES):
@@ -104,8 +105,8 @@ def build_ingress(options: IngressOptions) -> type:
                     return error_response(UpstreamUnavailableError(f"The replica failed ({describe(exc)})."))
                 assert isinstance(head, ReplicaHead)
                 learn = None
-                if request.method == "POST" and request.url.path == "/v1/responses" and head.status == 200:
-                    learn = self._learner(request_tenant(request.scope), head.replica)
+                if makes_response and head.status == 200:
+                    learn = self._learner(tenant, head.replica)
                 return await _respond(head, stream, learn)
             assert failure is not None
             return error_response(UpstreamUnavailableError(f"No replica answered ({describe(failure)})."))
@@ -123,48 +124,16 @@ def build_ingress(options: IngressOptions) -> type:
     return MmserveIngress
 
 
-def _json_or_none(body: bytes) -> Any:
-    """The body as JSON, for its media keys; a body that is not is the instance's to refuse."""
-    if not body:
-        return None
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
-class ResponseIdWatch:
-    """Finds the response id in a Responses API stream's first event (``response.created``)."""
-
-    MAX_BYTES = 1 << 16  # the first event is far smaller; past this the stream is not watched
-
-    def __init__(self, learn: Callable[[str], None]) -> None:
-        self.learn = learn
-        self.seen = b""
-
-    def feed(self, chunk: bytes) -> bool:
-        """True once done: the id was found, or it will not be."""
-        self.seen += chunk
-        event, separator, _ = self.seen.partition(b"\n\n")
-        if not separator:
-            return len(self.seen) > self.MAX_BYTES
-        for line in event.splitlines():
-            if line.startswith(b"data: "):
-                data = _json_or_none(line.removeprefix(b"data: "))
-                response = data.get("response") if isinstance(data, dict) else None
-                if isinstance(response, dict) and isinstance(response.get("id"), str):
-                    self.learn(response["id"])
-        return True
-
-
 async def _respond(
     head: ReplicaHead, stream: DeploymentResponseGenerator, learn: Callable[[str], None] | None
 ) -> Response:
     """``learn``: told the response id of a Responses API answer, streamed or not."""
     headers = {**head.headers, REPLICA_HEADER: head.replica}
-    if head.headers.get("content-type", "").startswith("text/event-stream"):
+    streamed = head.headers.get("content-type", "").startswith("text/event-stream")
+    watch = ResponseIdWatch(learn, streamed) if learn is not None else None
+    if streamed:
         return StreamingResponse(
-            _rest(stream, ResponseIdWatch(learn) if learn is not None else None),
+            _rest(stream, watch),
             status_code=head.status,
             headers=headers,
             background=BackgroundTask(stream.cancel),  # the client left: the replica's stream ends too
@@ -173,18 +142,17 @@ async def _respond(
         body = b"".join([chunk async for chunk in stream])
     except Exception as exc:
         return error_response(UpstreamUnavailableError(f"The replica failed mid-answer ({describe(exc)})."))
-    if learn is not None:
-        answer = _json_or_none(body)
-        if isinstance(answer, dict) and isinstance(answer.get("id"), str):
-            learn(answer["id"])
+    if watch is not None:
+        watch.feed(body)
+        watch.finish()
     return Response(body, status_code=head.status, headers=headers)
 
 
 async def _rest(stream: DeploymentResponseGenerator, watch: ResponseIdWatch | None) -> AsyncIterator[bytes]:
     try:
         async for chunk in stream:
-            if watch is not None and watch.feed(chunk):
-                watch = None
+            if watch is not None:
+                watch.feed(chunk)
             yield chunk
     except Exception as exc:
         error = UpstreamUnavailableError(f"The replica failed mid-stream ({describe(exc)}).")

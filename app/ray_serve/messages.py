@@ -16,6 +16,7 @@ class ReplicaRequest:
     body: bytes
     media_keys: tuple[str, ...] = ()  # what the media-affinity router places it by
     chat_messages: list[Any] | None = field(default=None, repr=False)
+    response_tenant: str | None = None  # a Responses API request's tenant: its answer's id is a key
 
     @property
     def messages(self) -> list[Any]:

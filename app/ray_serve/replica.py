@@ -7,9 +7,10 @@ processes) on a free loopback port of the replica's node, owned by the replica's
 - Requests: ``forward`` relays one ``ReplicaRequest`` over HTTP and streams back a ``ReplicaHead`` and the
   body's bytes, an SSE body in fewer, larger items (``stream_batching``); a client that leaves cancels
   the stream, which closes the connection, which aborts the request in the instance.
-- What it holds: the keys of the media it served most recently (``report_keys`` of them, LRU), reported
-  with its URL through ``record_routing_stats``. Its caches are LRU too; a key it reports may have been
-  evicted there, which costs a miss and nothing else.
+- What it holds: the keys of the media it served most recently and of the Responses API answers it
+  made (``report_keys`` of them, LRU), reported with its URL through ``record_routing_stats``. Its
+  caches are LRU too; a key it reports may have been evicted there, which costs a miss and nothing
+  else.
 - Health and death: ``check_health`` asks the instance; an instance that exits ends the replica's actor
   at once, so the router forgets its keys and Ray starts a new replica. An actor that dies takes its
   instance with it (PR_SET_PDEATHSIG on the thread that waits for it); one stopped by Serve stops the
@@ -30,7 +31,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import httpx
 from ray import serve
@@ -38,7 +39,9 @@ from ray import serve
 from app.api.error_handlers import error_response, sse_error_event
 from app.errors import MMServeError
 from app.proxy.forward import RELAYED_RESPONSE_HEADERS, UpstreamUnavailableError, describe, open_upstream
+from app.ray_serve.media_keys import response_key
 from app.ray_serve.messages import ReplicaHead, ReplicaRequest
+from app.ray_serve.response_ids import ResponseIdWatch
 from app.ray_serve.stream_batching import DEFAULT_INTERVAL_S, batched
 
 log = logging.getLogger("mmserve.ray")
@@ -134,12 +137,15 @@ class MmserveReplica:
             f.seek(max(0, os.path.getsize(self.log_path) - num_bytes))
             return f.read().decode(errors="replace")
 
-    async def forward(self, request: ReplicaRequest) -> AsyncIterator[ReplicaHead | bytes]:
-        for key in request.media_keys:
+    def _hold(self, keys: Iterable[str]) -> None:
+        for key in keys:
             self._keys[key] = None
             self._keys.move_to_end(key)
         while len(self._keys) > self.report_keys:
             self._keys.popitem(last=False)
+
+    async def forward(self, request: ReplicaRequest) -> AsyncIterator[ReplicaHead | bytes]:
+        self._hold(request.media_keys)
         try:
             upstream = await open_upstream(
                 self._client,
@@ -161,10 +167,18 @@ class MmserveReplica:
             is_sse = headers.get("content-type", "").startswith("text/event-stream")
             body = upstream.aiter_bytes()  # decoded: Content-Encoding is not relayed
             interval_s = self.stream_interval_s if is_sse else 0.0  # the ingress reads others whole
+            watch = None
+            if request.response_tenant is not None and upstream.status_code == 200:
+                tenant = request.response_tenant
+                watch = ResponseIdWatch(lambda made: self._hold([response_key(tenant, made)]), is_sse)
             try:
                 async with contextlib.aclosing(batched(body, interval_s)) as items:
                     async for item in items:
+                        if watch is not None:
+                            watch.feed(item)
                         yield item
+                if watch is not None:
+                    watch.finish()
             except httpx.HTTPError as exc:
                 error = UpstreamUnavailableError(
                     f"The replica's instance failed mid-answer ({describe(exc)})."

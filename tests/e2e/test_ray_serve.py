@@ -6,7 +6,8 @@ of the tiny LLaVA behind the media-affinity router, each a whole mmserve instanc
   a single server gives (the other replica's instance, asked directly, cold).
 - A burst on one image past the imbalance bound spills to the other replica, answered alike.
 - Streaming, auth, the body cap and errors through the ingress as from ``mmserve serve``.
-- ``cache_salt`` and media ids through the router.
+- ``cache_salt`` and media ids through the router; follow-ups by ``previous_response_id`` go where their
+  response was made, also after the ingress was killed and restarted (by the replicas' reports).
 - A replica whose instance is killed: its next requests are served by the other replica, correctly;
   Ctrl-C stops every instance and the cluster.
 """
@@ -39,6 +40,7 @@ IMBALANCE = 2
 BODY_CAP_MB = "1"
 IMAGES = [make_image(4200 + k, size=(96, 96)) for k in range(6)]
 STOP_S = 90.0
+REPORT_PERIOD_S = 2.0  # how often a replica reports its keys (RayAppArgs' default)
 
 
 @dataclass
@@ -242,6 +244,65 @@ def test_follow_ups_go_where_their_stored_response_was_made(ray_server: RayServe
         fields = {"input": f"And then {turn}?", "previous_response_id": response_id, "stream": turn % 2 == 1}
         response_id, _, answered_by = responses_turn(ray_server, fields)
         assert answered_by == replica
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below ``root`` (Ray's actors are children of the raylet that ``ray.init`` started)."""
+    parents = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError):
+            continue
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def test_after_the_ingress_restarts_follow_ups_go_where_their_response_was_made(
+    ray_server: RayServer,
+) -> None:
+    """The ingress's own memory of where each response was made dies with it; each replica reports the
+    responses it made among its keys, so the new ingress's router sends a follow-up there, by affinity
+    (a router that did not know would place each as new media, on the least loaded replica)."""
+    made: dict[str, str] = {}
+    for k in range(6):
+        image = {"type": "input_image", "image_url": data_url(make_image(4320 + k, size=(96, 96)))}
+        first = [{"role": "user", "content": [{"type": "input_text", "text": "What is it?"}, image]}]
+        response_id, _, replica = responses_turn(ray_server, {"input": first, "stream": k % 2 == 1})
+        made[response_id] = replica
+    assert len(set(made.values())) == 2  # new media spreads over both replicas
+    time.sleep(REPORT_PERIOD_S + 1)  # every replica has reported the responses it made
+    assert ray_server.process.proc is not None
+    [ingress] = [
+        pid
+        for pid in descendants(ray_server.process.proc.pid)
+        if b"MmserveIngress" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    os.kill(ingress, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # Ray Serve starts a new ingress; its router reads the reports
+        try:
+            if len(ray_server.replicas()) == 2:
+                break
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the ingress did not come back")
+    before = parse_metrics(httpx.get(f"{ray_server.base_url}/metrics").text)
+    for response_id, replica in made.items():
+        _, _, answered_by = responses_turn(
+            ray_server, {"input": "And then?", "previous_response_id": response_id}
+        )
+        assert answered_by == replica
+    after = parse_metrics(httpx.get(f"{ray_server.base_url}/metrics").text)
+    for placement, count in (("affinity", len(made)), ("new", 0), ("fallback", 0)):
+        name = f'mmserve_ray_placements_total{{placement="{placement}"}}'
+        assert after.get(name, 0) - before.get(name, 0) == count, placement
 
 
 def test_a_killed_replica_s_requests_go_to_the_other_and_ctrl_c_stops_all(ray_server: RayServer) -> None:

@@ -76,17 +76,35 @@ def test_a_follow_up_is_keyed_by_the_response_it_follows() -> None:
     assert keys(follow_up, "t1") == (response_key("t1", "resp_1"),) != keys(follow_up, "t2")
 
 
-def test_the_ingress_finds_a_streamed_response_s_id_in_its_first_event() -> None:
-    pytest.importorskip("ray.serve")
-    from app.ray_serve.ingress import ResponseIdWatch
+def test_a_response_s_id_is_found_in_a_stream_s_first_event_or_a_whole_json_answer() -> None:
+    from app.ray_serve.response_ids import ResponseIdWatch
 
     learnt: list[str] = []
-    watch = ResponseIdWatch(learnt.append)
+    watch = ResponseIdWatch(learnt.append, streamed=True)
     event = b'event: response.created\ndata: {"type": "response.created", "response": {"id": "resp_9"}}\n\n'
-    assert not watch.feed(event[:20]) and watch.feed(event[20:] + b"event: more")
-    assert learnt == ["resp_9"]
-    silent = ResponseIdWatch(learnt.append)
-    assert silent.feed(b"data: [DONE]\n\n") and learnt == ["resp_9"]
+    watch.feed(event[:20])
+    assert not watch.done and not learnt
+    watch.feed(event[20:] + b"event: more")
+    assert watch.done and learnt == ["resp_9"]
+    watch.feed(b'data: {"response": {"id": "resp_other"}}\n\n')  # only the first event counts
+    silent = ResponseIdWatch(learnt.append, streamed=True)
+    silent.feed(b"data: [DONE]\n\n")
+    assert silent.done and learnt == ["resp_9"]
+
+    whole = ResponseIdWatch(learnt.append, streamed=False)
+    answer = b'{"id": "resp_10", "object": "response", "output": []}'
+    whole.feed(answer[:9])
+    whole.feed(answer[9:])
+    assert learnt == ["resp_9"]  # not before the answer ends
+    whole.finish()
+    assert learnt == ["resp_9", "resp_10"]
+    refused = ResponseIdWatch(learnt.append, streamed=False)
+    refused.feed(b"not json")
+    refused.finish()
+    huge = ResponseIdWatch(learnt.append, streamed=False)
+    huge.feed(b'{"id": "resp_11", "pad": "' + b"x" * ResponseIdWatch.MAX_BYTES + b'"}')
+    huge.finish()
+    assert learnt == ["resp_9", "resp_10"]
 
 
 def test_repeats_go_where_the_media_is_held_within_the_imbalance_bound() -> None:
