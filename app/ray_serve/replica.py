@@ -12,13 +12,15 @@ processes) on a free loopback port of the replica's node, owned by the replica's
   caches are LRU too; a key it reports may have been evicted there, which costs a miss and nothing
   else.
 - Health and death: ``check_health`` asks the instance; an instance that exits ends the replica's actor
-  at once, so the router forgets its keys and Ray starts a new replica. An actor that dies takes its
-  instance with it (PR_SET_PDEATHSIG on the thread that waits for it); one stopped by Serve stops the
-  instance gracefully (SIGTERM: it drains).
+  at once, so the router forgets its keys and Ray starts a new replica. A request that finds the
+  instance gone ends the actor too, before answering, so the ingress tries another replica. An actor
+  that dies takes its instance with it (PR_SET_PDEATHSIG on the thread that waits for it); one stopped
+  by Serve stops the instance gracefully (SIGTERM: it drains).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import logging
@@ -47,6 +49,7 @@ from app.ray_serve.stream_batching import DEFAULT_INTERVAL_S, batched
 log = logging.getLogger("mmserve.ray")
 
 STOP_GRACE_S = 30.0  # SIGTERM drains the instance's requests; then SIGKILL
+EXIT_GRACE_S = 1.0  # an unreachable instance: how long to wait to learn whether it died
 READ_TIMEOUT_S = 600.0  # a read of the instance's answer: generation steps bound it long before this
 
 
@@ -91,6 +94,7 @@ class MmserveReplica:
             str(self.port),
         ]
         spawned = threading.Event()
+        self._instance_exited = threading.Event()
         self._instance: subprocess.Popen[bytes] | None = None
         threading.Thread(target=self._own_instance, args=(argv, spawned), daemon=True).start()
         spawned.wait()
@@ -111,6 +115,7 @@ class MmserveReplica:
             )
         spawned.set()
         code = self._instance.wait()
+        self._instance_exited.set()
         if not self._stopping:
             log.error("replica %s: its mmserve instance exited (%s); see %s", self.name, code, self.log_path)
             os._exit(1)  # the router forgets this replica's keys; Ray starts another
@@ -155,6 +160,11 @@ class MmserveReplica:
                 headers=request.headers,
             )
         except MMServeError as exc:
+            unreachable = isinstance(exc, UpstreamUnavailableError) and not self._stopping
+            if unreachable and await asyncio.to_thread(self._instance_exited.wait, EXIT_GRACE_S):
+                # The instance died and this actor is ending with it (``_own_instance``): end it before
+                # any answer, so that the ingress tries another replica instead of relaying a refusal.
+                os._exit(1)
             refusal = error_response(exc)
             yield ReplicaHead(refusal.status_code, {"content-type": "application/json"}, self.name)
             yield bytes(refusal.body)
