@@ -14,16 +14,17 @@ with images and text of its own: users pause between turns for a uniform random 
 pause, is a closed loop in which a user sends its next turn the moment the last one ends. Figures are
 medians over the rounds, each round's shown beside them.
 
-A load: ``--users`` conversations at once (user i starts ``i * STAGGER_S`` after the first), each
-``--turns`` streamed chat completions of ``MAX_TOKENS`` tokens at temperature 0 (``ignore_eos``: every
-answer the same length). Every turn resends the whole conversation (its earlier user messages with their
-images and the answers), and some turns add a new 1024x1024 JPEG of the user's own: which ones is chosen
-(``new_image_turns``) so that, of all image parts sent over the run, the share naming an image sent
-before is as near ``REPEAT_SHARE`` (80 %) as the turn count allows. With 6 turns: new images at turns 1
-and 3, so the turns send 1, 1, 2, 2, 2, 2 images: 10 references to 2 images, exactly 80 % repeats. Each
-user's text starts with a tag of its own, so conversations share no text prefix. The same images serve
-every router; each deployment first answers ``WARMUP_REQUESTS`` requests on other images, not counted.
-The deployments waiting their turn are idle but for Ray's own periodic work, alike for each.
+A load (bench/ray_conversations.py): ``--users`` conversations at once (user i starts ``i * STAGGER_S``
+after the first), each ``--turns`` streamed chat completions of ``MAX_TOKENS`` tokens at temperature 0
+(``ignore_eos``: every answer the same length). Every turn resends the whole conversation (its earlier
+user messages with their images and the answers), and some turns add a new 1024x1024 JPEG of the user's
+own: which ones is chosen (``new_image_turns``) so that, of all image parts sent over the run, the share
+naming an image sent before is as near ``REPEAT_SHARE`` (80 %) as the turn count allows. With 6 turns:
+new images at turns 1 and 3, so the turns send 1, 1, 2, 2, 2, 2 images: 10 references to 2 images,
+exactly 80 % repeats. Each user's text starts with a tag of its own, so conversations share no text
+prefix. The same images serve every router; each deployment first answers ``WARMUP_REQUESTS`` requests on
+other images, not counted. The deployments waiting their turn are idle but for Ray's own periodic work,
+alike for each.
 
 Per router: requests/s (requests / wall time of the load), TTFT p50 (to the first content delta), and from
 each replica's own instance (its URL in the ingress's ``GET /replicas``) the deltas over the load of
@@ -39,10 +40,7 @@ and reserve ``REPLICA_CPUS`` CPUs each. Draws ``--chart``.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
-import random
 import re
 import signal
 import statistics
@@ -53,7 +51,6 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import date
-from itertools import combinations
 from pathlib import Path
 from typing import Any
 
@@ -62,20 +59,15 @@ from bench_input_scale import machine
 from bench_throughput import REPO, Proc, free_port, git
 from charts import Panel, draw
 from images import jpeg_data_url
+from ray_conversations import MAX_TOKENS, new_image_turns, run_load
 
 ROUTERS = ("media", "default", "prefix")
 NUM_REPLICAS = 2
 REPLICA_CPUS = 0.5
-MAX_TOKENS = 16
-REPEAT_SHARE = 0.8  # of all image parts sent, those naming an image sent before
-MAX_IMAGES = 4  # images in one request at most (576 tokens each on the tiny LLaVA, 4096 positions)
-STAGGER_S = 0.1
 WARMUP_REQUESTS = 4  # per deployment, each with a new image of its own, not counted
 READY_LINE = "mmserve: serving model"
 START_TIMEOUT_S = 600.0
 PLACEMENTS = ("affinity", "fallback", "new")
-REPLICA_HEADER = "x-mmserve-replica"
-SAMPLING = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
 PLACEMENTS_TOTAL = "mmserve_ray_placements_total{"  # not its _created series (the ingress has them)
 PLACEMENT_LABEL = re.compile(r'placement="(\w+)"')
 WORK = {  # where the replicas' time went: a counter's delta over the load, summed over the replicas
@@ -85,22 +77,6 @@ WORK = {  # where the replicas' time went: a counter's delta over the load, summ
     "engine steps": "mmserve_engine_steps_total",
     "worker busy s": "mmserve_worker_busy_seconds_total",
 }
-
-
-def new_image_turns(turns: int) -> tuple[int, ...]:
-    """The turns (0-based; always turn 0) that add a new image, so that the share of repeats among the
-    image parts sent, each turn resending every image so far, is nearest ``REPEAT_SHARE``; fewest images
-    among equals."""
-    best: tuple[tuple[float, int], tuple[int, ...]] | None = None
-    for count in range(1, min(turns, MAX_IMAGES) + 1):
-        for rest in combinations(range(1, turns), count - 1):
-            starts = (0, *rest)
-            refs = sum(turns - t for t in starts)
-            key = (abs(1 - count / refs - REPEAT_SHARE), count)
-            if best is None or key < best[0]:
-                best = (key, starts)
-    assert best is not None
-    return best[1]
 
 
 @dataclass
@@ -149,93 +125,6 @@ class Deployment:
 
 def pauses(think_s: float) -> str:
     return f"0-{2 * think_s:g} s" if think_s else "none"
-
-
-async def stream_turn(client: httpx.AsyncClient, url: str, body: bytes) -> tuple[float, str, str]:
-    """(TTFT s, the answer's text, the replica that answered) of one streamed chat completion."""
-    start, ttft, parts = time.perf_counter(), None, []
-    async with client.stream("POST", url, content=body, headers={"Content-Type": "application/json"}) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"request failed: {resp.status_code} {(await resp.aread())[:300]!r}")
-        replica = resp.headers.get(REPLICA_HEADER, "?")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"request failed mid-stream: {chunk['error']}")
-            for choice in chunk.get("choices", []):
-                content = choice.get("delta", {}).get("content")
-                if content:
-                    ttft = time.perf_counter() - start if ttft is None else ttft
-                    parts.append(content)
-    return ttft if ttft is not None else time.perf_counter() - start, "".join(parts), replica
-
-
-def user_message(tag: str, turn: int, image: str | None) -> dict[str, Any]:
-    text = f"{tag}, turn {turn + 1}: " + (
-        "here is a new picture. What does it show?" if image else "look again: what else do you see?"
-    )
-    content: list[dict[str, Any]] = [{"type": "text", "text": text}]
-    if image is not None:
-        content.insert(0, {"type": "image_url", "image_url": {"url": image}})
-    return {"role": "user", "content": content}
-
-
-async def conversation(
-    client: httpx.AsyncClient,
-    url: str,
-    model: str,
-    user: int,
-    images: dict[int, str],
-    turns: int,
-    delay_s: float,
-    think_s: float,
-) -> list[tuple[float, str]]:
-    """One user's turns, the first after ``delay_s``: ``images`` maps a turn to the new image it adds.
-    Between turns the user pauses a uniform random time in [0, 2 * ``think_s``] (seeded by ``user``).
-    (TTFT s, replica) of each turn."""
-    await asyncio.sleep(delay_s)
-    rng = random.Random(user)
-    tag = f"{rng.getrandbits(32):08x}"  # no text prefix shared with another user
-    messages: list[dict[str, Any]] = []
-    figures = []
-    for turn in range(turns):
-        if turn and think_s:
-            await asyncio.sleep(rng.uniform(0.0, 2.0 * think_s))
-        messages.append(user_message(tag, turn, images.get(turn)))
-        body = json.dumps({"model": model, "messages": messages, **SAMPLING}).encode()
-        ttft_s, answer, replica = await stream_turn(client, url, body)
-        messages.append({"role": "assistant", "content": answer})
-        figures.append((ttft_s, replica))
-    return figures
-
-
-def run_load(
-    base_url: str,
-    model: str,
-    images: list[dict[int, str]],
-    turns: int,
-    think_s: float = 0.0,
-    first_user: int = 0,
-) -> tuple[float, list[list[tuple[float, str]]]]:
-    """Every user at once (user i starting ``i * STAGGER_S`` after the first), numbered from
-    ``first_user`` (which picks their text): (wall s, each user's turns)."""
-
-    async def everyone() -> tuple[float, list[list[tuple[float, str]]]]:
-        limits = httpx.Limits(max_connections=len(images), max_keepalive_connections=len(images))
-        async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
-            url = f"{base_url}/v1/chat/completions"
-            start = time.perf_counter()
-            runs = await asyncio.gather(
-                *(
-                    conversation(client, url, model, first_user + i, own, turns, i * STAGGER_S, think_s)
-                    for i, own in enumerate(images)
-                )
-            )
-            return time.perf_counter() - start, runs
-
-    return asyncio.run(everyone())
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -455,10 +344,6 @@ def split(results: list[Result]) -> str:
     return ", ".join("/".join(str(n) for n in sorted(r.by_replica.values(), reverse=True)) for r in results)
 
 
-def work_median(deployment: Deployment, think_s: float, label: str) -> float:
-    return statistics.median(r.work[label] for r in deployment.results[think_s])
-
-
 def report(args: argparse.Namespace, deployments: dict[str, Deployment], distinct: int, refs: int) -> None:
     revision = git("rev-parse", "--short", "HEAD").strip()
     print(f"\n{machine()}, revision {revision}, {date.today()}")
@@ -500,9 +385,8 @@ def report(args: argparse.Namespace, deployments: dict[str, Deployment], distinc
     print("|---|---|" + "---|" * len(WORK))
     for think_s in args.think_s:
         for router, d in deployments.items():
-            figures = (
-                f"{work_median(d, think_s, label):,.{1 if label.endswith(' s') else 0}f}" for label in WORK
-            )
+            medians = {label: statistics.median(r.work[label] for r in d.results[think_s]) for label in WORK}
+            figures = (f"{value:,.{1 if label.endswith(' s') else 0}f}" for label, value in medians.items())
             print(f"| {pauses(think_s)} | {router} | " + " | ".join(figures) + " |")
     print("\n| router | start (launch to ready) | RSS per replica after the loads (instance process tree) |")
     print("|---|---|---|")
