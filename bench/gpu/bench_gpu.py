@@ -10,7 +10,8 @@
   p50, output tokens/s, and encoder ms per image (the worker's encoder time over its encoder runs);
 - **agent loop**: one agent alone, five turns on ``/v1/responses`` chained by ``previous_response_id``,
   each a new image (bench/bench_agents.py's loop): TTFT per turn, turn 5's over turn 1's (the history's
-  cost; docs/benchmarks.md, "Agent loops");
+  cost; docs/benchmarks.md, "Agent loops"); then 16 agents at once, as bench/bench_agents.py's load
+  (agents 0.1 s apart): TTFT p50 per turn, turn 5's over turn 1's under load;
 - **decode**: 1, 16 and 64 text requests at once (~280-token prompts, 128 tokens), their prompts sent
   once before (one output token) so that they come from the prefix cache: time per output token (client
   p50) and the worker's mean forward time per step.
@@ -37,7 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from bench_agents import agent_alone  # noqa: E402
+from bench_agents import agent_alone, run_load  # noqa: E402
 from bench_input_scale import scrape  # noqa: E402
 from bench_throughput import Proc, chat_body, free_port, wait_healthy  # noqa: E402
 from charts import Panel, draw  # noqa: E402
@@ -58,10 +59,11 @@ class Sizes:
     image_px: int
     decode_batches: tuple[int, ...]
     prompt_words: int
+    agents: int  # at once, in the agent load
 
 
-FULL = Sizes(64, 128, 128, 1024, (1, 16, 64), 240)
-DRY = Sizes(3, 6, 8, 448, (1, 3), 40)
+FULL = Sizes(64, 128, 128, 1024, (1, 16, 64), 240, 16)
+DRY = Sizes(3, 6, 8, 448, (1, 3), 40, 3)
 
 
 def image_bodies(model: str, sizes: Sizes, reuse: bool, seed: int) -> list[tuple[bytes, bool]]:
@@ -160,6 +162,23 @@ def agent_turns(base_url: str, model: str, sizes: Sizes) -> dict[str, Any]:
         "ttft_ms": ttft_ms,
         "prompt_tokens": [runs[0][turn]["prompt tokens"] for turn in range(AGENT_TURNS)],
         "cached_tokens": [runs[0][turn]["cached tokens"] for turn in range(AGENT_TURNS)],
+        "last_over_first": ttft_ms[-1] / ttft_ms[0],
+    }
+
+
+def agents_at_once(base_url: str, model: str, sizes: Sizes) -> dict[str, Any]:
+    """``sizes.agents`` agents at once, chained by ``previous_response_id``, every turn a new image: TTFT
+    p50 per turn and turn 5's over turn 1's (the history's cost under load)."""
+    screenshots = [
+        [jpeg_data_url(sizes.image_px, 7000 + 10 * agent + turn) for turn in range(AGENT_TURNS)]
+        for agent in range(sizes.agents)
+    ]
+    load = run_load(base_url, model, "previous_response_id", screenshots)
+    ttft_ms = [1e3 * statistics.median(turn) for turn in load["ttft"]]
+    return {
+        "agents": sizes.agents,
+        "ttft_ms_p50": ttft_ms,
+        "turns_per_s": load["turns/s"],
         "last_over_first": ttft_ms[-1] / ttft_ms[0],
     }
 
@@ -263,6 +282,8 @@ def main() -> None:
             print(f"decode_{batch}", json.dumps(figures[f"decode_{batch}"]), flush=True)
         figures["agent"] = agent_turns(base_url, model, sizes)
         print("agent", json.dumps(figures["agent"]), flush=True)
+        figures["agents_at_once"] = agents_at_once(base_url, model, sizes)
+        print("agents_at_once", json.dumps(figures["agents_at_once"]), flush=True)
     finally:
         proc.stop()
     figures["roofline"] = rooflines(checkpoint, config, figures, args.hbm_bytes_per_s, args.flops)
@@ -340,6 +361,13 @@ def print_table(figures: dict[str, Any]) -> None:
         print(
             f"agent loop alone, TTFT by turn: {turns} ms (prompt tokens {agent['prompt_tokens']}); "
             f"turn {AGENT_TURNS} / turn 1: {agent['last_over_first']:.2f}x (target <= 1.2x)"
+        )
+    crowd = figures.get("agents_at_once")
+    if crowd is not None:
+        turns = ", ".join(f"{t:.0f}" for t in crowd["ttft_ms_p50"])
+        print(
+            f"{crowd['agents']} agents at once, TTFT p50 by turn: {turns} ms, {crowd['turns_per_s']:.2f} "
+            f"turns/s; turn {AGENT_TURNS} / turn 1: {crowd['last_over_first']:.2f}x (target <= 1.2x)"
         )
 
 

@@ -166,8 +166,8 @@ def bench_table(log: list[str]) -> list[str]:
     if not headers:
         return log[-8:]
     table = log[headers[-1] :]
-    ends = [i for i, line in enumerate(table) if line.startswith("agent loop alone")]
-    return table[: ends[0] + 1] if ends else table[:10]
+    ends = [i for i, line in enumerate(table) if "agents at once" in line or line.startswith("agent loop")]
+    return table[: ends[-1] + 1] if ends else table[:10]
 
 
 def write_summary(out: Path, steps: Steps) -> None:

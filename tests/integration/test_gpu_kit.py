@@ -45,6 +45,9 @@ def test_the_kit_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     assert len(agent["ttft_ms"]) == 5 and all(t > 0 for t in agent["ttft_ms"])
     assert all(a < b for a, b in zip(agent["prompt_tokens"], agent["prompt_tokens"][1:], strict=False))
     assert all(c > 0 for c in agent["cached_tokens"][1:])
+    crowd = figures["agents_at_once"]  # three agents at once, five turns each
+    assert crowd["agents"] == 3 and len(crowd["ttft_ms_p50"]) == 5 and crowd["turns_per_s"] > 0
+    assert "agents at once" in bench, bench
     profile = (out / "profile.txt").read_text()
     assert "| 3 | graphs |" in profile and "| 3 | eager |" in profile, profile
     assert len(list(out.iterdir())) <= 8  # what the device tool brings back
