@@ -28,7 +28,7 @@ from app.api.error_handlers import error_response, install_error_handlers, sse_e
 from app.api.request_guards import RequestGuards, request_tenant
 from app.proxy.forward import UpstreamUnavailableError, describe, forwarded_headers
 from app.ray_serve import router_state
-from app.ray_serve.media_keys import media_keys, response_key
+from app.ray_serve.media_keys import media_keys, response_key, stored_response_keys
 from app.ray_serve.messages import ReplicaHead, ReplicaRequest
 from app.ray_serve.response_ids import ResponseIdWatch, json_or_none
 
@@ -81,6 +81,7 @@ def build_ingress(options: IngressOptions) -> type:
             parsed = json_or_none(body)
             tenant = request_tenant(request.scope)
             keys = media_keys(parsed, tenant=tenant, isolate_tenants=options.isolate_tenants)
+            keys += stored_response_keys(request.method, request.url.path, tenant)
             makes_response = request.method == "POST" and request.url.path == "/v1/responses"
             path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             messages = parsed.get("messages") if options.chat_messages and isinstance(parsed, dict) else None

@@ -10,6 +10,8 @@ gives the proper 400).
                                 keys, so a later part with the uuid alone goes where the binding is
     ``previous_response_id``    the tenant and the id: the conversation's media are where the response
                                 was made (``response_key``, which the ingress places once it answered)
+    ``GET``/``DELETE /v1/responses/{id}``  the same key, from the path: a replica's store holds only
+                                the responses it made (``stored_response_keys``)
 
 Each key is a short digest, so a replica's report of what it holds stays small.
 """
@@ -25,6 +27,7 @@ from wire.hashing import framed_digest
 MEDIA_KEY_DOMAIN = b"mmserve.route.media.v1"
 MEDIA_ID_KEY_DOMAIN = b"mmserve.route.media_id.v1"
 RESPONSE_KEY_DOMAIN = b"mmserve.route.response.v1"
+STORED_RESPONSES_PATH = "/v1/responses/"
 KEY_CHARS = 24  # 96 bits of a blake3 digest: no two media of a deployment share one
 
 # chat's media parts and the Responses API's input_image, each with where its URL is
@@ -78,6 +81,15 @@ def _media_of(part: Mapping[str, Any]) -> Iterator[tuple[str, str | None, str | 
     elif kind_name in _RESPONSES_PARTS:
         url = part.get("image_url")
         yield _RESPONSES_PARTS[kind_name], url if isinstance(url, str) else None, uuid
+
+
+def stored_response_keys(method: str, path: str, tenant: str) -> tuple[str, ...]:
+    """The key of the stored response that ``GET`` or ``DELETE /v1/responses/{id}`` names; none for
+    any other request."""
+    response_id = path.removeprefix(STORED_RESPONSES_PATH)
+    if method not in ("GET", "DELETE") or response_id == path or not response_id or "/" in response_id:
+        return ()
+    return (response_key(tenant, response_id),)
 
 
 def response_key(tenant: str, response_id: str) -> str:

@@ -6,10 +6,11 @@ of the tiny LLaVA behind the media-affinity router, each a whole mmserve instanc
   a single server gives (the other replica's instance, asked directly, cold).
 - A burst on one image past the imbalance bound spills to the other replica, answered alike.
 - Streaming, auth, the body cap and errors through the ingress as from ``mmserve serve``.
-- ``cache_salt`` and media ids through the router; follow-ups by ``previous_response_id`` go where their
-  response was made, also after the ingress was killed and restarted (by the replicas' reports).
-- A replica whose instance is killed: its next requests are served by the other replica, correctly;
-  Ctrl-C stops every instance and the cluster.
+- ``cache_salt`` and media ids through the router; ``/tokenize`` goes where its image is held; follow-ups
+  by ``previous_response_id``, and ``GET``/``DELETE`` of a stored response, go where the response was
+  made, also after the ingress was killed and restarted (by the replicas' reports).
+- A replica whose instance is killed: its next requests are served by the other replica, correctly, and
+  a media id bound there is the usual 400; Ctrl-C stops every instance and the cluster.
 """
 
 from __future__ import annotations
@@ -246,6 +247,40 @@ def test_follow_ups_go_where_their_stored_response_was_made(ray_server: RayServe
         assert answered_by == replica
 
 
+def test_a_stored_response_is_read_and_deleted_where_it_was_made(ray_server: RayServer) -> None:
+    """``GET`` and ``DELETE`` by id go to the replica that made the response. Here every replica reads one
+    store file (``mmserve ray serve`` on one machine), so the header shows the placement; on a cluster
+    without a shared ``--responses-store`` each replica holds only its own, and another would 404."""
+    made: dict[str, str] = {}
+    for k in range(4):
+        image = {"type": "input_image", "image_url": data_url(make_image(4340 + k, size=(96, 96)))}
+        first = [{"role": "user", "content": [{"type": "input_text", "text": "What is it?"}, image]}]
+        response_id, _, replica = responses_turn(ray_server, {"input": first})
+        made[response_id] = replica
+    assert len(set(made.values())) == 2  # both replicas hold some
+    url = f"{ray_server.base_url}/v1/responses"
+    for response_id, replica in made.items():
+        got = httpx.get(f"{url}/{response_id}", headers=AUTH, timeout=60)
+        assert got.status_code == 200 and got.json()["id"] == response_id, got.text
+        assert got.headers["x-mmserve-replica"] == replica
+        gone = httpx.delete(f"{url}/{response_id}", headers=AUTH, timeout=60)
+        assert gone.status_code == 200 and gone.json()["deleted"] is True, gone.text
+        assert gone.headers["x-mmserve-replica"] == replica
+        again = httpx.get(f"{url}/{response_id}", headers=AUTH, timeout=60)
+        assert again.status_code == 404 and again.headers["x-mmserve-replica"] == replica
+
+
+def test_tokenize_goes_where_its_image_is_held_and_counts_the_chat_prompt(ray_server: RayServer) -> None:
+    body = chat_body(5)
+    chat = ask(ray_server, 5)
+    assert chat.status_code == 200, chat.text
+    tokenize = {"model": body["model"], "messages": body["messages"]}
+    counted = httpx.post(f"{ray_server.base_url}/tokenize", json=tokenize, headers=AUTH, timeout=120)
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+    assert counted.headers["x-mmserve-replica"] == chat.headers["x-mmserve-replica"]
+
+
 def descendants(root: int) -> list[int]:
     """Every process below ``root`` (Ray's actors are children of the raylet that ``ray.init`` started)."""
     parents = {}
@@ -310,12 +345,29 @@ def test_a_killed_replica_s_requests_go_to_the_other_and_ctrl_c_stops_all(ray_se
     expected = {index: text_of(ask(ray_server, index)) for index in range(len(IMAGES))}
     replicas = ray_server.replicas()
     victim = owners[0]
+    # a media id bound with image 0's URL: placed by that URL, on the victim
+    part = {"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}, "uuid": "ray-victims"}
+    only_id = {"type": "image_url", "image_url": None, "uuid": "ray-victims"}
+    url = f"{ray_server.base_url}/v1/chat/completions"
+    bodies = [
+        greedy_body([{"role": "user", "content": [p, {"type": "text", "text": "Hm?"}]}], 6)
+        for p in (part, only_id)
+    ]
+    bound = httpx.post(url, json=bodies[0], headers=AUTH, timeout=120)
+    assert bound.status_code == 200 and bound.headers["x-mmserve-replica"] == victim, bound.text
     os.killpg(replicas[victim]["pid"], signal.SIGKILL)  # the instance's whole process group
     for index in range(len(IMAGES)):
         resp = ask(ray_server, index)
         assert text_of(resp) == expected[index]
         if owners[index] == victim:
             assert resp.headers["x-mmserve-replica"] != victim
+    # the binding's replica is gone: the id alone lands elsewhere and is served from a cache there that
+    # holds image 0 (the requests above put it in one), or is the usual 400; never a 500 or another answer
+    by_id = httpx.post(url, json=bodies[1], headers=AUTH, timeout=120)
+    if by_id.status_code == 200:
+        assert by_id.headers["x-mmserve-replica"] != victim and text_of(by_id) == text_of(bound)
+    else:
+        assert by_id.status_code == 400 and by_id.json()["error"]["code"] == "media_uuid_unknown", by_id.text
     instances = [entry["pid"] for entry in ray_server.replicas().values()]
     assert stop(ray_server.process) == 0, ray_server.process.log()[-3000:]
     deadline = time.monotonic() + 30

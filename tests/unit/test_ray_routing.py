@@ -76,6 +76,17 @@ def test_a_follow_up_is_keyed_by_the_response_it_follows() -> None:
     assert keys(follow_up, "t1") == (response_key("t1", "resp_1"),) != keys(follow_up, "t2")
 
 
+def test_a_stored_response_is_fetched_and_deleted_where_it_was_made() -> None:
+    from app.ray_serve.media_keys import response_key, stored_response_keys
+
+    for method in ("GET", "DELETE"):
+        assert stored_response_keys(method, "/v1/responses/resp_1", "t1") == (response_key("t1", "resp_1"),)
+    assert stored_response_keys("GET", "/v1/responses/resp_1", "t2") != (response_key("t1", "resp_1"),)
+    for method, path in (("POST", "/v1/responses/resp_1"), ("GET", "/v1/responses/"), ("GET", "/v1/models")):
+        assert stored_response_keys(method, path, "t1") == ()
+    assert stored_response_keys("GET", "/v1/responses/resp_1/input_items", "t1") == ()
+
+
 def test_a_response_s_id_is_found_in_a_stream_s_first_event_or_a_whole_json_answer() -> None:
     from app.ray_serve.response_ids import ResponseIdWatch
 
@@ -150,3 +161,19 @@ def test_the_serve_config_file_builds_the_application() -> None:
     assert application.import_path == "app.ray_serve.app:build_app"
     assert RayAppArgs.model_validate(application.args).replicas == 2
     assert build_app(application.args) is not None
+
+
+def test_each_replica_reserves_the_cpus_and_gpus_asked() -> None:
+    pytest.importorskip("ray.serve")
+    from app.ray_serve.app import build_app
+
+    application = build_app(
+        {"replicas": 3, "replica_cpus": 4, "replica_gpus": 1, "settings": {"model": "/m"}}
+    )
+    # the ingress is bound to the replicas' deployment (Ray 2.60's Application keeps both bindings)
+    ingress = application._bound_deployment
+    replica = ingress.init_args[0]._bound_deployment
+    assert replica.num_replicas == 3
+    assert replica.ray_actor_options["num_cpus"] == 4 and replica.ray_actor_options["num_gpus"] == 1
+    assert replica.ray_actor_options["runtime_env"]["env_vars"]["MMSERVE_MODEL"] == "/m"
+    assert ingress.ray_actor_options["num_cpus"] == 0 and not ingress.ray_actor_options.get("num_gpus")
