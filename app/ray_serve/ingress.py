@@ -28,6 +28,7 @@ from app.api.error_handlers import error_response, install_error_handlers, sse_e
 from app.api.request_guards import RequestGuards, request_tenant
 from app.proxy.forward import UpstreamUnavailableError, describe, forwarded_headers
 from app.ray_serve import router_state
+from app.ray_serve.grpc_binding import bind_to_node_address
 from app.ray_serve.media_keys import media_keys, response_key, stored_response_keys
 from app.ray_serve.messages import ReplicaHead, ReplicaRequest
 from app.ray_serve.response_ids import ResponseIdWatch, json_or_none
@@ -55,6 +56,7 @@ def build_ingress(options: IngressOptions) -> type:
     @serve.ingress(app)
     class MmserveIngress:
         def __init__(self, replicas: DeploymentHandle) -> None:
+            bind_to_node_address()
             self._replicas = replicas.options(stream=True)
 
         @app.get("/health")

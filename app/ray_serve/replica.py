@@ -41,6 +41,7 @@ from ray import serve
 from app.api.error_handlers import error_response, sse_error_event
 from app.errors import MMServeError
 from app.proxy.forward import RELAYED_RESPONSE_HEADERS, UpstreamUnavailableError, describe, open_upstream
+from app.ray_serve.grpc_binding import bind_to_node_address
 from app.ray_serve.media_keys import response_key
 from app.ray_serve.messages import ReplicaHead, ReplicaRequest
 from app.ray_serve.response_ids import ResponseIdWatch
@@ -73,6 +74,7 @@ class MmserveReplica:
     ) -> None:
         """The instance's settings are this actor's ``MMSERVE_*`` variables (``app.ray_serve.app``).
         ``stream_interval_s``: an SSE answer's items, after the first few, at most one per interval."""
+        bind_to_node_address()
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id
         self.port = _free_loopback_port()

@@ -15,6 +15,8 @@ of the tiny LLaVA behind the media-affinity router, each a whole mmserve instanc
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -295,6 +297,48 @@ def descendants(root: int) -> list[int]:
         found += children
         frontier = children
     return found
+
+
+def listening_addresses(pids: list[int]) -> dict[str, int]:
+    """Each TCP address one of ``pids`` listens on ("ip:port", IPv4 or IPv6 as the kernel shows it), with
+    the pid: the kernel's socket tables, joined with the processes' socket file descriptors."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes[target[8:-1]] = pid
+    found = {}
+    for table in ("tcp", "tcp6"):
+        for row in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address, port = fields[1].split(":")
+                packed = bytes.fromhex(address)
+                # the kernel prints each 32-bit word in host (little-endian) order
+                raw = b"".join(packed[i : i + 4][::-1] for i in range(0, len(packed), 4))
+                ip = ipaddress.ip_address(raw)
+                found[f"{ip}:{int(port, 16)}"] = inodes[fields[9]]
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address.rpartition(":")[0])
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def test_every_process_of_the_cluster_listens_on_loopback_only(ray_server: RayServer) -> None:
+    """Ray's own servers, its HTTP proxy, the replicas' inter-deployment gRPC servers (bound to the node's
+    address, 127.0.0.1 here, by app/ray_serve/grpc_binding.py) and the instances."""
+    assert ray_server.process.proc is not None
+    listening = listening_addresses(descendants(ray_server.process.proc.pid))
+    assert f"127.0.0.1:{ray_server.port}" in listening  # the proxy: the table is read right
+    assert len(listening) > 10, listening  # GCS, raylet, workers, replicas, instances
+    beyond = {address: pid for address, pid in listening.items() if not is_loopback(address)}
+    assert not beyond, {a: Path(f"/proc/{p}/cmdline").read_bytes()[:80] for a, p in beyond.items()}
 
 
 def test_after_the_ingress_restarts_follow_ups_go_where_their_response_was_made(
