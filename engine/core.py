@@ -213,12 +213,13 @@ class EngineCore:
             self.scheduler.grammar_ready(
                 request, self.grammars.matcher(ticket, list(request.sampling.eos_token_ids))
             )
-            if request.is_finished:  # a grammar that allows nothing but the empty answer
+            if request.is_finished:  # a grammar that allows nothing but the empty answer, or nothing
                 outputs[request.client].append(
                     RequestOutput(
                         req_id,
                         finish_reason=request.finish_reason,
                         num_prompt_tokens=request.num_prompt_tokens,
+                        error=request.error,
                     )
                 )
         return dict(outputs)

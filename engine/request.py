@@ -17,6 +17,11 @@ class OutputGrammar(Protocol):
         """Nothing more may be generated: the request ends with ``stop``."""
         ...
 
+    @property
+    def is_dead_end(self) -> bool:
+        """No token is allowed next, and the grammar is not complete: no answer can satisfy it."""
+        ...
+
     def accept(self, token_id: int) -> bool:
         """Advances past a sampled token; False if the grammar does not allow it."""
         ...

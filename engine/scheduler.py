@@ -34,6 +34,14 @@ GRAMMAR_BROKEN = ErrorInfo(
     code="internal_error",
     http_status=500,
 )
+# The request's constraint allows no token where its answer must go on (its language is empty, from
+# the start or past the tokens generated): no answer satisfies it. The request's fault, not the server's.
+CONSTRAINT_UNSATISFIABLE = ErrorInfo(
+    message="The request's constraint (response_format, structured_outputs, a tool's parameters) allows "
+    "no output here: no answer can satisfy it (a schema or grammar that only refers to itself, say).",
+    code="constraint_unsatisfiable",
+    http_status=400,
+)
 
 
 @dataclass(frozen=True)
@@ -158,9 +166,10 @@ class Scheduler:
         request.awaits_grammar = False
         request.grammar = grammar
         self.num_awaiting_grammar -= 1
-        if grammar.is_complete:
+        if grammar.is_complete or grammar.is_dead_end:
             self.waiting.remove(request)
-            self._finish(request, FinishReason.STOP)
+            request.error = CONSTRAINT_UNSATISFIABLE if grammar.is_dead_end else None
+            self._finish(request, FinishReason.ABORT if grammar.is_dead_end else FinishReason.STOP)
 
     def holds_encoder_output(self, mm_hash: str) -> bool:
         """Whether the encoder cache holds ``mm_hash``'s output (in use or freeable)."""
@@ -402,6 +411,9 @@ class Scheduler:
             reason = self._stop_reason(request, token_id)
             if reason is None and request.grammar is not None:
                 reason = self._append_forced(request, result.new_token_ids[req_id])
+                if reason is None and request.grammar.is_dead_end:
+                    request.error = CONSTRAINT_UNSATISFIABLE
+                    reason = FinishReason.ABORT
             if reason is not None:
                 self._finish(request, reason)
                 result.finished.append(request)

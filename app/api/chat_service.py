@@ -34,6 +34,8 @@ from workers.families.processing import TemplateOptions
 log = logging.getLogger("mmserve.api")
 
 CLIENT_CLOSED_REQUEST = 499
+MAX_WARNED_FIELDS = 256  # unknown field names remembered (and logged once each)
+MAX_NAMES_LOGGED = 16  # per log line
 
 
 @dataclass(frozen=True)
@@ -163,11 +165,21 @@ class ChatService:
         return choice_sampling(first, index)
 
     def _warn_unknown_fields(self, body: ChatCompletionRequest) -> None:
-        """A field no spec knows is accepted, as vLLM does, and logged the first time it is seen."""
-        new = sorted(set(body.model_extra or {}) - self._warned_fields)
+        """A field no spec knows is accepted, as vLLM does, and logged the first time it is seen: the
+        first ``MAX_WARNED_FIELDS`` names, at most ``MAX_NAMES_LOGGED`` in a line, so that clients
+        sending made-up names grow neither the memory nor the log without bound."""
+        room = MAX_WARNED_FIELDS - len(self._warned_fields)
+        if room <= 0 or not body.model_extra:
+            return
+        new = sorted(set(body.model_extra) - self._warned_fields)[:room]
         if new:
             self._warned_fields.update(new)
-            log.warning("request fields mmserve does not know were ignored: %s", new)
+            more = f" (and {len(new) - MAX_NAMES_LOGGED} more)" if len(new) > MAX_NAMES_LOGGED else ""
+            log.warning(
+                "request fields mmserve does not know were ignored: %s%s", new[:MAX_NAMES_LOGGED], more
+            )
+            if len(self._warned_fields) >= MAX_WARNED_FIELDS:
+                log.warning("%d unknown field names logged: further ones are not", MAX_WARNED_FIELDS)
 
     async def _stream(self, outputs: ChoiceOutputs, include_usage: bool) -> AsyncIterator[str]:
         """SSE events: each choice's role chunk, then its deltas as they come, then the usage."""

@@ -84,6 +84,8 @@ def _spec(kind: ConstraintKind, value: Any, param: str) -> str:
                     value = json.loads(value)
                 except json.JSONDecodeError as exc:
                     raise InvalidRequestError(f"the schema is not valid JSON: {exc}", param=param) from exc
+                except RecursionError as exc:
+                    raise InvalidRequestError("the schema is nested too deeply", param=param) from exc
             spec = check_json_schema(value, param)
         case ConstraintKind.CHOICE:
             if not value:

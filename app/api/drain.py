@@ -22,7 +22,8 @@ from types import FrameType
 
 import uvicorn
 
-from app.api.request_guards import GUARDED_PREFIXES, ASGIApp, Receive, Scope, Send, refuse
+from app.api.asgi_types import ASGIApp, Receive, Scope, Send
+from app.api.request_guards import GUARDED_PREFIXES, refuse
 from app.errors import EngineUnavailableError
 
 log = logging.getLogger("mmserve.api")

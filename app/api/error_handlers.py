@@ -5,6 +5,10 @@ FastAPI's 422 shape) and name the first bad field as ``param`` in OpenAI's path 
 (``messages[0].content[1].image_url.url``); typed ``MMServeError``s answer their own status; Starlette's
 404/405 and any unexpected exception (500, logged) get the same envelope. An error after a stream has
 started cannot change the status any more; it goes out as one SSE event (``sse_error_event``).
+
+An unexpected exception is answered by ``UnexpectedErrors``, a middleware around the routes, and goes
+no further: past it, Starlette's outermost middleware would answer the same 500 but raise again, and
+the server then closes the connection, so a keep-alive client would lose the request it sent next.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.api.asgi_types import ASGIApp, Message, Receive, Scope, Send
 from app.errors import MMServeError, from_family_error
 from wire.protocol import ErrorInfo
 from workers.families.errors import FamilyInputError
@@ -138,9 +143,37 @@ async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    # Starlette still re-raises after this response is sent, so the server logs it a second time.
+    # (only for what UnexpectedErrors does not see: an exception in a middleware outside it)
     log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(exc)
+
+
+class UnexpectedErrors:
+    """An exception no handler took, raised before the response started: logged once and answered
+    with the 500 envelope, the connection kept. After the start it propagates (the server ends the
+    response and its connection: a half-sent answer cannot be completed)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            log.error("unhandled error in %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            await error_response(exc)(scope, receive, send)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -150,3 +183,4 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(FamilyInputError, _on_request_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
     app.add_exception_handler(Exception, _on_unexpected)
+    app.add_middleware(UnexpectedErrors)  # the first added: the innermost, around the routes

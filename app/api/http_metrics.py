@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from app.api.request_guards import ASGIApp, Message, Receive, Scope, Send
+from app.api.asgi_types import ASGIApp, Message, Receive, Scope, Send
 
 OTHER_ROUTE = "other"  # any path the app has no route for: one label value, whatever clients send
 

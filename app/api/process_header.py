@@ -4,7 +4,7 @@ spread connections over the processes sharing the port."""
 
 from __future__ import annotations
 
-from app.api.request_guards import ASGIApp, Message, Receive, Scope, Send
+from app.api.asgi_types import ASGIApp, Message, Receive, Scope, Send
 
 HEADER = b"x-mmserve-api-process"
 

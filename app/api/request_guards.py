@@ -14,20 +14,13 @@ Refusals use the OpenAI error envelope (``app.api.error_handlers``).
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
 
 from fastapi import HTTPException
 
+from app.api.asgi_types import ASGIApp, Message, Receive, Scope, Send
 from app.api.error_handlers import error_response
 from app.errors import AuthenticationError, MMServeError, RequestTooLargeError
 from wire.hashing import framed_digest
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 GUARDED_PREFIXES = ("/v1/", "/reset_mm_cache", "/tokenize", "/detokenize")
 TENANT_SCOPE_KEY = "mmserve.tenant"  # the request's tenant; absent without API keys

@@ -66,6 +66,8 @@ class FunctionCallParam(_Strict):
             value = json.loads(arguments)
         except json.JSONDecodeError as exc:
             raise ValueError(f"arguments must be JSON text of an object: {exc}") from exc
+        except RecursionError as exc:
+            raise ValueError("arguments are nested too deeply") from exc
         if not isinstance(value, dict):
             raise ValueError("arguments must be JSON text of an object")
         return arguments

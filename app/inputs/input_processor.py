@@ -53,7 +53,7 @@ from app.inputs.media_ids import (
 from app.inputs.messages import MediaPart, normalise_messages
 from app.inputs.preprocess.pool import PreprocessPool
 from app.inputs.processor_cache import ProcessorCache
-from app.inputs.prompts import PromptBuilder
+from app.inputs.prompts import OFF_LOOP_PROMPT_CHARS, PromptBuilder
 from app.inputs.shm_store import ShmEntry
 from app.media.fetch import MediaFetcher, RequestImageBudget
 from app.media.kinds import MediaKind
@@ -299,7 +299,11 @@ class InputProcessor:
         await asyncio.gather(*(self._process(item) for item in misses if not item.uuid_only))
         layouts = [item.layout for item in prepared.items]
         assert all(layout is not None for layout in layouts)
-        prepared.prompt_token_ids, prepared.spans = self._prompts.tokenize(prepared.prompt, layouts)  # type: ignore[arg-type]
+        if len(prepared.prompt) > OFF_LOOP_PROMPT_CHARS:  # seconds for megabytes: not on the event loop
+            tokenized = await asyncio.to_thread(self._prompts.tokenize, prepared.prompt, layouts)  # type: ignore[arg-type]
+        else:
+            tokenized = self._prompts.tokenize(prepared.prompt, layouts)  # type: ignore[arg-type]
+        prepared.prompt_token_ids, prepared.spans = tokenized
         for media in prepared.items:
             if media.bind_uuid is not None:
                 binding = MediaBinding(media.mm_hash, media.kind, media.options, media.layout)

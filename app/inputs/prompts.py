@@ -19,11 +19,18 @@ clock through ``strftime_now`` is rendered every time), and prompt text -> its i
 item. A client re-sending the same conversation with the same media renders and tokenizes nothing. The
 templates are the process's for its lifetime (``--chat-template`` is read once, at start-up), so a
 cached render never outlives the template that made it.
+
+**Long prompts.** Tokenizing takes about half a second per million characters, which on the event loop
+would stall every other request of the API process; the input processor tokenizes a prompt over
+``OFF_LOOP_PROMPT_CHARS`` in a thread instead (the tokenizer releases the GIL). So the caches lock, and
+the tokenizer is only ever called the same way (no truncation or padding set per call), which its Rust
+side allows from two threads at once.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -34,6 +41,7 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_CACHED_CHARS = 2 << 20  # per cache
 MAX_CACHED_PIECES = 4096  # texts between a video's placeholders (Qwen3-VL: "<1.5 seconds>" and the like)
+OFF_LOOP_PROMPT_CHARS = 32_768  # longer prompts are tokenized in a thread (about 15 ms and more)
 
 V = TypeVar("V")
 
@@ -43,36 +51,40 @@ MessagesKey = tuple[tuple[str, str | tuple[tuple[str, str], ...]], ...]
 
 class _CharBoundedLru(Generic[V]):
     """str key -> value, least recently used dropped first while the keys hold more than
-    ``max_chars`` characters; a key longer than that is not kept."""
+    ``max_chars`` characters; a key longer than that is not kept. Safe from several threads."""
 
     def __init__(self, max_chars: int) -> None:
         self.max_chars = max_chars
         self.num_chars = 0
         self._entries: OrderedDict[Any, tuple[int, V]] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, key: Any) -> V | None:
-        entry = self._entries.get(key)
-        if entry is None:
-            return None
-        self._entries.move_to_end(key)
-        return entry[1]
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[1]
 
     def put(self, key: Any, num_chars: int, value: V) -> None:
-        if num_chars > self.max_chars or key in self._entries:
-            return
-        self._entries[key] = (num_chars, value)
-        self.num_chars += num_chars
-        while self.num_chars > self.max_chars:
-            _, (evicted_chars, _) = self._entries.popitem(last=False)
-            self.num_chars -= evicted_chars
+        with self._lock:
+            if num_chars > self.max_chars or key in self._entries:
+                return
+            self._entries[key] = (num_chars, value)
+            self.num_chars += num_chars
+            while self.num_chars > self.max_chars:
+                _, (evicted_chars, _) = self._entries.popitem(last=False)
+                self.num_chars -= evicted_chars
 
     def keys(self) -> list[Any]:
-        return list(self._entries)
+        with self._lock:
+            return list(self._entries)
 
 
 class PromptBuilder:
     """The family's chat template and tokenizer with their results cached; built once per API process
-    beside the family and called from the event loop only."""
+    beside the family, called from the event loop (``tokenize`` also from a thread, for long prompts)."""
 
     def __init__(self, family: FamilyProcessor, max_cached_chars: int = DEFAULT_MAX_CACHED_CHARS) -> None:
         self.family = family

@@ -27,7 +27,9 @@ class RequestGrammar:
     """Wraps an xgrammar ``GrammarMatcher``. ``next_mask`` always holds the tokens allowed at the
     request's next sample; ``is_complete`` says that nothing more may be generated: the grammar took a
     stop token, or it is fully matched and allows nothing but stop tokens (the request ends with
-    ``stop`` there, without a step spent on sampling the stop token)."""
+    ``stop`` there, without a step spent on sampling the stop token); ``is_dead_end`` that it allows
+    no token at all (a grammar whose language is empty, such as a schema that only refers to itself:
+    xgrammar compiles it, and no answer can satisfy it)."""
 
     def __init__(self, matcher: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         self._matcher = matcher
@@ -38,6 +40,7 @@ class RequestGrammar:
                 self._stop_words[word] |= np.int32(np.uint32(1 << bit).view(np.int32))
         self._mask = np.zeros((1, self._stop_words.shape[0]), dtype=np.int32)
         self.is_complete = False
+        self.is_dead_end = False
         self._update()
 
     @property
@@ -73,6 +76,7 @@ class RequestGrammar:
         self._matcher.fill_next_token_bitmask(self._mask, 0)
         if self._matcher.is_completed():
             self.is_complete = not (self._mask[0] & ~self._stop_words).any()
+        self.is_dead_end = not self.is_complete and not self._mask[0].any()
 
 
 def stack_rows(grammars: Sequence[RequestGrammar]) -> np.ndarray:

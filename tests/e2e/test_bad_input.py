@@ -4,16 +4,19 @@ in flight nor the caches."""
 from __future__ import annotations
 
 import base64
+import json
 import threading
+import time
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import greedy_body, make_image, user_message
+from tests.e2e.conftest import data_url, greedy_body, make_image, user_message
 from tests.e2e.server import Server, free_port
 
 pytestmark = pytest.mark.slow
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def post(server: Server, body: Any = None, *, content: bytes | None = None) -> httpx.Response:
@@ -117,9 +120,10 @@ def test_allowed_token_ids_with_an_output_constraint_is_a_400(server: Server) ->
 
 
 def test_nan_is_a_400(server: Server) -> None:
-    # Python's json (and so FastAPI) reads the non-standard NaN literal.
+    # Python's json reads the non-standard NaN literal; mmserve's strict JSON does not
     content = b'{"model": "tiny-llava", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}'
-    assert_error(post(server, content=content), 400, code="invalid_value", param="temperature")
+    error = assert_error(post(server, content=content), 400, code="invalid_json")
+    assert f"position {content.index(b'NaN')}" in error["message"]
 
 
 def test_unknown_model(server: Server) -> None:
@@ -227,3 +231,81 @@ def test_fields_without_effect_are_accepted_and_an_unknown_one_is_logged_once(se
         assert resp.status_code == 200, resp.text
     lines = [line for line in server.process.log().splitlines() if name in line]
     assert len(lines) == 1 and "ignored" in lines[0], lines
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/tokenize"])
+def test_a_lone_surrogate_escape_is_invalid_json(server: Server, path: str) -> None:
+    """``"\\ud800"`` outside a pair is no Unicode text: refused where the body is read, before a tokenizer,
+    an answer or an engine message could fail on it."""
+    body = {"model": "tiny-llava", "max_tokens": 2, "max_output_tokens": 16}
+    body |= (
+        {"input": "PLACE"}
+        if path == "/v1/responses"
+        else {"messages": [{"role": "user", "content": "PLACE"}]}
+    )
+    content = json.dumps(body).replace("PLACE", "a\\ud800b").encode()
+    resp = httpx.post(f"{server.base_url}{path}", content=content, headers=JSON_HEADERS, timeout=60)
+    error = assert_error(resp, 400, code="invalid_json")
+    assert "surrogate" in error["message"]
+    model = json.dumps({"model": "PLACE", "messages": HI}).replace("PLACE", "\\udfff").encode()
+    assert_error(post(server, content=model), 400, code="invalid_json")
+    assert post(server, greedy_body(HI, 2)).status_code == 200  # and the next request is served
+
+
+def test_deeply_nested_arguments_in_the_history_are_a_400(server: Server) -> None:
+    nested = "[" * 5000 + "]" * 5000
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": f'{{"a": {nested}}}'}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+    ]
+    error = assert_error(post(server, greedy_body(messages, 2)), 400)
+    assert "nested too deeply" in error["message"] and "arguments" in str(error["param"])
+
+
+def test_a_constraint_no_answer_can_satisfy_is_a_400(server: Server) -> None:
+    """A schema that only refers to itself compiles, and allows no token: the request's fault, at once."""
+    schema = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+    body = greedy_body(
+        HI, 8, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    )
+    assert_error(post(server, body), 400, code="constraint_unsatisfiable")
+    grammar = greedy_body(HI, 8, structured_outputs={"grammar": "root ::= root"}, stream=True)
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=grammar, timeout=60) as resp:
+        text = resp.read().decode()
+    if resp.status_code == 200:  # a stream already started: its error event
+        assert '"code":"constraint_unsatisfiable"' in text.replace(" ", ""), text
+    else:
+        assert resp.status_code == 400 and "constraint_unsatisfiable" in text, text
+
+
+def test_an_image_longer_than_200_times_its_width_is_a_400(server: Server) -> None:
+    """LLaVA scales the shorter side up to 336 pixels: 1 x 10,000 would become 336 x 3,360,000 (11 GB)."""
+    url = data_url(make_image(7, size=(1, 10_000)))
+    error = assert_error(
+        post(server, greedy_body([image_part(url)], 2)), 400, code="image_aspect_ratio_too_large"
+    )
+    assert error["param"] == "messages[0].content[1].image_url.url"
+    thin = data_url(make_image(7, size=(2, 400)))  # 200 times: still taken
+    assert post(server, greedy_body([image_part(thin)], 2)).status_code == 200
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server: Server) -> None:
+    """Megabytes of text take the tokenizer seconds: meanwhile the API process answers others."""
+    long = greedy_body([{"role": "user", "content": "hello world " * 700_000}], 2)  # 8.4 MB
+    finished: dict[str, float] = {}
+
+    def send_long() -> None:
+        resp = post(server, long)
+        finished["long"] = time.monotonic()
+        finished["status"] = resp.status_code
+
+    sender = threading.Thread(target=send_long)
+    sender.start()
+    time.sleep(1.0)  # sent and read; now being tokenized
+    health = httpx.get(f"{server.base_url}/health", timeout=60)
+    finished["health"] = time.monotonic()
+    sender.join(120)
+    assert health.status_code == 200 and finished["status"] == 400  # context_length_exceeded
+    assert finished["health"] < finished["long"]

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import threading
+import time
 from typing import Any
 
+import httpx
 import pytest
-from fastapi import FastAPI
+import uvicorn
+from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from app.api.error_handlers import error_response, format_loc, install_error_handlers, sse_error_event
 from app.api.openapi_errors import document_error_envelope
 from app.api.schemas import ChatCompletionRequest
 from app.errors import ContextLengthError, EngineUnavailableError, MediaError, ModelNotFoundError
+from tests.e2e.server import free_port
 from wire.protocol import ErrorInfo
 
 JSON = {"content-type": "application/json"}
@@ -178,3 +184,39 @@ def test_openapi_documents_validation_errors_as_the_400_envelope(client: TestCli
     # and that is what the server answers
     body = client.post("/v1/chat/completions", content=b"{}", headers=JSON)
     assert body.status_code == 400 and set(body.json()["error"]) == set(detail["properties"])
+
+
+def test_after_an_unexpected_500_the_connection_serves_the_next_request() -> None:
+    """Answered inside the app, the 500 leaves the server nothing to re-raise: it keeps the keep-alive
+    connection, and the client's next request on it is served (Starlette's own 500 would be followed
+    by the connection's close, and that request lost)."""
+    app = FastAPI()
+    install_error_handlers(app)
+    peers: list[object] = []
+
+    @app.post("/work")
+    async def work(request: Request) -> dict[str, str]:
+        peers.append(request.client)
+        if (await request.body()) == b"boom":
+            raise RuntimeError("secret internals")
+        return {"ok": "yes"}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            for _ in range(100):
+                with contextlib.suppress(httpx.TransportError):
+                    if http.post("/work", content=b"hello").status_code == 200:
+                        break
+                time.sleep(0.05)
+            failed = http.post("/work", content=b"boom")
+            assert failed.status_code == 500
+            assert _envelope(failed)["message"] == "Internal server error (RuntimeError)."
+            assert http.post("/work", content=b"again").json() == {"ok": "yes"}
+        assert len(set(map(str, peers[-3:]))) == 1  # one connection carried all three
+    finally:
+        server.should_exit = True
+        thread.join(10)

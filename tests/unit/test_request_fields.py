@@ -103,3 +103,30 @@ def test_a_default_matches_in_type_too(value: Any, accepted: bool) -> None:
 def test_an_unknown_field_is_kept_aside() -> None:
     req = ChatCompletionRequest.model_validate({**BASE, "frobnicate": 3, "user": "u"})
     assert req.model_extra == {"frobnicate": 3}
+
+
+def test_unknown_field_names_are_logged_once_each_up_to_a_bound(caplog: pytest.LogCaptureFixture) -> None:
+    """Made-up names grow neither the memory nor the log without bound: the first 256 are remembered
+    and logged, 16 to a line, then one line says that no more are."""
+    from types import SimpleNamespace
+
+    from app.api.chat_service import MAX_NAMES_LOGGED, MAX_WARNED_FIELDS, ChatService
+
+    service = SimpleNamespace(_warned_fields=set())
+
+    def send(names: list[str]) -> list[str]:
+        caplog.clear()
+        body = ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "hi"}], **dict.fromkeys(names, 1)
+        )
+        ChatService._warn_unknown_fields(service, body)  # type: ignore[arg-type]
+        return [record.getMessage() for record in caplog.records]
+
+    with caplog.at_level("WARNING", logger="mmserve.api"):
+        (line,) = send([f"x{i:03}" for i in range(200)])
+        assert line.count("'x") == MAX_NAMES_LOGGED and "(and 184 more)" in line
+        assert send(["x007"]) == []  # seen before
+        lines = send([f"y{i:03}" for i in range(100)])  # 56 fit
+        assert len(lines) == 2 and "(and 40 more)" in lines[0] and "not" in lines[1]
+        assert len(service._warned_fields) == MAX_WARNED_FIELDS
+        assert send(["z"]) == []

@@ -35,6 +35,10 @@ from workers.families.errors import FamilyInputError
 MODEL_ID_DOMAIN = b"mmserve.model_id.v1"
 VIDEO_CONFIG_FILE = "video_preprocessor_config.json"  # as transformers writes a checkpoint's
 KWARGS_PARAM = "mm_processor_kwargs"
+# An image's longer side may be at most this many times its shorter one: Qwen-VL's own bound
+# (transformers' smart_resize), for every family. Past it a family that scales the shorter side up
+# makes a huge intermediate image (LLaVA: 1x10000 pixels become 336x3,360,000, 11 GB).
+MAX_ASPECT_RATIO = 200
 
 # Image-processor kwargs no request may set: they change where or in which layout tensors come out,
 # not what the model sees, and the worker relies on the defaults.
@@ -245,6 +249,14 @@ class FamilyProcessor:
         from ``hash_options``. An image the processor cannot take (too small, too elongated, options
         that contradict each other) is the request's fault: FamilyInputError naming ``param`` or
         the options."""
+        width, height = image.size
+        if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+            raise FamilyInputError(
+                f"The image is {width}x{height} pixels: its longer side may be at most {MAX_ASPECT_RATIO} "
+                "times its shorter one.",
+                param=param,
+                code="image_aspect_ratio_too_large",
+            )
         try:
             batch = self.image_processor([image], return_tensors="pt", **options)
         except (ValueError, TypeError, ZeroDivisionError) as exc:

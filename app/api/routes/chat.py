@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from app.api.json_body import StrictJSONRoute
 from app.api.schemas import ChatCompletionRequest
 from app.api.state import State
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.post("/v1/chat/completions", response_model=None)

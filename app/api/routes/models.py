@@ -6,9 +6,10 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from app.api.json_body import StrictJSONRoute
 from app.api.state import State
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.get("/v1/models")

@@ -7,10 +7,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Request
 from fastapi.responses import Response
 
+from app.api.json_body import StrictJSONRoute
 from app.api.responses_api_schemas import ResponsesRequest
 from app.api.state import State
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 ResponseId = Annotated[str, Path(min_length=1, max_length=128)]  # as previous_response_id
 
 

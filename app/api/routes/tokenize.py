@@ -6,10 +6,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from app.api.json_body import StrictJSONRoute
 from app.api.state import State
 from app.api.tokenize_schemas import DetokenizeRequest, TokenizeRequest
 
-router = APIRouter()
+router = APIRouter(route_class=StrictJSONRoute)
 
 
 @router.post("/tokenize")
