@@ -85,12 +85,25 @@ def sse_error_event(exc: BaseException | ErrorInfo) -> str:
     return f"data: {ErrorResponse(error=detail).model_dump_json()}\n\n"
 
 
+# The names pydantic gives a union's members in an error's location: not fields of the request
+_UNION_MEMBER_TYPES = {"str", "int", "float", "bool", "list", "dict", "none", "any"}
+
+
+def _is_union_member(part: str | int) -> bool:
+    """``literal['none','auto']``, ``dict[str,any]``, ``str``, a model's class name (``NamedToolChoice``):
+    pydantic's tag for the union member it tried; the request's own fields are lower-case names."""
+    return isinstance(part, str) and (
+        "[" in part or part in _UNION_MEMBER_TYPES or part[:1].isupper() or part.startswith("function-")
+    )
+
+
 def format_loc(loc: Sequence[str | int]) -> str | None:
-    """``("body", "messages", 0, "content")`` → ``"messages[0].content"``; None for the body itself."""
+    """``("body", "messages", 0, "content")`` → ``"messages[0].content"``; None for the body itself.
+    A union member's tag is left out: ``("tool_choice", "literal['none','auto']")`` → ``"tool_choice"``."""
     if loc and loc[0] == "body":
         loc = loc[1:]
     param = ""
-    for part in loc:
+    for part in (part for part in loc if not _is_union_member(part)):
         param += f"[{part}]" if isinstance(part, int) else f".{part}" if param else str(part)
     return param or None
 

@@ -163,9 +163,13 @@ class EngineClient:
     # ------------------------------------------------------------------ sending (synchronous)
 
     def _send(
-        self, msg: AddRequest | Abort | ResetCaches | Hello | Shutdown, frames: Sequence[memoryview] = ()
+        self,
+        msg: AddRequest | Abort | ResetCaches | Hello | Shutdown,
+        frames: Sequence[memoryview] = (),
+        encoded: bytes | None = None,
     ) -> None:
-        self._sock.send_multipart([encode(msg), *frames], flags=zmq.NOBLOCK, copy=False)
+        data = encode(msg) if encoded is None else encoded
+        self._sock.send_multipart([data, *frames], flags=zmq.NOBLOCK, copy=False)
 
     def lookup_and_pin(self, mm_hash: str) -> MirrorEntry[ItemLayout] | None:
         """While a request is prepared: the mirror's entry when the engine holds the item, pinned until
@@ -247,7 +251,9 @@ class EngineClient:
     def _add_request(
         self, msg: AddRequest, frames: Sequence[memoryview]
     ) -> asyncio.Queue[RequestOutput | EngineGone]:
-        """Registers the request's output queue and hands the message to the socket."""
+        """Registers the request's output queue and hands the message to the socket. The message is
+        encoded first: one that cannot be raises with nothing registered or held for it."""
+        encoded = encode(msg)
         queue: asyncio.Queue[RequestOutput | EngineGone] = asyncio.Queue()
         if self.shm is not None:  # released by the request's final output (or right away, unsent)
             self.shm.hold(msg.req_id, [f.shm.item_id for f in msg.mm_features if f.shm is not None])
@@ -257,7 +263,7 @@ class EngineClient:
                 self.shm.finish(msg.req_id)
             return queue
         self._queues[msg.req_id] = queue
-        self._send(msg, frames)
+        self._send(msg, frames, encoded)
         return queue
 
     def release(self, req_id: str, *, abort: bool) -> None:

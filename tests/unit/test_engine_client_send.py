@@ -16,6 +16,8 @@ from app.inputs.engine_client import EngineClient, EngineGone, OutgoingItem
 from app.metrics import ApiMetrics
 from wire.protocol import (
     AddRequest,
+    Constraint,
+    ConstraintKind,
     EngineReady,
     MMFeature,
     ResetCaches,
@@ -40,7 +42,7 @@ class Client:
         self.sent: list[tuple[Any, list[memoryview]]] = []
         self.engine._send = self._send  # type: ignore[method-assign]
 
-    def _send(self, msg: Any, frames: Sequence[memoryview] = ()) -> None:
+    def _send(self, msg: Any, frames: Sequence[memoryview] = (), encoded: bytes | None = None) -> None:
         self.sent.append((msg, list(frames)))  # the tensor frames: frames[0] is the message's frame 1
 
     def send(self, req_id: str, *items: OutgoingItem) -> asyncio.Queue[Any] | None:
@@ -158,3 +160,20 @@ def test_not_ready_answers_engine_gone_and_still_unpins(client: Client) -> None:
     queue = client.send("r2", OutgoingItem(placement("h1"), ITEM.layout, None, pinned=True))
     assert queue is not None and isinstance(queue.get_nowait(), EngineGone)
     assert len(client.sent) == num_sent and client.pins == {}
+
+
+def test_a_request_that_cannot_be_encoded_leaves_nothing_behind(client: Client) -> None:
+    """A string that is no Unicode text (a lone surrogate) fails the encoder: the call raises before the
+    request's queue is registered, and its pins are released all the same."""
+    entry = client.send("r1", OutgoingItem(placement("h1"), ITEM.layout, ITEM, pinned=False))
+    assert entry is not None and client.engine.lookup_and_pin("h1") is not None
+    unencodable = Constraint(ConstraintKind.REGEX, "a\ud800")
+    with pytest.raises(UnicodeEncodeError):
+        client.engine.send_request(
+            "r2",
+            [1, 2, 3],
+            SAMPLING,
+            [OutgoingItem(placement("h1"), ITEM.layout, None, pinned=True)],
+            constraint=unencodable,
+        )
+    assert "r2" not in client.engine._queues and client.pins == {}

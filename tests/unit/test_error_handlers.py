@@ -167,6 +167,11 @@ def test_format_loc() -> None:
     )
     assert format_loc(("body",)) is None
     assert format_loc(("query", "limit")) == "query.limit"
+    # pydantic's tags for a union's members are no fields
+    assert format_loc(("body", "tool_choice", "literal['none','auto','required']")) == "tool_choice"
+    assert format_loc(("body", "tool_choice", "NamedToolChoice", "function")) == "tool_choice.function"
+    assert format_loc(("body", "structured_outputs", "json", "dict[str,any]")) == "structured_outputs.json"
+    assert format_loc(("body", "input", 0, "content", "str")) == "input[0].content"
 
 
 def test_openapi_documents_validation_errors_as_the_400_envelope(client: TestClient) -> None:
