@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -35,7 +36,24 @@ from app.errors import InvalidRequestError, MMServeError, NotFoundError
 from app.inputs.submission import submit
 
 # a chat field's error names the Responses field it came from
-_PARAMS = (("response_format", "text.format"), ("tools", "tools"), ("tool_choice", "tool_choice"))
+# a chat field's path -> the Responses request's: its function tools and named tool choice are flat
+# ({"type": "function", "name": ...}), its schema is text.format's own
+_PARAMS = (
+    (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
+    (re.compile(r"^(tools\[\d+\])\.function"), r"\1"),
+    (re.compile(r"^tool_choice\.function"), "tool_choice"),
+    (re.compile(r"^max_completion_tokens"), "max_output_tokens"),
+)
+
+
+def responses_param(param: str | None) -> str | None:
+    """The Responses field for a chat request's ``param``: a message's anything is ``input`` (input items
+    do not map one to one onto chat messages, history and instructions among them)."""
+    if param is None or param.startswith("messages"):
+        return None if param is None else "input"
+    for pattern, replacement in _PARAMS:
+        param = pattern.sub(replacement, param)
+    return param
 
 
 class ResponsesService:
@@ -50,12 +68,11 @@ class ResponsesService:
         self.chat.check_ready(chat_body)
         try:
             spec = self.chat.spec(chat_body, raw)
-        except InvalidRequestError as exc:  # a chat message's field is somewhere in the input
-            if exc.param is not None and exc.param.startswith("messages"):
-                exc.param = "input"
+            arrival = time.time()
+            submitted = await submit(self.chat.inputs, self.chat.engine, spec)
+        except MMServeError as exc:  # its param is the chat request's: name the Responses field
+            exc.param = responses_param(exc.param)
             raise
-        arrival = time.time()
-        submitted = await submit(self.chat.inputs, self.chat.engine, spec)
         self.chat.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
         gen = Generation(
             req_id=submitted.choices[0].req_id,
@@ -156,9 +173,7 @@ class ResponsesService:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
         except ValidationError as exc:
             detail = validation_error_detail(exc.errors())
-            where = str(detail.param)
-            param = next((name for prefix, name in _PARAMS if where.startswith(prefix)), "input")
-            raise InvalidRequestError(detail.message, param=param) from exc
+            raise InvalidRequestError(detail.message, param=responses_param(detail.param) or "input") from exc
 
     async def _stream(self, turn: _Turn, outputs: ChoiceOutputs) -> AsyncIterator[str]:
         message_id = f"msg_{uuid.uuid4().hex}"

@@ -309,3 +309,14 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server: Server) -> None:
     sender.join(120)
     assert health.status_code == 200 and finished["status"] == 400  # context_length_exceeded
     assert finished["health"] < finished["long"]
+
+
+def test_responses_errors_name_the_responses_fields(server: Server) -> None:
+    """The Responses API runs as a chat request inside: its errors name its own fields, not chat's."""
+    url = f"{server.base_url}/v1/responses"
+    image = {"type": "input_image", "image_url": "data:image/png;base64,!!!"}
+    body = {"model": "tiny-llava", "max_output_tokens": 2, "input": [{"role": "user", "content": [image]}]}
+    assert_error(httpx.post(url, json=body, timeout=60), 400, param="input")
+    text = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}
+    error = assert_error(httpx.post(url, json={**body, "input": "hi", "text": text}, timeout=60), 400)
+    assert str(error["param"]).startswith("text.format"), error
