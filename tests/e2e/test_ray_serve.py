@@ -11,6 +11,8 @@ of the tiny LLaVA behind the media-affinity router, each a whole mmserve instanc
   made, also after the ingress was killed and restarted (by the replicas' reports).
 - A replica whose instance is killed: its next requests are served by the other replica, correctly, and
   a media id bound there is the usual 400; Ctrl-C stops every instance and the cluster.
+- Every process of the cluster listens on loopback only.
+- Then, on a cluster of its own that ``ray start`` made, deploy/ray-serve.yaml through ``serve run``.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import contextlib
 import ipaddress
 import json
 import os
+import secrets
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +34,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from tests.e2e.conftest import data_url, greedy_body, make_image
 from tests.e2e.metrics import Metrics, parse_metrics
@@ -37,6 +42,7 @@ from tests.e2e.server import ServerProcess, alive, free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[2]
 KEY = "sk-ray"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 IMBALANCE = 2
@@ -418,3 +424,98 @@ def test_a_killed_replica_s_requests_go_to_the_other_and_ctrl_c_stops_all(ray_se
     while any(alive(pid) for pid in instances) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(pid) for pid in instances)
+
+
+def test_the_serve_config_file_runs_on_a_cluster_started_apart(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """deploy/ray-serve.yaml, its node-specific values set (model, stores, port) and one replica, given to
+    ``serve run`` on a cluster that ``ray start`` made (127.0.0.1, token authentication): the same
+    application serves, and every process listens on loopback. Runs after the module's own cluster
+    stopped, so the two never hold memory at once."""
+    folder = tmp_path_factory.mktemp("ray-config")
+    (folder / "token").write_text(secrets.token_hex(32))
+    env = {
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # the node's address is 127.0.0.1, as mmserve ray serve's
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(folder / "token"),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    config = yaml.safe_load((REPO / "deploy/ray-serve.yaml").read_text())
+    port = free_port()
+    config["http_options"]["port"] = port
+    app_args = config["applications"][0]["args"]
+    app_args |= {"replicas": 1, "replica_cpus": 0.5}
+    app_args["settings"] |= {
+        "model": str(tiny_model_dir),
+        "mm_uuid_store": str(folder / "media-ids.sqlite"),
+        "responses_store": str(folder / "responses.sqlite"),
+        "mm_preprocess_processes": 0,
+    }
+    (folder / "ray-serve.yaml").write_text(yaml.safe_dump(config))
+    bin_dir = Path(sys.executable).parent
+    head_args = ["start", "--head", "--block", "--port", "0", "--node-ip-address", "127.0.0.1"]
+    head_args += ["--num-cpus", "2", "--object-store-memory", str(128 << 20), "--include-dashboard", "false"]
+    head_args += ["--temp-dir", str(folder / "ray"), "--disable-usage-stats"]
+    with (folder / "head.log").open("wb") as log:
+        head = subprocess.Popen(
+            [str(bin_dir / "ray"), *head_args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        address_file = folder / "ray" / "ray_current_cluster"
+        deadline = time.monotonic() + 120
+        while not address_file.exists() and time.monotonic() < deadline:
+            assert head.poll() is None, (folder / "head.log").read_text()[-3000:]
+            time.sleep(0.5)
+        address = address_file.read_text().strip()
+        deployed = subprocess.run(
+            [
+                str(bin_dir / "serve"),
+                "run",
+                str(folder / "ray-serve.yaml"),
+                "--address",
+                address,
+                "--non-blocking",
+            ],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert deployed.returncode == 0, deployed.stdout[-2000:] + deployed.stderr[-2000:]
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # the replica's instance starts
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                listed = httpx.get(f"{base}/replicas", timeout=10).json()["replicas"]
+                if any("url" in entry for entry in listed):
+                    break
+            time.sleep(1)
+        models = httpx.get(f"{base}/v1/models", timeout=30)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny-llava", models.text
+        answers = [
+            httpx.post(f"{base}/v1/chat/completions", json=chat_body(1), timeout=120) for _ in range(2)
+        ]
+        assert text_of(answers[0]) == text_of(answers[1])
+        assert answers[0].headers["x-mmserve-replica"] == answers[1].headers["x-mmserve-replica"]
+        listening = listening_addresses(descendants(head.pid))
+        assert f"127.0.0.1:{port}" in listening
+        assert all(is_loopback(address) for address in listening), listening
+    finally:
+        processes = descendants(head.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGTERM)  # ray start --block stops the cluster it started
+        try:
+            head.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
+        for pid in processes:  # anything that outlived it (Ray's processes make their own groups)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
