@@ -101,8 +101,22 @@ def make_generator(seed: int | None, device: torch.device, fallback: torch.Gener
     if seed is None:
         return fallback
     gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
+    gen.manual_seed(seed if device.type == "cuda" else fold_seed(seed))
     return gen
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def fold_seed(seed: int) -> int:
+    """A 64-bit seed as 32 bits in which every bit of it counts. The CPU generator (Mersenne Twister)
+    keeps only the low 32 bits of its seed, so 1 and 2**32 + 1 would give one stream (CUDA's Philox
+    takes all 64): the seed is mixed (splitmix64's finaliser) and its halves xored."""
+    z = (seed + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & 0xFFFFFFFF
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:

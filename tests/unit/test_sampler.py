@@ -48,6 +48,16 @@ def test_same_seed_same_tokens_regardless_of_batch():
     assert other != runs[0]
 
 
+def test_every_bit_of_a_64_bit_seed_counts():
+    """The CPU generator keeps 32 bits of a seed: seeds equal in those would share a stream."""
+    logits = _logits(1) / 3
+    streams = {}
+    for seed in (1, 2**32 + 1, 0, 2**40, -1, 2**63 - 1):
+        row = _row(temperature=1.0, seed=seed)
+        streams[seed] = tuple(sample(logits, [row])[0][0] for _ in range(20))
+    assert len(set(streams.values())) == len(streams)
+
+
 def test_samples_follow_the_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2] + [0.0] * (VOCAB - 3)]))
     row = _row(temperature=1.0, seed=0)
