@@ -89,6 +89,7 @@ class ChatService:
                     include_stop_str=body.include_stop_str_in_output,
                 ),
                 parse_tool_calls=body.parses_tool_calls,
+                stop_token_ids=frozenset([*self.inputs.family.eos_token_ids, *(body.stop_token_ids or ())]),
             )
             for index, choice in enumerate(submitted.choices)
         ]

@@ -45,9 +45,10 @@ class IncrementalDetokenizer:
     """Turns the token ids of one request into text deltas, in the order the engine produces them.
 
     ``push`` is called with each batch of new ids; ``flush`` once when the request finished without a
-    stop string (it releases held-back text). After a stop string matched, ``stopped`` is True,
-    ``stop_str`` names it, ``text`` ends right before it (or after it with ``include_stop_str``) and
-    further pushes return "".
+    stop string (it releases held-back text), or ``push_ending_on_stop_token`` for the last batch of a
+    request that a stop token ended. After a stop string matched, ``stopped`` is True, ``stop_str``
+    names it, ``text`` ends right before it (or after it with ``include_stop_str``) and further pushes
+    return "".
     """
 
     def __init__(
@@ -117,6 +118,20 @@ class IncrementalDetokenizer:
             if self.stopped:
                 break
         return "".join(pieces)
+
+    def push_ending_on_stop_token(self, token_ids: list[int]) -> str:
+        """``push`` then ``flush`` for the request's last ids, whose last is the stop token that ended it
+        (an EOS or one of ``stop_token_ids``): as in vLLM, that token counts among ``token_ids`` but
+        adds no text, unless ``include_stop_str`` (``include_stop_str_in_output``)."""
+        if self.include_stop_str or not token_ids:
+            return self.push(token_ids) + self.flush()
+        *body, stop_token = token_ids
+        text = self.push(body) if body else ""
+        if self.stopped or self._finished:  # a stop string came first
+            return text
+        text += self.flush()
+        self.token_ids.append(stop_token)  # after the flush: never decoded
+        return text
 
     def flush(self) -> str:
         """Called once when the request finished (EOS, length): decodes what was waiting for more bytes

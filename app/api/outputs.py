@@ -21,7 +21,7 @@ from app.errors import EngineUnavailableError
 from app.inputs.engine_client import EngineClient, EngineGone
 from app.inputs.submission import OutputQueue, Submitted, error_from_engine
 from app.metrics import ApiMetrics
-from wire.protocol import RequestOutput, TokenLogprobs
+from wire.protocol import FinishReason, RequestOutput, TokenLogprobs
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
@@ -44,6 +44,7 @@ class Generation:
     finish_reason: str | None = None
     last_token_at: float | None = None  # unix time the latest output with tokens reached the API
     parse_tool_calls: bool = False  # the request has tools it lets the model call (app/api/tool_calls.py)
+    stop_token_ids: frozenset[int] = frozenset()  # EOS and the request's stop_token_ids: no text of theirs
 
     @property
     def created(self) -> int:
@@ -126,7 +127,11 @@ class ChoiceOutputs:
         (forced tokens, or outputs merged while the API was busy), those after the one that completed a
         stop string are dropped: the answer, its logprobs and its usage are as one token at a time."""
         num_before = len(gen.token_ids)
-        delta = gen.detok.push(out.new_token_ids)
+        ids = out.new_token_ids
+        if out.finish_reason is FinishReason.STOP and ids and ids[-1] in gen.stop_token_ids:
+            delta = gen.detok.push_ending_on_stop_token(ids)
+        else:
+            delta = gen.detok.push(ids)
         num_new = len(gen.token_ids) - num_before
         if num_new:
             self._observe_latency(gen, num_new)

@@ -85,6 +85,7 @@ class ResponsesService:
             want_logprobs=False,
             detok=IncrementalDetokenizer(self.chat.tokenizer),
             parse_tool_calls=chat_body.parses_tool_calls,
+            stop_token_ids=frozenset(self.chat.inputs.family.eos_token_ids),
         )
         turn = _Turn(
             body,

@@ -2,7 +2,8 @@
 ``presence_penalty`` and ``logit_bias`` equal transformers' ``generate`` with the same processors in the
 sampler's order (tests/e2e/sampling_oracle.py), on LLaVA and Qwen2.5-VL with an image, also in 128-token
 steps through the image and after a preemption; a seeded ``min_p`` answer keeps only tokens transformers'
-``MinPLogitsWarper`` keeps (teacher-forced); token ids outside the vocabulary are refused by name."""
+``MinPLogitsWarper`` keeps (teacher-forced), on both; a token of ``stop_token_ids`` ends a greedy answer
+there; token ids outside the vocabulary are refused by name."""
 
 from __future__ import annotations
 
@@ -210,16 +211,23 @@ def token_ids(response: dict[str, Any], tokenizer: Any) -> list[int]:
     return [ids_by_bytes[tuple(entry["bytes"])] for entry in response["choices"][0]["logprobs"]["content"]]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 def test_min_p_keeps_only_what_transformers_keeps(
-    server: Server, family_oracle: Callable[[str], Oracle]
+    family: str, family_server: Callable[..., Server], family_oracle: Callable[[str], Oracle]
 ) -> None:
     """A seeded answer at temperature 1 with min_p 0.3, fed back through the model: every token survives
     ``MinPLogitsWarper`` at its position, and its served logprob is the raw one there. The same request
     again gives the same answer; without min_p the same seed samples a token min_p drops."""
-    min_p, oracle, image = 0.3, family_oracle("llava"), make_image(1320)
+    min_p, oracle, image, server = 0.3, family_oracle(family), make_image(1320), family_server(family)
     inputs = oracle.inputs(TEXT, [image])
     body = greedy_body(
-        [user_message(TEXT, image)], NUM_TOKENS, temperature=1.0, seed=1234, logprobs=True, min_p=min_p
+        [user_message(TEXT, image)],
+        NUM_TOKENS,
+        model=f"tiny-{family}",
+        temperature=1.0,
+        seed=1234,
+        logprobs=True,
+        min_p=min_p,
     )
     response = ask(server, body)
     assert ask(server, body)["choices"][0]["message"] == response["choices"][0]["message"]
@@ -244,6 +252,54 @@ def test_min_p_keeps_only_what_transformers_keeps(
     assert not all(unfiltered_kept[pos, t] for pos, t in enumerate(unfiltered_ids)), (
         "the seed samples nothing min_p would drop: the check above could not fail"
     )
+
+
+@pytest.fixture(scope="module")
+def stop_case(
+    server: Server, family_oracle: Callable[[str], Oracle]
+) -> tuple[dict[str, Any], list[int], int]:
+    """A greedy LLaVA request (EOS ignored), its answer's token ids, and a position k >= 4 whose token
+    occurs there first: that token in ``stop_token_ids`` must end the answer at k."""
+    body = greedy_body([user_message(TEXT, make_image(1330))], 16, logprobs=True)
+    plain_ids = token_ids(ask(server, body), family_oracle("llava").processor.tokenizer)
+    first_at = next(pos for pos in range(4, len(plain_ids)) if plain_ids[pos] not in plain_ids[:pos])
+    return body, plain_ids, first_at
+
+
+def test_a_stop_token_id_ends_the_answer_at_that_token(
+    server: Server,
+    family_oracle: Callable[[str], Oracle],
+    stop_case: tuple[dict[str, Any], list[int], int],
+) -> None:
+    """With the plain answer's k-th token in ``stop_token_ids`` the answer is its first k + 1 tokens,
+    ``finish_reason`` "stop", whether EOS is ignored or not: the stop token is generated, counted in
+    ``completion_tokens`` and has its logprobs entry (as vLLM counts it); with
+    ``include_stop_str_in_output`` its text ends the content."""
+    body, plain_ids, k = stop_case
+    tokenizer = family_oracle("llava").processor.tokenizer
+    stop = {"stop_token_ids": [plain_ids[k]]}
+    for extra in ({}, {"ignore_eos": False}, {"include_stop_str_in_output": True}):
+        response = ask(server, {**body, **stop, **extra})
+        choice = response["choices"][0]
+        assert choice["finish_reason"] == "stop", (extra, choice)
+        assert response["usage"]["completion_tokens"] == k + 1, extra
+        assert token_ids(response, tokenizer) == plain_ids[: k + 1], extra
+        assert choice["message"]["content"].startswith(str(tokenizer.decode(plain_ids[:k]))), extra
+    assert choice["message"]["content"] == tokenizer.decode(plain_ids[: k + 1])
+
+
+def test_a_stop_tokens_text_is_left_out_of_the_content(
+    server: Server,
+    family_oracle: Callable[[str], Oracle],
+    stop_case: tuple[dict[str, Any], list[int], int],
+) -> None:
+    """As vLLM (the stop token ends the answer "as EOS does", and EOS is never text): the content is
+    the text of the tokens before the stop token, which ``include_stop_str_in_output`` (default false)
+    would keep."""
+    body, plain_ids, k = stop_case
+    response = ask(server, {**body, "stop_token_ids": [plain_ids[k]]})
+    tokenizer = family_oracle("llava").processor.tokenizer
+    assert response["choices"][0]["message"]["content"] == tokenizer.decode(plain_ids[:k])
 
 
 # each field naming one token id, as a request spells it

@@ -207,3 +207,22 @@ def test_random_batches_with_stop_strings_end_as_one_by_one(tokenizer: PreTraine
             one.token_ids,
             one.stop_str,
         )
+
+
+def test_the_stop_token_that_ended_the_answer_counts_but_is_no_text(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """vLLM's semantics for an answer a stop token ended (EOS or ``stop_token_ids``): the token is among
+    the output's ids, its text is not, unless ``include_stop_str`` (``include_stop_str_in_output``)."""
+    ids = tokenizer.encode("hello world the fox")
+    for pushed in (len(ids) - 2, 0):  # the stop token alone with one more, or every id in the last output
+        detok = IncrementalDetokenizer(tokenizer)
+        text = "".join(detok.push([token_id]) for token_id in ids[:pushed])
+        text += detok.push_ending_on_stop_token(ids[pushed:])
+        assert text == detok.text == tokenizer.decode(ids[:-1]) and detok.token_ids == ids
+        assert detok.push([ids[-1]]) == "" and detok.flush() == ""  # finished
+    kept = IncrementalDetokenizer(tokenizer, include_stop_str=True)
+    assert kept.push_ending_on_stop_token(ids) == tokenizer.decode(ids)
+    # a stop string before the stop token ends the text there, as on its own
+    stopped = IncrementalDetokenizer(tokenizer, stop=["world"])
+    assert stopped.push_ending_on_stop_token(ids) == "hello " and stopped.stop_str == "world"
