@@ -87,17 +87,18 @@ def penalised_greedy(
 
 
 def teacher_forced_logits(oracle: Oracle, inputs: Any, token_ids: list[int]) -> torch.Tensor:
-    """LLaVA's logits ([len(token_ids), vocab]) at each of ``token_ids``, fed after the prompt of
-    ``inputs`` in one forward: row i is what token i was sampled from."""
+    """The model's logits ([len(token_ids), vocab]) at each of ``token_ids``, fed after the prompt of
+    ``inputs`` in one forward: row i is what token i was sampled from. The media tensors go in as the
+    processor made them (Qwen: with ``image_grid_thw``); per-token ones (Qwen's ``mm_token_type_ids``)
+    are extended with text (0) over the answer."""
     num_prompt_tokens = inputs["input_ids"].shape[1]
     answer = torch.tensor([token_ids], dtype=inputs["input_ids"].dtype)
     input_ids = torch.cat([inputs["input_ids"], answer], dim=1)
+    media = {key: value for key, value in inputs.items() if key not in ("input_ids", "attention_mask")}
+    if "mm_token_type_ids" in media:
+        media["mm_token_type_ids"] = torch.cat([media["mm_token_type_ids"], torch.zeros_like(answer)], dim=1)
     with torch.inference_mode():
-        logits = oracle.model(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            pixel_values=inputs["pixel_values"],
-        ).logits
+        logits = oracle.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **media).logits
     return logits[0, num_prompt_tokens - 1 : -1].float()
 
 

@@ -1,6 +1,7 @@
 """``POST /v1/responses`` through the openai SDK on the tiny LLaVA: a string or message items with images,
-instructions, ``text.format``; the answer is the chat endpoint's for the same conversation (one input
-path, one output path); the typed stream reassembles to it; what is not implemented is a 400 naming it."""
+instructions, ``text.format``, ``top_p``, ``cache_salt``, ``metadata`` (echoed and stored) and ``user``
+(no effect); the answer is the chat endpoint's for the same conversation (one input path, one output
+path); the typed stream reassembles to it; what is not implemented is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pydantic import BaseModel
 from tests.e2e.conftest import data_url, make_image
 from tests.e2e.metrics import delta
 from tests.e2e.server import Server
+from tests.e2e.test_media_ids import cache_hits
 
 pytestmark = pytest.mark.slow
 
@@ -131,6 +133,82 @@ def test_text_format_is_a_structured_output(server: Server) -> None:
     assert json.loads(parsed.output_text) == json.loads(chat["choices"][0]["message"]["content"])
 
 
+def test_text_format_json_object_is_a_json_object(server: Server) -> None:
+    """The same greedy answer as chat's ``response_format`` json_object, which parses; this input's
+    unconstrained answer is text (tests above)."""
+    response = client(server).responses.create(
+        model="tiny-llava",
+        input="Tell me a story",
+        max_output_tokens=16,
+        temperature=0,
+        text={"format": {"type": "json_object"}},
+    )
+    assert response.status == "completed" and isinstance(json.loads(response.output_text), dict)
+    assert response.text is not None and response.text.format is not None
+    assert response.text.format.type == "json_object"
+    chat = chat_text(
+        server,
+        [{"role": "user", "content": "Tell me a story"}],
+        16,
+        response_format={"type": "json_object"},
+    )
+    assert response.output_text == chat["choices"][0]["message"]["content"]
+
+
+def test_metadata_is_echoed_and_stored_and_user_changes_nothing(server: Server) -> None:
+    metadata = {"trace": "t-42", "team": "vision"}
+    kwargs: Any = {"model": "tiny-llava", "input": "Hello there", "max_output_tokens": 6, "temperature": 0}
+    labelled = client(server).responses.create(**kwargs, metadata=metadata, user="user-7")
+    assert labelled.metadata == metadata
+    assert client(server).responses.retrieve(labelled.id).metadata == metadata
+    plain = client(server).responses.create(**kwargs)
+    assert plain.metadata == {} and plain.output_text == labelled.output_text
+
+
+def test_a_tiny_top_p_samples_the_top_token(server: Server) -> None:
+    """At temperature 1, ``top_p`` 1e-6 keeps only the top token: the greedy answer (a temperature-1
+    sample of 16 tokens without it differs from greedy: checked)."""
+    kwargs: Any = {"model": "tiny-llava", "input": "Hello there", "max_output_tokens": 16}
+    greedy = client(server).responses.create(**kwargs, temperature=0)
+    narrow = client(server).responses.create(**kwargs, temperature=1.0, top_p=1e-6)
+    assert narrow.top_p == 1e-6 and narrow.output_text == greedy.output_text
+
+
+def test_a_cache_salt_shares_no_cache_hit_with_another_salt(server: Server) -> None:
+    items: Any = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "Salted?"},
+                {"type": "input_image", "image_url": data_url(make_image(6604))},
+            ],
+        }
+    ]
+
+    def ask(salt: str) -> Any:
+        return client(server).responses.create(
+            model="tiny-llava",
+            input=items,
+            max_output_tokens=6,
+            temperature=0,
+            store=False,
+            extra_body={"cache_salt": salt},
+        )
+
+    first = ask("salt-a")
+    before = server.metrics()
+    same = ask("salt-a")
+    middle = server.metrics()
+    other = ask("salt-b")
+    after = server.metrics()
+    assert first.output_text == same.output_text == other.output_text
+    assert all(hits > 0 for hits in cache_hits(before, middle).values()), cache_hits(before, middle)
+    assert cache_hits(middle, after) == dict.fromkeys(cache_hits(middle, after), 0.0)
+    assert same.usage is not None and same.usage.input_tokens_details.cached_tokens > 0
+    assert other.usage is not None and other.usage.input_tokens_details.cached_tokens == 0
+    assert delta(middle, after, "mmserve_encoder_runs_total") == 1
+
+
 def test_a_media_id_names_an_image_sent_before(server: Server) -> None:
     def ask(image: dict[str, Any]) -> Any:
         items: Any = [{"role": "user", "content": [{"type": "input_text", "text": "And this?"}, image]}]
@@ -167,6 +245,19 @@ def test_a_media_id_names_an_image_sent_before(server: Server) -> None:
             {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
             "input[0].content[0]",
         ),
+        (
+            {
+                "input": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+                        ],
+                    }
+                ]
+            },
+            "input[0].content[0]",
+        ),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"input": []}, "input"),
@@ -182,3 +273,6 @@ def test_what_is_not_implemented_is_a_400_naming_it(
     error = resp.json()["error"]
     if param is not None:
         assert error["param"] == param, error
+    parts = [part for item in extra.get("input", []) for part in item.get("content", [])]
+    for part in parts:  # a refused content part is named by its type
+        assert repr(part["type"]) in error["message"], error

@@ -1,11 +1,13 @@
 """``POST /tokenize`` counts what a chat request with the same messages would send — images and videos
 at the model's own placeholder counts, on every family — through the processor cache (the chat
-request that follows is a hit), under the same media policy and auth; ``POST /detokenize`` reverses a
-prompt's ids."""
+request that follows is a hit, under the same ``cache_salt`` only), under the same media policy, media
+limits and auth; ``POST /detokenize`` reverses a prompt's ids."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import httpx
@@ -149,3 +151,48 @@ def test_media_policy_and_auth_apply(uncached_server: Server, guarded_server: Se
     assert refused.json()["error"]["code"] == chat.json()["error"]["code"]
     assert post(guarded_server, "/tokenize", {"prompt": "a"}).status_code == 401
     assert post(guarded_server, "/tokenize", {"prompt": "a"}, headers=AUTH).status_code == 200
+
+
+def test_a_salted_count_is_a_processor_cache_hit_for_its_salt_only(server: Server) -> None:
+    """/tokenize under a ``cache_salt`` processes the image into that salt's entry: a chat request with
+    another salt, or with none, processes it again; one with the same salt finds it."""
+    messages = [{"role": "user", "content": [image(7311), text("Salted?")]}]
+    chat = {"model": "tiny-llava", "messages": messages, "max_tokens": 1}
+    readings = [server.metrics()]
+    counted = post(server, "/tokenize", {"messages": messages, "cache_salt": "salt-a"})
+    assert counted.status_code == 200, counted.text
+    readings.append(server.metrics())
+    for salt in ("salt-b", None, "salt-a"):
+        resp = post(server, "/v1/chat/completions", chat if salt is None else {**chat, "cache_salt": salt})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["prompt_tokens"] == counted.json()["count"]
+        readings.append(server.metrics())
+    steps = list(pairwise(readings))  # /tokenize salt-a, then chat salt-b, unsalted, salt-a
+    assert [delta(a, b, "mmserve_mm_processor_cache_hits_total") for a, b in steps] == [0, 0, 0, 1]
+    assert [delta(a, b, "mmserve_mm_processor_seconds_count") for a, b in steps] == [1, 1, 1, 0]
+
+
+def test_more_media_than_the_limit_is_the_chat_requests_400_before_anything_is_fetched(
+    family_server: Callable[..., Server], image_http_server: str
+) -> None:
+    """One image over the default limit (999) or one video over it (4): /tokenize answers the error the
+    chat request answers, at once (/slow.png takes 5 s to answer), having fetched and processed nothing."""
+    server = family_server("qwen2_5_vl")
+    slow = f"{image_http_server}/slow.png"
+    too_many = {
+        "image=999": [{"type": "image_url", "image_url": {"url": slow}}] * 1000,
+        "video=4": [{"type": "video_url", "video_url": {"url": slow}}] * 5,
+    }
+    for limit, parts in too_many.items():
+        messages = [{"role": "user", "content": [*parts, text("So many?")]}]
+        before = server.metrics()
+        start = time.monotonic()
+        counted = post(server, "/tokenize", {"messages": messages})
+        assert time.monotonic() - start < 4, limit
+        chat = post(server, "/v1/chat/completions", {"model": "tiny-qwen2_5_vl", "messages": messages})
+        assert counted.status_code == chat.status_code == 400, counted.text
+        error = counted.json()["error"]
+        assert error == chat.json()["error"]
+        assert error["code"] == "mm_limit_exceeded" and error["param"] == "messages", error
+        assert f"--limit-mm-per-prompt {limit}" in error["message"], error
+        assert delta(before, server.metrics(), "mmserve_mm_items_total") == 0

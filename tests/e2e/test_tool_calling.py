@@ -2,13 +2,15 @@
 named function and ``auto`` are constrained by xgrammar's structural tags, so the call's arguments always
 parse and validate; greedy answers equal transformers' ``generate`` with xgrammar's HF logits processor on
 the same structural tag; streamed deltas reassemble (the openai SDK's own stream state) to the
-non-streamed message; a history of calls and results renders and is answered; bad tool requests are
-400s naming their field. The tiny models never open a call by themselves (their LM-head rows for the tool
-tokens are zero); ``auto`` is pushed into one with ``logit_bias``."""
+non-streamed message; ``none`` neither constrains nor parses a call; ``strict`` changes nothing;
+``required`` with parallel calls may call again; a history of calls and results renders and is answered;
+bad tool requests are 400s naming their field. The tiny models never open a call by themselves (their
+LM-head rows for the tool tokens are zero); ``auto`` is pushed into one with ``logit_bias``."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -190,6 +192,56 @@ def test_auto_is_free_text_until_a_call_opens_then_the_call_is_well_formed(
     pushed = ask(server, body(family, "auto", logit_bias={str(open_id): 100}, parallel_tool_calls=False))
     assert [name for name, _ in calls_of(pushed)] in (["get_weather"], ["get_time"])
     assert pushed["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def open_call_bias(oracle: Oracle) -> dict[str, float]:
+    """A ``logit_bias`` that makes the tiny model write ``<tool_call>`` wherever it may."""
+    return {str(oracle.processor.tokenizer.convert_tokens_to_ids("<tool_call>")): 100}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_none_neither_constrains_nor_parses_a_call(
+    family: str, family_server: Callable[..., Server], family_oracle: Callable[[str], Oracle]
+) -> None:
+    """Pushed into ``<tool_call>`` by the bias, the model writes it again and again (``auto`` would hold
+    what follows to a call); made to write a whole call to a declared tool (a regex), the call stays
+    text in ``content``, and the answer ends with "stop", not "tool_calls"."""
+    server = family_server(family)
+    pushed = ask(server, body(family, "none", logit_bias=open_call_bias(family_oracle(family))))["choices"][0]
+    assert pushed["message"]["content"].startswith("<tool_call><tool_call>"), pushed
+    assert not pushed["message"].get("tool_calls") and pushed["finish_reason"] == "length"
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"unit": "h", "n": 7}}\n</tool_call>'
+    written = ask(server, body(family, "none", structured_outputs={"regex": re.escape(call)}))["choices"][0]
+    assert written["message"]["content"] == call, written
+    assert not written["message"].get("tool_calls") and written["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_strict_is_accepted_and_a_call_is_held_to_its_schema_either_way(
+    strict: bool, family_server: Callable[..., Server]
+) -> None:
+    """``strict`` (OpenAI's) is accepted and changes no constraint: a ``required`` call's arguments
+    validate with ``strict: false`` as with ``true`` (unconstrained, the tiny model writes no call)."""
+    tools = [{**tool, "function": {**tool["function"], "strict": strict}} for tool in TOOLS]
+    response = ask(
+        family_server("qwen2_5_vl"), body("qwen2_5_vl", "required", parallel_tool_calls=False, tools=tools)
+    )
+    assert len(calls_of(response)) == 1 and response["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_required_with_parallel_calls_may_call_again(
+    family: str, family_server: Callable[..., Server], family_oracle: Callable[[str], Oracle]
+) -> None:
+    """Pushed into ``<tool_call>`` after each call (``get_time`` only: its arguments hold no string the
+    push could fill), ``required`` with parallel calls calls again until the max tokens, every closed call
+    well-formed; without parallel calls the answer ends after the first."""
+    server = family_server(family)
+    push = {"logit_bias": open_call_bias(family_oracle(family)), "tools": [TOOLS[1]], "max_tokens": 160}
+    several = ask(server, body(family, "required", parallel_tool_calls=True, **push))
+    assert len(calls_of(several)) >= 2 and several["choices"][0]["finish_reason"] == "length", several
+    one = ask(server, body(family, "required", parallel_tool_calls=False, **push))
+    assert len(calls_of(one)) == 1 and one["choices"][0]["finish_reason"] == "tool_calls"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

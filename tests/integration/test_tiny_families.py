@@ -263,6 +263,42 @@ def test_qwen2_5_vl_keeps_tools_in_its_tokenizers_template_as_the_real_checkpoin
     assert processor.tokenizer("a<tool_call>b")["input_ids"][1] == ids[0]
 
 
+# The tokens each real tokenizer adds after its 2,048 trained merges here (151,643 in the real ones), in
+# id order: Qwen's 14 specials, then (Qwen2.5-VL) the tool-call and fill-in-the-middle tokens and
+# (Qwen3-VL) the tool-response and thinking markers, none of those special.
+QWEN_SPECIALS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]  # fmt: skip
+QWEN2_5_NOT_SPECIAL = [
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>",
+]  # fmt: skip
+NOT_SPECIAL = {
+    "qwen2_vl": [],
+    "qwen2_5_vl": QWEN2_5_NOT_SPECIAL,
+    "qwen3_vl": [*QWEN2_5_NOT_SPECIAL, "<tool_response>", "</tool_response>", "<think>", "</think>"],
+}
+
+
+def test_added_tokens_are_the_real_tokenizers_with_their_special_status(
+    family: str, processor: ImageOnlyQwenVLProcessor
+) -> None:
+    """The saved tokenizer's added tokens, ids and special flags, as the real checkpoint's: each one is
+    split out of text whole; ``skip_special_tokens`` drops the specials and keeps the others."""
+    tokenizer = processor.tokenizer
+    added = tokenizer.added_tokens_decoder
+    expected = [(token, True) for token in QWEN_SPECIALS] + [(token, False) for token in NOT_SPECIAL[family]]
+    assert [(added[i].content, added[i].special) for i in sorted(added)] == expected
+    assert sorted(added) == list(range(2048, 2048 + len(expected))) and len(tokenizer) == 2048 + len(expected)
+    for token, special in expected:
+        ids = tokenizer(f"a{token}b")["input_ids"]
+        assert tokenizer.convert_tokens_to_ids(token) in ids, token
+        kept = tokenizer.decode(ids, skip_special_tokens=True)
+        assert kept == ("ab" if special else f"a{token}b"), (token, kept)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_output_depends_on_image(family: str, seed: int, tmp_path: Path) -> None:
     model_dir = build_tiny_model(family, tmp_path / family, seed=seed)
