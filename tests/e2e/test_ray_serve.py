@@ -22,9 +22,11 @@ import ipaddress
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -457,7 +459,9 @@ def test_the_serve_config_file_runs_on_a_cluster_started_apart(
     bin_dir = Path(sys.executable).parent
     head_args = ["start", "--head", "--block", "--port", "0", "--node-ip-address", "127.0.0.1"]
     head_args += ["--num-cpus", "2", "--object-store-memory", str(128 << 20), "--include-dashboard", "false"]
-    head_args += ["--temp-dir", str(folder / "ray"), "--disable-usage-stats"]
+    # Ray's socket paths must fit in 107 bytes: its folder is a short one under /tmp, not pytest's
+    ray_dir = Path(tempfile.mkdtemp(prefix="mmserve-ray-"))
+    head_args += ["--temp-dir", str(ray_dir), "--disable-usage-stats"]
     with (folder / "head.log").open("wb") as log:
         head = subprocess.Popen(
             [str(bin_dir / "ray"), *head_args],
@@ -467,7 +471,7 @@ def test_the_serve_config_file_runs_on_a_cluster_started_apart(
             start_new_session=True,
         )
     try:
-        address_file = folder / "ray" / "ray_current_cluster"
+        address_file = ray_dir / "ray_current_cluster"
         deadline = time.monotonic() + 120
         while not address_file.exists() and time.monotonic() < deadline:
             assert head.poll() is None, (folder / "head.log").read_text()[-3000:]
@@ -519,3 +523,4 @@ def test_the_serve_config_file_runs_on_a_cluster_started_apart(
         for pid in processes:  # anything that outlived it (Ray's processes make their own groups)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(ray_dir, ignore_errors=True)
