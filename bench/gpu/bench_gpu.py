@@ -357,18 +357,19 @@ def print_table(figures: dict[str, Any]) -> None:
     print(f"encoder roofline per image: {image.get('encoder_ms_per_image', 0):.2f} ms")
     agent = figures.get("agent")
     if agent is not None:
-        turns = ", ".join(f"{t:.0f}" for t in agent["ttft_ms"])
-        print(
-            f"agent loop alone, TTFT by turn: {turns} ms (prompt tokens {agent['prompt_tokens']}); "
-            f"turn {AGENT_TURNS} / turn 1: {agent['last_over_first']:.2f}x (target <= 1.2x)"
-        )
+        detail = f" (prompt tokens {agent['prompt_tokens']})"
+        print(_turns_line("agent loop alone, TTFT", agent["ttft_ms"], detail, agent["last_over_first"]))
     crowd = figures.get("agents_at_once")
     if crowd is not None:
-        turns = ", ".join(f"{t:.0f}" for t in crowd["ttft_ms_p50"])
-        print(
-            f"{crowd['agents']} agents at once, TTFT p50 by turn: {turns} ms, {crowd['turns_per_s']:.2f} "
-            f"turns/s; turn {AGENT_TURNS} / turn 1: {crowd['last_over_first']:.2f}x (target <= 1.2x)"
-        )
+        label = f"{crowd['agents']} agents at once, TTFT p50"
+        detail = f", {crowd['turns_per_s']:.2f} turns/s"
+        print(_turns_line(label, crowd["ttft_ms_p50"], detail, crowd["last_over_first"]))
+
+
+def _turns_line(label: str, ttft_ms: list[float], detail: str, last_over_first: float) -> str:
+    turns = ", ".join(f"{t:.0f}" for t in ttft_ms)
+    ratio = f"turn {AGENT_TURNS} / turn 1: {last_over_first:.2f}x (target <= 1.2x)"
+    return f"{label} by turn: {turns} ms{detail}; {ratio}"
 
 
 if __name__ == "__main__":
