@@ -5,10 +5,10 @@ CPU, where a spawned one imported them again (5-7 s of CPU each on a 2-core mach
 worker or preprocessing process is back as soon as it has loaded its model.
 
 The fork server dies with the thread that started it (PR_SET_PDEATHSIG): ``serve``'s main thread, or
-an API's event loop. It only imports: it never runs a model, so no CUDA context exists in it and its
-forks may use the GPU (importing torch initialises no CUDA). A child inherits the environment the fork
-server was started with, so ``start_fork_server`` runs once the launcher has set the variables its
-children read.
+an API's event loop; not with a SIGTERM to the process group, which drains the server. It only
+imports: it never runs a model, so no CUDA context exists in it and its forks may use the GPU
+(importing torch initialises no CUDA). A child inherits the environment the fork server was started
+with, so ``start_fork_server`` runs once the launcher has set the variables its children read.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 from multiprocessing.context import ForkServerContext
 from typing import Any
 
@@ -39,8 +40,10 @@ def leave_fork_server() -> None:
     """First thing in a forked child: closes the child's copy of the fork server's liveness pipe, which
     multiprocessing hands every fork. The fork server exits when that pipe's last writer is gone: once
     only the process that started it holds one, the fork server exits with it, and PR_SET_PDEATHSIG then
-    ends each child, busy or not, rather than each waiting to notice its own connections close. Nothing
-    in a spawned child."""
+    ends each child, busy or not, rather than each waiting to notice its own connections close. Also
+    gives SIGTERM back its default action, which the fork server ignores (app/fork_server_init.py).
+    Nothing in a spawned child."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     server: Any = multiprocessing.forkserver._forkserver
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)

@@ -111,7 +111,10 @@ def test_sigkill_fails_in_flight_then_the_server_recovers(server: Server, role: 
     assert after == resends, "the mirror was emptied for the new epoch: no hit was claimed wrongly"
 
 
-def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("to", ["serve", "group"])
+def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path, to: str) -> None:
+    """SIGTERM to ``serve``, or to its whole process group as systemd stops a service (every process
+    gets it at once): the requests in flight finish, and no process is restarted meanwhile."""
     sems_before = named_semaphores()
     drained = start_serve(tiny_model_dir, tmp_path, "--shutdown-timeout", "60")
     assert drained.process.proc is not None
@@ -121,7 +124,10 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path)
     body = greedy_body([user_message("Finish this.", make_image(73))], max_tokens=1400)
     thread, events = started_stream(drained, body)
 
-    proc.send_signal(signal.SIGTERM)
+    if to == "group":
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     seconds_until_health(drained.base_url, 503, timeout_s=15)
     refused = httpx.post(f"{drained.base_url}/v1/chat/completions", json=SHORT, timeout=30)
     assert refused.status_code == 503
@@ -132,6 +138,8 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path)
     choices = [e["choices"][0] for e in events if isinstance(e, dict) and e["choices"]]
     assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
     assert proc.wait(30) == 0, drained.process.log()[-3000:]
+    log = drained.process.log()
+    assert "restarting" not in log and "died; spawning another" not in log and "Traceback" not in log, log
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -108,20 +108,22 @@ def request_error(refused: Refused) -> MMServeError:
 
 
 def child_main(model: str, api_pid: int, conn: Connection, video: VideoRules | None = None) -> None:
-    """A pool process: dies with the API process, leaves Ctrl-C to it, loads the family, then answers
-    one call at a time until the API closes its end of the pipe.
+    """A pool process: dies with the API process, leaves Ctrl-C and SIGTERM to it (a signal to the
+    process group: the API drains, and its requests in flight may still need this process), loads the
+    family, then answers one call at a time until the API closes its end of the pipe.
 
     Its parent is the fork server (app/child_processes.py), which exits when the API process does: then
     PR_SET_PDEATHSIG ends this process. One whose API was gone before that was set exits here, or at
     its first write to the pipe."""
     leave_fork_server()
     if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     try:
         os.kill(api_pid, 0)
     except ProcessLookupError:  # the API process died before prctl
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     setproctitle.setproctitle("mmserve: preprocess")
     # one image at a time per process: a second OpenMP thread would only spin on a core the worker needs
     torch.set_num_threads(1)

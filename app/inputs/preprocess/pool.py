@@ -175,8 +175,8 @@ class _PoolProcess:
 
     def stop(self) -> asyncio.Task[None]:
         """Stops reading the pipe now; the task (one, however often this is called) ends the process
-        and reaps it: EOF on its pipe ends its loop (SIGTERM while it still loads), SIGKILL after
-        ``STOP_TIMEOUT_S``."""
+        and reaps it: EOF on its pipe ends its loop (SIGKILL while it still loads: it ignores SIGTERM),
+        SIGKILL after ``STOP_TIMEOUT_S``."""
         self._detach()
         if self._ending is None:
             self._ending = self._loop.create_task(self._end())
@@ -187,7 +187,7 @@ class _PoolProcess:
             await asyncio.wait([self._sending])
         self.conn.close()
         if not self.loaded:
-            self.process.terminate()
+            self.process.kill()
         if not await self._exited(STOP_TIMEOUT_S):
             self.process.kill()
             await self._exited(None)
