@@ -6,18 +6,20 @@ restarted, or past its bounded memory of placements)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
+from app.api.json_body import decode_json
+
 
 def json_or_none(body: bytes) -> Any:
-    """``body`` as JSON, or None where it is not."""
+    """``body`` as strict JSON (as the API process reads it: app/api/json_body.py), or None where it is
+    not: such a body has no keys, and the replica answers its 400."""
     if not body:
         return None
     try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        return decode_json(body)
+    except ValueError:  # json.JSONDecodeError
         return None
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,21 @@ def test_a_stored_response_is_fetched_and_deleted_where_it_was_made() -> None:
     for method, path in (("POST", "/v1/responses/resp_1"), ("GET", "/v1/responses/"), ("GET", "/v1/models")):
         assert stored_response_keys(method, path, "t1") == ()
     assert stored_response_keys("GET", "/v1/responses/resp_1/input_items", "t1") == ()
+
+
+def test_a_body_that_is_not_strict_json_has_no_keys() -> None:
+    """As the API process reads bodies: a lone surrogate escape (no Unicode text, which no key could be
+    made of), NaN or a syntax error give no keys; the replica answers the 400."""
+    from app.ray_serve.response_ids import json_or_none
+
+    url = "data:image/png;base64,AAAA"
+    assert keys(json_or_none(json.dumps(chat(image(url))).encode())) == keys(chat(image(url)))
+    for bad in (
+        b'{"messages": [{"content": [{"type": "image_url", "image_url": {"url": "\\ud800"}}]}]}',
+        b'{"temperature": NaN}',
+        b'{"messages": [',
+    ):
+        assert json_or_none(bad) is None and keys(json_or_none(bad)) == ()
 
 
 def test_a_response_s_id_is_found_in_a_stream_s_first_event_or_a_whole_json_answer() -> None:
