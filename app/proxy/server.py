@@ -11,7 +11,6 @@ upstream's ``/health``), ``GET /metrics`` (the proxy's own figures). Errors use 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
@@ -25,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from starlette.requests import ClientDisconnect
 
 from app.api.error_handlers import install_error_handlers
+from app.api.json_body import decode_json
 from app.api.request_guards import RequestGuards
 from app.proxy.cli import ProxyConfig
 from app.proxy.forward import (
@@ -183,13 +183,15 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
 
 
 async def _parse(raw: bytes) -> dict[str, Any] | None:
-    """The body as a JSON object, or None: what is not one goes to the LM as it is, and the LM answers
-    it with the proper OpenAI error."""
+    """The body as a JSON object (strict JSON, as the API process reads it: app/api/json_body.py), or
+    None: what is not one goes to the LM as it is, and the LM answers it with the proper OpenAI error."""
     try:
         body = (
-            await asyncio.to_thread(json.loads, raw) if len(raw) > PARSE_IN_THREAD_BYTES else json.loads(raw)
+            await asyncio.to_thread(decode_json, raw)
+            if len(raw) > PARSE_IN_THREAD_BYTES
+            else decode_json(raw)
         )
-    except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not text
+    except ValueError:  # json.JSONDecodeError
         return None
     return body if isinstance(body, dict) else None
 
