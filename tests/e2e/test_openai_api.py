@@ -42,6 +42,8 @@ def test_models_and_health(server: Server) -> None:
     models = httpx.get(f"{server.base_url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny-llava"]
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+    head = httpx.head(f"{server.base_url}/health")  # a load balancer's probe
+    assert head.status_code == 200 and head.content == b""
 
 
 def test_openai_sdk_non_streaming(server: Server) -> None:

@@ -132,6 +132,7 @@ def test_every_route_is_fuzzed(api_schema: Any) -> None:
         "POST /v1/chat/completions",
         "GET /v1/models",
         "GET /health",
+        "HEAD /health",
         "GET /metrics",
         "POST /reset_mm_cache",
         "POST /tokenize",

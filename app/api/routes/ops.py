@@ -12,7 +12,7 @@ from app.api.state import State
 router = APIRouter(route_class=StrictJSONRoute)
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
 async def health(state: State) -> JSONResponse:
     """200 once the engine (and its worker) answered; 503 while it is starting, gone or draining."""
     if state.drain.started:
