@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.api.constraints import RequestedConstraint, requested_constraint
 from app.api.detokenizer import IncrementalDetokenizer
+from app.api.disconnect import unless_client_leaves
 from app.api.error_handlers import sse_error_event
 from app.api.outputs import ChoiceOutputs, Generation
 from app.api.request_guards import request_tenant
@@ -33,7 +34,6 @@ from workers.families.processing import TemplateOptions
 
 log = logging.getLogger("mmserve.api")
 
-CLIENT_CLOSED_REQUEST = 499
 MAX_WARNED_FIELDS = 256  # unknown field names remembered (and logged once each)
 MAX_NAMES_LOGGED = 16  # per log line
 
@@ -69,7 +69,7 @@ class ChatService:
         self.check_ready(body)
         arrival = time.time()
         spec = self.spec(body, raw)
-        submitted = await submit(self.inputs, self.engine, spec)
+        submitted = await unless_client_leaves(raw, submit(self.inputs, self.engine, spec))
         self.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
         response_id = f"chatcmpl-{body.request_id}" if body.request_id is not None else spec.req_ids[0]
         gens = [
@@ -98,8 +98,7 @@ class ChatService:
             return StreamingResponse(
                 self._stream(outputs, body.include_usage), media_type="text/event-stream"
             )
-        if not await outputs.collect_while_connected(raw):
-            return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it (nginx's "client closed")
+        await outputs.collect_while_connected(raw)
         return JSONResponse(completion(gens))
 
     def check_ready(self, body: ChatCompletionRequest) -> None:

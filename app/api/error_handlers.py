@@ -19,11 +19,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api.asgi_types import ASGIApp, Message, Receive, Scope, Send
+from app.api.disconnect import CLIENT_CLOSED_REQUEST, ClientLeft
 from app.errors import MMServeError, from_family_error
 from wire.protocol import ErrorInfo
 from workers.families.errors import FamilyInputError
@@ -155,6 +156,10 @@ async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc, headers=headers)
 
 
+async def _on_client_left(request: Request, exc: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     # (only for what UnexpectedErrors does not see: an exception in a middleware outside it)
     log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
@@ -195,5 +200,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_request_error)
     app.add_exception_handler(FamilyInputError, _on_request_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
+    app.add_exception_handler(ClientLeft, _on_client_left)
     app.add_exception_handler(Exception, _on_unexpected)
     app.add_middleware(UnexpectedErrors)  # the first added: the innermost, around the routes

@@ -17,13 +17,12 @@ import msgspec
 from fastapi import Request
 
 from app.api.detokenizer import IncrementalDetokenizer
+from app.api.disconnect import unless_client_leaves
 from app.errors import EngineUnavailableError
 from app.inputs.engine_client import EngineClient, EngineGone
 from app.inputs.submission import OutputQueue, Submitted, error_from_engine
 from app.metrics import ApiMetrics
 from wire.protocol import FinishReason, RequestOutput, TokenLogprobs
-
-DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
 
 @dataclass
@@ -96,19 +95,13 @@ class ChoiceOutputs:
             *(one(gen, outputs) for gen, outputs in zip(self.gens, self._outputs, strict=True))
         )
 
-    async def collect_while_connected(self, raw: Request) -> bool:
-        """``collect``, abandoned (False) if the client goes away first; releases the choices either way."""
-        collect = asyncio.create_task(self.collect())
+    async def collect_while_connected(self, raw: Request) -> None:
+        """``collect``, abandoned (``ClientLeft``) the moment the client goes away; releases the choices
+        either way."""
         try:
-            while not collect.done():
-                await asyncio.wait({collect}, timeout=DISCONNECT_POLL_S)
-                if not collect.done() and await raw.is_disconnected():
-                    collect.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await collect
+            await unless_client_leaves(raw, self.collect())
         finally:
             self.release()
-        return not collect.cancelled()
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Each choice's deltas in its order, the choices interleaved as their outputs come; only deltas

@@ -23,8 +23,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from app.api.chat_service import CLIENT_CLOSED_REQUEST, ChatService
+from app.api.chat_service import ChatService
 from app.api.detokenizer import IncrementalDetokenizer
+from app.api.disconnect import unless_client_leaves
 from app.api.error_handlers import error_detail, validation_error_detail
 from app.api.outputs import ChoiceOutputs, Generation
 from app.api.request_guards import request_tenant
@@ -69,7 +70,7 @@ class ResponsesService:
         try:
             spec = self.chat.spec(chat_body, raw)
             arrival = time.time()
-            submitted = await submit(self.chat.inputs, self.chat.engine, spec)
+            submitted = await unless_client_leaves(raw, submit(self.chat.inputs, self.chat.engine, spec))
         except MMServeError as exc:  # its param is the chat request's: name the Responses field
             exc.param = responses_param(exc.param)
             raise
@@ -97,8 +98,7 @@ class ResponsesService:
         outputs = ChoiceOutputs([gen], submitted, self.chat.engine, self.chat.metrics)
         if body.stream:
             return StreamingResponse(self._stream(turn, outputs), media_type="text/event-stream")
-        if not await outputs.collect_while_connected(raw):
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        await outputs.collect_while_connected(raw)
         return JSONResponse(await self._finished(turn, output_items(gen, f"msg_{uuid.uuid4().hex}")))
 
     async def retrieve(self, response_id: str, raw: Request) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.requests import ClientDisconnect
 
+from app.api.disconnect import CLIENT_CLOSED_REQUEST, ClientLeft, unless_client_leaves
 from app.api.error_handlers import install_error_handlers
 from app.api.json_body import decode_json
 from app.api.request_guards import RequestGuards
@@ -43,7 +44,6 @@ ENCODER_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 # A body this large is parsed on a thread, so the streams relayed meanwhile do not stall.
 PARSE_IN_THREAD_BYTES = 1 << 20
 # A status for the log only: the client that would read it has gone (nginx's "client closed request").
-CLIENT_CLOSED_REQUEST = 499
 
 
 class ProxyMetrics:
@@ -208,23 +208,10 @@ async def _probe(client: httpx.AsyncClient, url: str, timeout_s: float) -> str |
 async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
     """Runs ``work`` (encoders, then the LM until its answer starts, or until all of it for a non-SSE
     answer), cancelled if the client disconnects meanwhile: the encoder and LM connections close, and the
-    LM aborts the request. Once an SSE answer is being relayed, Starlette's StreamingResponse watches."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_until_disconnect(request))
+    LM aborts the request (``ClientLeft``: a 499). Once an SSE answer is being relayed, Starlette's
+    StreamingResponse watches."""
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)  # let its cleanup run before returning
-    if task.cancelled():
+        return await unless_client_leaves(request, work)
+    except ClientLeft:
         log.info("client left before the answer; the request was abandoned upstream")
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return task.result()
-
-
-async def _until_disconnect(request: Request) -> None:
-    # The body was read already, so the server's next message is the disconnect (ASGI blocks until then).
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+        raise

@@ -129,3 +129,23 @@ def test_client_disconnect_aborts_the_request(server: Server, n: int) -> None:
     steps = metrics["mmserve_engine_steps_total"]
     time.sleep(1.0)
     assert server.metrics()["mmserve_engine_steps_total"] == steps, "the engine stopped working on it"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_gone_before_its_first_token_is_aborted_at_once(server: Server, stream: bool) -> None:
+    """It leaves while its new image is processed or its prompt waits for the first token: the request
+    is abandoned there (or aborted in the engine at once), not generated for nobody."""
+    image = make_image(496 if stream else 497, size=(1024, 1024))  # new: processed for longer than the client waits
+    body = greedy_body([user_message("Then leave.", image)], max_tokens=1400)
+    body |= {"ignore_eos": True, "stream": stream}
+    before = server.metrics()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=0.05)
+    deadline = time.monotonic() + 30
+    while server.metrics()[CLIENT_GONE] == before[CLIENT_GONE]:
+        assert time.monotonic() < deadline, "the API never answered the gone client 499"
+        time.sleep(0.05)
+    after = wait_until_idle(server)
+    generated = after["mmserve_generation_tokens_total"] - before["mmserve_generation_tokens_total"]
+    assert generated < 50, f"{generated} tokens generated for a client that had left"
+    assert after["mmserve_kv_cache_usage_ratio"] == 0
