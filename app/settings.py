@@ -230,7 +230,8 @@ class Settings(BaseSettings):
         1024,
         ge=1,
         description="Most requests waiting in the engine's queue; one more gets 429 with Retry-After "
-        "(requests already accepted are never dropped).",
+        "(requests already accepted are never dropped). An n > 1 request counts once: its later choices "
+        "follow its first past the cap.",
     )
     # NoDecode: MMSERVE_API_KEY reaches the validator as text ("k1,k2"), as the repeated flag's list does
     api_key: Annotated[list[str], NoDecode] = Field(

@@ -157,6 +157,7 @@ class EngineCore:
             msg.sampling.max_tokens,
             [f.num_tokens for f in msg.mm_features],
             [f.modality for f in msg.mm_features],
+            queue_capped=not msg.later_choice,
         )
         if error is not None:
             return self._reject(client, msg.req_id, error.message, error.code, http_status=error.http_status)

@@ -45,9 +45,15 @@ class EncodeOnlyScheduler:
         self._step_id = 0
 
     def admission_error(
-        self, prompt_len: int, max_tokens: int, mm_sizes: list[int], mm_modalities: Sequence[str] = ()
+        self,
+        prompt_len: int,
+        max_tokens: int,
+        mm_sizes: list[int],
+        mm_modalities: Sequence[str] = (),
+        *,
+        queue_capped: bool = True,
     ) -> AdmissionError | None:
-        busy = queue_full_error(self.config, self.num_waiting)
+        busy = queue_full_error(self.config, self.num_waiting) if queue_capped else None
         if busy is not None:
             return busy
         for num_tokens in mm_sizes:

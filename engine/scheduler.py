@@ -133,12 +133,20 @@ class Scheduler:
     # ------------------------------------------------------------------ admission
 
     def admission_error(
-        self, prompt_len: int, max_tokens: int, mm_sizes: list[int], mm_modalities: Sequence[str] = ()
+        self,
+        prompt_len: int,
+        max_tokens: int,
+        mm_sizes: list[int],
+        mm_modalities: Sequence[str] = (),
+        *,
+        queue_capped: bool = True,
     ) -> AdmissionError | None:
-        """Why a request is refused before it is queued, or None (``engine.admission``)."""
+        """Why a request is refused before it is queued, or None (``engine.admission``). Without
+        ``queue_capped`` (a later choice of a request admitted already) the waiting queue's cap does not
+        apply."""
         return admission_error(
             self.config,
-            self.num_waiting,
+            self.num_waiting if queue_capped else 0,
             self.encoder_cache.enabled,
             prompt_len,
             max_tokens,

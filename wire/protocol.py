@@ -187,6 +187,9 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     # structured output: the request waits for its grammar (compiled off the step loop), then every
     # token it samples is masked by it (docs/architecture.md, "Structured outputs")
     constraint: Constraint | None = None
+    # a later choice of an ``n > 1`` request: part of a request the engine admitted (its first choice),
+    # so not counted against --max-waiting-requests, which admits or refuses a request as a whole
+    later_choice: bool = False
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):

@@ -195,6 +195,7 @@ class EngineClient:
         items: Sequence[OutgoingItem],
         cache_salt: str | None = None,
         constraint: Constraint | None = None,
+        later_choice: bool = False,
     ) -> asyncio.Queue[RequestOutput | EngineGone] | None:
         """Stage 7 of the request path, in one synchronous step (docs/architecture.md, "IPC mirror",
         rules 1-3): the mirror decides each item not in the shm ring (HIT: key only; STORE or UNCACHED:
@@ -239,6 +240,7 @@ class EngineClient:
                 evicted_mm_hashes=evicted,
                 cache_salt=cache_salt,
                 constraint=constraint,
+                later_choice=later_choice,
             )
             queue = self._add_request(msg, frames)
             self.metrics.ipc_payload_bytes.inc(payload_bytes)

@@ -442,9 +442,11 @@ class InputProcessor:
         req_id: str,
         sampling: SamplingParams,
         constraint: Constraint | None = None,
+        later_choice: bool = False,
     ) -> asyncio.Queue[RequestOutput | EngineGone] | None:
         """Hands the request to ``EngineClient.send_request``, which decides what crosses the pipe and
-        sends it in one synchronous step (no ``await``), and releases the mirror pins.
+        sends it in one synchronous step (no ``await``), and releases the mirror pins. ``later_choice``:
+        a choice after the first of an ``n > 1`` request (``AddRequest.later_choice``).
 
         Returns None, sending nothing, when an item found in the mirror during ``resolve`` has since
         been dropped from it (engine restart, reset): the caller resolves again and retries."""
@@ -468,7 +470,13 @@ class InputProcessor:
         try:
             ids, salt = prepared.prompt_token_ids, prepared.scope.salt
             queue = self.engine.send_request(
-                req_id, ids, sampling, outgoing, cache_salt=salt, constraint=constraint
+                req_id,
+                ids,
+                sampling,
+                outgoing,
+                cache_salt=salt,
+                constraint=constraint,
+                later_choice=later_choice,
             )
         finally:
             for media in prepared.items:  # send_request released the pins, sent or not

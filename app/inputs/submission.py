@@ -140,7 +140,7 @@ async def _submit_choice(
                 while queue is None:
                     await inputs.resolve(prepared)
                     sampling = spec.sampling(len(prepared.prompt_token_ids), index)
-                    queue = inputs.submit(prepared, req_id, sampling, spec.constraint)
+                    queue = inputs.submit(prepared, req_id, sampling, spec.constraint, later_choice=index > 0)
             finally:
                 inputs.release_pins(prepared)
         try:

@@ -5,6 +5,7 @@ reassemble by ``index`` to the non-streamed answer; usage counts the prompt once
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -12,7 +13,7 @@ import pytest
 
 from tests.e2e.conftest import make_image, user_message
 from tests.e2e.metrics import delta
-from tests.e2e.server import Server, stream_chunks
+from tests.e2e.server import Server, serving, stream_chunks
 
 pytestmark = pytest.mark.slow
 
@@ -127,3 +128,12 @@ def test_stop_strings_end_each_choice_on_its_own(server: Server) -> None:
 def test_request_id_names_the_response(server: Server) -> None:
     body = sampled_body(9106, 2, request_id="my-trace-42", max_tokens=2)
     assert post(server, body)["id"] == "chatcmpl-my-trace-42"
+
+
+def test_more_choices_than_the_waiting_cap_run_as_one_request(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``--max-waiting-requests`` admits or refuses a request as a whole: on an idle server ``n`` above
+    it is answered (its later choices were once 429s that no retry could cure)."""
+    with serving(tiny_model_dir, tmp_path, "--max-waiting-requests", "2", "--max-num-seqs", "2") as small:
+        answer = post(small, sampled_body(41, 6, seed=5))
+        assert sorted(choice["index"] for choice in answer["choices"]) == list(range(6))
+        assert answer["usage"]["completion_tokens"] == 6 * 12

@@ -211,3 +211,15 @@ def test_a_full_waiting_queue_refuses_new_requests_with_429_and_keeps_the_queued
     run_step(s)  # "a" starts running: one place frees up, "b" still waits
     assert s.num_waiting == 1 and s.admission_error(10, 4, []) is None
     assert set(s.requests) == {"a", "b"}  # nothing already accepted was dropped
+
+
+def test_a_requests_later_choices_are_admitted_with_it_past_the_queue_cap() -> None:
+    """The cap admits or refuses a request as a whole: its first choice is counted, the later ones of
+    an n > 1 request are part of it (else n above the cap could never run, and a first choice prefilled
+    in a nearly full queue would be wasted on its siblings' 429)."""
+    s = Scheduler(config(max_waiting_requests=2, max_num_seqs=1))
+    for req_id in ("a", "b"):
+        s.add_request(make_request(req_id, 10, max_tokens=4))
+    assert s.admission_error(10, 4, []) is not None
+    assert s.admission_error(10, 4, [], queue_capped=False) is None
+    assert s.admission_error(5000, 4, [], queue_capped=False) is not None  # what could never run still is
