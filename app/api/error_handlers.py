@@ -67,7 +67,8 @@ def error_detail(exc: BaseException | ErrorInfo) -> tuple[int, ErrorDetail]:
     if isinstance(exc, RequestValidationError):
         return 400, validation_error_detail(exc.errors())
     if isinstance(exc, StarletteHTTPException):
-        code = "request_too_large" if exc.status_code == 413 else None  # a body cut off while streaming
+        # a body cut off while streaming: too large, or stalled
+        code = {413: "request_too_large", 408: "request_timeout"}.get(exc.status_code)
         return exc.status_code, ErrorDetail(
             message=str(exc.detail), type=_type_for_status(exc.status_code), code=code
         )

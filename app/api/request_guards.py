@@ -7,12 +7,16 @@ parsed or buffered first):
                    goes into the scope for the routes
     2. body size   a Content-Length over --max-request-body-mb -> 413 without reading the body; a body
                    without one (chunked) is counted as it streams and refused the moment it passes
+    3. body pace   a body that stalls (no bytes for ``BODY_IDLE_TIMEOUT_S``, as nginx's
+                   client_body_timeout) -> 408: a stalled upload holds neither its connection nor its
+                   partial body for ever
 
 Refusals use the OpenAI error envelope (``app.api.error_handlers``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from fastapi import HTTPException
@@ -22,6 +26,7 @@ from app.api.error_handlers import error_response
 from app.errors import AuthenticationError, MMServeError, RequestTooLargeError
 from wire.hashing import framed_digest
 
+BODY_IDLE_TIMEOUT_S = 60.0
 GUARDED_PREFIXES = ("/v1/", "/reset_mm_cache", "/tokenize", "/detokenize")
 TENANT_SCOPE_KEY = "mmserve.tenant"  # the request's tenant; absent without API keys
 TENANT_DOMAIN = b"mmserve.tenant.v1"
@@ -38,8 +43,16 @@ def request_tenant(scope: Scope) -> str:
 
 
 class RequestGuards:
-    def __init__(self, app: ASGIApp, *, api_key: str | list[str] | None, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | list[str] | None,
+        max_body_bytes: int,
+        body_idle_timeout_s: float = BODY_IDLE_TIMEOUT_S,
+    ) -> None:
         self.app = app
+        self.body_idle_timeout_s = body_idle_timeout_s
         keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
         # (expected header, tenant) per key; every key is compared, so timing tells nothing of which
         self.expected = [(f"Bearer {key}".encode(), tenant_of(key)) for key in keys]
@@ -75,14 +88,24 @@ class RequestGuards:
         )
 
     def _counting(self, receive: Receive) -> Receive:
-        """``receive`` that raises a 413 once the streamed body passes the cap. FastAPI lets only an
-        ``HTTPException`` through its body parsing (anything else becomes a 400), and the app's handler
-        turns it into the 413 envelope: the route is still reading, nothing was sent yet."""
+        """``receive`` that raises a 413 once the streamed body passes the cap, and a 408 when the body
+        stalls. FastAPI lets only an ``HTTPException`` through its body parsing (anything else becomes a
+        400), and the app's handler turns it into the envelope: the route is still reading, nothing was
+        sent yet. Once the body is whole, ``receive`` waits for the disconnect, as long as it takes."""
         num_bytes = 0
+        reading = True
 
         async def counted() -> Message:
-            nonlocal num_bytes
-            message = await receive()
+            nonlocal num_bytes, reading
+            if not reading:
+                return await receive()
+            try:
+                async with asyncio.timeout(self.body_idle_timeout_s):
+                    message = await receive()
+            except TimeoutError:
+                detail = f"The request body stalled: no bytes for {self.body_idle_timeout_s:g} s."
+                raise HTTPException(408, detail=detail) from None
+            reading = message["type"] == "http.request" and message.get("more_body", False)
             if message["type"] == "http.request":
                 num_bytes += len(message.get("body", b""))
                 if num_bytes > self.max_body_bytes:

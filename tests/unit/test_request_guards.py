@@ -4,6 +4,7 @@ OpenAI envelope before any route runs; open routes stay open; bodies are capped 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import httpx
@@ -145,3 +146,60 @@ def test_the_flag_repeats(tmp_path: object) -> None:
 
     args = build_parser().parse_args(["api", "--api-key", KEY, "--api-key", "sk-other"])
     assert settings_from_args(args).api_key == [KEY, "sk-other"]
+
+
+def asgi_post(app: FastAPI, chunks: list[bytes], then: float) -> tuple[int, bytes, list[str]]:
+    """POSTs ``chunks`` as a streamed body to /v1/echo, the last with ``more_body`` unless ``then`` is
+    negative; after them the client sends nothing for ``then`` seconds (a stall), then disconnects."""
+
+    async def go() -> tuple[int, bytes, list[str]]:
+        pending = [
+            {"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1 or then >= 0}
+            for i, chunk in enumerate(chunks)
+        ]
+        if then < 0:
+            pending[-1]["more_body"] = False
+        sent: list[dict[str, object]] = []
+
+        async def receive() -> dict[str, object]:
+            if pending:
+                return pending.pop(0)
+            await asyncio.sleep(abs(then))
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+            "scheme": "http", "path": "/v1/echo", "raw_path": b"/v1/echo", "query_string": b"",
+            "root_path": "", "headers": [(b"content-type", b"application/octet-stream")],
+            "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+        }  # fmt: skip
+        await app(scope, receive, send)
+        status = next(int(m["status"]) for m in sent if m["type"] == "http.response.start")  # type: ignore[call-overload]
+        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")  # type: ignore[misc]
+        return status, body, [str(m["type"]) for m in sent]
+
+    return asyncio.run(go())
+
+
+def test_a_stalled_body_is_a_408_and_a_whole_one_waits_for_the_disconnect() -> None:
+    app = FastAPI()
+    install_error_handlers(app)
+    app.add_middleware(RequestGuards, api_key=None, max_body_bytes=CAP, body_idle_timeout_s=0.2)
+    after_body: list[str] = []
+
+    @app.post("/v1/echo")
+    async def echo(request: Request) -> dict[str, int]:
+        body = await request.body()
+        after_body.append(str((await request.receive())["type"]))  # as a disconnect watcher does
+        return {"num_bytes": len(body)}
+
+    status, body, _ = asgi_post(app, [b"a" * 10, b"b" * 10], then=5.0)  # 10 + 10 bytes, then a stall
+    assert status == 408
+    error = json.loads(body)["error"]
+    assert error["code"] == "request_timeout" and "stalled" in error["message"]
+    status, body, _ = asgi_post(app, [b"a" * 10, b"b" * 10], then=-0.5)  # whole; a disconnect 0.5 s later
+    assert status == 200 and json.loads(body) == {"num_bytes": 20}
+    assert after_body == ["http.disconnect"]  # waited past the body timeout: no 408 once it was whole
