@@ -19,6 +19,7 @@ JSON_MAX_WHITESPACE = 16
 # A tool call's arguments are written on one line: one whitespace character at most between elements
 # (``{"city": "Paris", "days": 3}``), so a call cannot run away in whitespace either.
 TOOL_CALL_MAX_WHITESPACE = 1
+CALL_SEPARATOR = "\n"  # between two calls of a parallel answer (the Hermes format: Qwen's templates)
 # json_object: any object, with any properties (strict mode would allow only "{}")
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: "; the rest is for the user
@@ -97,7 +98,7 @@ class XGrammarBackend:
         text, then calls under ``auto``; calls only under ``required``; the one named call), the arguments
         by each tool's schema, on one line."""
         fields = json.loads(spec)
-        return self._xgr.get_model_structural_tag(
+        tag = self._xgr.get_model_structural_tag(
             fields["format"],
             tools=fields["tools"],
             tool_choice=fields["tool_choice"],
@@ -105,6 +106,19 @@ class XGrammarBackend:
             max_whitespace_cnt=TOOL_CALL_MAX_WHITESPACE,
             parallel_tool_calls=fields["parallel_tool_calls"],
         )
+        return self._calls_only(tag) if fields["tool_choice"] == "required" else tag
+
+    def _calls_only(self, tag: Any) -> Any:
+        """``required`` with parallel calls: xgrammar's tag lets free text follow the first call (its
+        triggered tags, at least one); here only more calls may, each after a newline (as the Hermes
+        template writes them), then the answer ends."""
+        found = tag.format
+        if not isinstance(found, self._xgr.structural_tag.TriggeredTagsFormat) or found.stop_after_first:
+            return tag
+        calls = self._xgr.structural_tag.TagsWithSeparatorFormat(
+            tags=found.tags, separator=CALL_SEPARATOR, at_least_one=True
+        )
+        return self._xgr.StructuralTag(format=calls)
 
     def matcher(self, compiled: Any, stop_token_ids: list[int]) -> RequestGrammar:
         """A fresh matcher for one request; ``stop_token_ids`` end its grammar (the model's EOS)."""

@@ -233,13 +233,18 @@ def test_strict_is_accepted_and_a_call_is_held_to_its_schema_either_way(
 def test_required_with_parallel_calls_may_call_again(
     family: str, family_server: Callable[..., Server], family_oracle: Callable[[str], Oracle]
 ) -> None:
-    """Pushed into ``<tool_call>`` after each call (``get_time`` only: its arguments hold no string the
-    push could fill), ``required`` with parallel calls calls again until the max tokens, every closed call
-    well-formed; without parallel calls the answer ends after the first."""
+    """Kept from ending (EOS biased away) and pushed into ``<tool_call>`` (``get_time`` only: its arguments
+    hold no string the push could fill), ``required`` with parallel calls calls again, a newline between
+    two calls, until the max tokens, every closed call well-formed and no text between or after them;
+    without parallel calls the answer ends after the first (EOS is then the only token allowed)."""
     server = family_server(family)
-    push = {"logit_bias": open_call_bias(family_oracle(family)), "tools": [TOOLS[1]], "max_tokens": 160}
+    oracle = family_oracle(family)
+    bias = open_call_bias(oracle) | {str(token_id): -100 for token_id in eos_ids(oracle)}
+    push = {"logit_bias": bias, "tools": [TOOLS[1]], "max_tokens": 160}
     several = ask(server, body(family, "required", parallel_tool_calls=True, **push))
     assert len(calls_of(several)) >= 2 and several["choices"][0]["finish_reason"] == "length", several
+    cut = several["choices"][0]["message"]["content"]  # nothing but calls: at most the one the end cut
+    assert cut is None or cut.startswith("<tool_call>"), several
     one = ask(server, body(family, "required", parallel_tool_calls=False, **push))
     assert len(calls_of(one)) == 1 and one["choices"][0]["finish_reason"] == "tool_calls"
 
