@@ -135,7 +135,8 @@ def test_client_disconnect_aborts_the_request(server: Server, n: int) -> None:
 def test_a_client_gone_before_its_first_token_is_aborted_at_once(server: Server, stream: bool) -> None:
     """It leaves while its new image is processed or its prompt waits for the first token: the request
     is abandoned there (or aborted in the engine at once), not generated for nobody."""
-    image = make_image(496 if stream else 497, size=(1024, 1024))  # new: processed for longer than the client waits
+    # new to the server: processed for longer than the client waits
+    image = make_image(496 if stream else 497, size=(1024, 1024))
     body = greedy_body([user_message("Then leave.", image)], max_tokens=1400)
     body |= {"ignore_eos": True, "stream": stream}
     before = server.metrics()
