@@ -367,7 +367,8 @@ def run_engine(config: EngineConfig) -> None:
         else:  # SIGINT, or a second SIGTERM: stop now
             server.running = False
 
-    signal.signal(signal.SIGTERM, _stop)
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:  # ignored: ``serve`` stops it by message
+        signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     reason = "engine stopped"
     try:

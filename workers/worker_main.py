@@ -233,5 +233,6 @@ def _handle_signals(stop: _Stop) -> None:
             logger.info("received %s, stopping", signal.Signals(signum).name)
             stop.now.set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN:  # ignored: ``serve`` stops it by message
+        signal.signal(signal.SIGTERM, on_signal)

@@ -212,10 +212,19 @@ def _child_main(role: str, settings: Settings, api_index: int | None = None) -> 
     """Entry of a child started by ``serve``: dies with its parent (``serve``, or the fork server, which
     exits with ``serve``: app/child_processes.py), then runs its role. An API process (``api_index``
     1..N-1) shares the port and leaves the engine running when it exits; ``serve`` already checked the
-    model folder and the budgets."""
+    model folder and the budgets.
+
+    The engine and the worker ignore SIGTERM: ``serve`` stops them by message once its API processes
+    drained (docs/operations.md, "Drain on SIGTERM"). A SIGTERM to the whole process group (systemd's
+    stop) would otherwise drain the engine at once, and it would stop, refusing what the API processes
+    still prepare; so they die with their parent by SIGKILL instead."""
     leave_fork_server()
+    serve_stops_it = api_index is None and role in ("engine", "worker")
     if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        death_signal = signal.SIGKILL if serve_stops_it else signal.SIGTERM
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, death_signal)  # PR_SET_PDEATHSIG
+    if serve_stops_it:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # kept by the role (run_engine, run_worker)
     if api_index is None:
         sys.exit(run_role(role, settings))  # a refusal: run_role exits by itself once it served
     _configure_logging(settings)

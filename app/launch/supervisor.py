@@ -133,7 +133,8 @@ class Supervisor:
             self.before_api_restart()
         if "engine" in dead:
             if self.children["worker"].is_alive():
-                _end([self.children["worker"]], grace_s=0.0)
+                self.children["worker"].kill()  # (it ignores SIGTERM) its engine is gone: its state too
+                self.children["worker"].join()
             roles += ["engine", "worker"]
         elif "worker" in dead:
             roles.append("worker")

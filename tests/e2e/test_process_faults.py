@@ -123,6 +123,16 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path,
     # long enough to outlast the 503 checks below on a busy machine (about 2 s alone)
     body = greedy_body([user_message("Finish this.", make_image(73))], max_tokens=1400)
     thread, events = started_stream(drained, body)
+    # and one still being prepared (a new large image) when the signal comes: accepted, so answered
+    preparing = greedy_body([user_message("And this.", make_image(75, size=(2600, 2600)))], max_tokens=4)
+    prepared: list[httpx.Response] = []
+    sender = threading.Thread(
+        target=lambda: prepared.append(
+            httpx.post(f"{drained.base_url}/v1/chat/completions", json=preparing, timeout=120)
+        )
+    )
+    sender.start()
+    time.sleep(0.3)  # sent and being processed (about a second for this image)
 
     if to == "group":
         os.killpg(proc.pid, signal.SIGTERM)
@@ -134,6 +144,8 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path,
     assert refused.json()["error"]["code"] == "server_shutting_down"
 
     thread.join(120)
+    sender.join(120)
+    assert prepared[0].status_code == 200, prepared[0].text
     assert events[-1] == "[DONE]", events[-3:]
     choices = [e["choices"][0] for e in events if isinstance(e, dict) and e["choices"]]
     assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
