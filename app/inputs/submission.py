@@ -103,22 +103,22 @@ async def _submit_rest(
     prepared: PreparedRequest,
     send_lock: asyncio.Lock,
 ) -> list[SubmittedChoice]:
-    """The choices after the first, sent together once it is prefilled; if one fails, the others sent
-    are aborted."""
-    results = await asyncio.gather(
-        *(
-            _submit_choice(inputs, engine, spec, prepared, index, send_lock)
-            for index in range(1, len(spec.req_ids))
-        ),
-        return_exceptions=True,
-    )
-    failure = next((r for r in results if isinstance(r, BaseException)), None)
-    if failure is None:
-        return [r for r in results if isinstance(r, SubmittedChoice)]
-    for result in results:
-        if isinstance(result, SubmittedChoice):
-            engine.release(result.req_id, abort=True)
-    raise failure
+    """The choices after the first, sent together once it is prefilled; if one fails, or the caller is
+    cancelled (its client left), the others are cancelled, and those already running are aborted."""
+    tasks = [
+        asyncio.ensure_future(_submit_choice(inputs, engine, spec, prepared, index, send_lock))
+        for index in range(1, len(spec.req_ids))
+    ]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()  # (one cancelled while it waits aborts its own request)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            if not task.cancelled() and task.exception() is None:
+                engine.release(task.result().req_id, abort=True)
+        raise
 
 
 async def _submit_choice(

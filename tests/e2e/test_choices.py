@@ -5,6 +5,8 @@ reassemble by ``index`` to the non-streamed answer; usage counts the prompt once
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,10 +132,31 @@ def test_request_id_names_the_response(server: Server) -> None:
     assert post(server, body)["id"] == "chatcmpl-my-trace-42"
 
 
-def test_more_choices_than_the_waiting_cap_run_as_one_request(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def two_seqs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """Two requests run at once, two may wait."""
+    flags = ("--max-waiting-requests", "2", "--max-num-seqs", "2")
+    with serving(tiny_model_dir, tmp_path_factory.mktemp("two-seqs"), *flags) as server:
+        yield server
+
+
+def test_more_choices_than_the_waiting_cap_run_as_one_request(two_seqs: Server) -> None:
     """``--max-waiting-requests`` admits or refuses a request as a whole: on an idle server ``n`` above
     it is answered (its later choices were once 429s that no retry could cure)."""
-    with serving(tiny_model_dir, tmp_path, "--max-waiting-requests", "2", "--max-num-seqs", "2") as small:
-        answer = post(small, sampled_body(41, 6, seed=5))
-        assert sorted(choice["index"] for choice in answer["choices"]) == list(range(6))
-        assert answer["usage"]["completion_tokens"] == 6 * 12
+    answer = post(two_seqs, sampled_body(41, 6, seed=5))
+    assert sorted(choice["index"] for choice in answer["choices"]) == list(range(6))
+    assert answer["usage"]["completion_tokens"] == 6 * 12
+
+
+def test_a_client_gone_while_its_later_choices_start_aborts_every_choice(two_seqs: Server) -> None:
+    """Choices 0 and 1 run (two at a time), choice 2 waits for a slot: the stream has not started when
+    the client gives up, and every choice is aborted, the running ones included."""
+    body = sampled_body(42, 3, max_tokens=3000, stream=True)
+    url = f"{two_seqs.base_url}/v1/chat/completions"
+    with pytest.raises(httpx.TimeoutException), httpx.stream("POST", url, json=body, timeout=1.0) as r:
+        r.read()
+    deadline = time.monotonic() + 1.5  # a leaked choice would run on for seconds (3 s here, idle)
+    while (metrics := two_seqs.metrics())["mmserve_num_requests_running"] > 0:
+        assert time.monotonic() < deadline, "a choice still runs for a client that left"
+        time.sleep(0.1)
+    assert metrics["mmserve_num_requests_waiting"] == 0 and metrics["mmserve_kv_cache_usage_ratio"] == 0
