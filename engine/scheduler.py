@@ -26,22 +26,8 @@ from engine.ec_connector import ECConnectorScheduler
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import MMItem, OutputGrammar, Request, RequestStatus
-from wire.protocol import ECConnectorMeta, ErrorInfo, FinishReason, RunnerOutput
-
-# The worker sampled a token the request's grammar refused: it masks with the grammar, so this is a bug
-GRAMMAR_BROKEN = ErrorInfo(
-    message="internal error: a sampled token broke the request's grammar",
-    code="internal_error",
-    http_status=500,
-)
-# The request's constraint allows no token where its answer must go on (its language is empty, from
-# the start or past the tokens generated): no answer satisfies it. The request's fault, not the server's.
-CONSTRAINT_UNSATISFIABLE = ErrorInfo(
-    message="The request's constraint (response_format, structured_outputs, a tool's parameters) allows "
-    "no output here: no answer can satisfy it (a schema or grammar that only refers to itself, say).",
-    code="constraint_unsatisfiable",
-    http_status=400,
-)
+from engine.structured.errors import CONSTRAINT_UNSATISFIABLE, GRAMMAR_BROKEN
+from wire.protocol import ECConnectorMeta, FinishReason, RunnerOutput
 
 
 @dataclass(frozen=True)
@@ -141,9 +127,8 @@ class Scheduler:
         *,
         queue_capped: bool = True,
     ) -> AdmissionError | None:
-        """Why a request is refused before it is queued, or None (``engine.admission``). Without
-        ``queue_capped`` (a later choice of a request admitted already) the waiting queue's cap does not
-        apply."""
+        """Why a request is refused before it is queued, or None (``engine.admission``); without
+        ``queue_capped`` (a later choice of an admitted request) the waiting queue's cap does not apply."""
         return admission_error(
             self.config,
             self.num_waiting if queue_capped else 0,

@@ -16,7 +16,7 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
 _AT_BYTE = re.compile(r"\s*\(byte (\d+)\)$")
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_ESCAPE = re.compile(rb"(\\+)(u)([0-9a-fA-F]{4})")
 
 
 def decode_json(body: bytes) -> Any:
@@ -38,12 +38,39 @@ def _reason(exc: Exception, body: bytes) -> tuple[str, int]:
         except UnicodeDecodeError as whole:
             return "the body is not UTF-8", whole.start
         return "the body is not UTF-8", 0
+    if isinstance(exc, msgspec.ValidationError):  # "Integer value out of range - at `$.a`"
+        return f"a number is out of range ({exc})", 0
     message = str(exc).removeprefix("JSON is malformed: ")
     found = _AT_BYTE.search(message)
-    position = int(found.group(1)) if found else 0
-    if found is None and (surrogate := _SURROGATE_ESCAPE.search(body)) is not None:
-        return "a lone UTF-16 surrogate escape (\\ud800 to \\udfff outside a pair)", surrogate.start()
-    return (message[: found.start()] if found else message), position
+    if found is not None:
+        return message[: found.start()], int(found.group(1))
+    lone = _lone_surrogate(body)
+    if lone is not None:
+        return "a lone UTF-16 surrogate escape (\\ud800 to \\udfff outside a pair)", lone
+    return message, 0
+
+
+def _lone_surrogate(body: bytes) -> int | None:
+    """Where the body has a ``\\uD800``-``\\uDFFF`` escape outside a high-low pair, or None. An escape
+    is one whose backslashes before the ``u`` are odd in number (``\\\\u`` is a backslash and a u)."""
+    escapes = [
+        (match.start(2) - 1, int(match.group(3), 16))
+        for match in _ESCAPE.finditer(body)
+        if len(match.group(1)) % 2 == 1
+    ]
+    index = 0
+    while index < len(escapes):
+        at, code = escapes[index]
+        if 0xD800 <= code <= 0xDBFF:  # a high half: the next escape must be a low half, right after it
+            following = escapes[index + 1] if index + 1 < len(escapes) else None
+            if following is None or following[0] != at + 6 or not 0xDC00 <= following[1] <= 0xDFFF:
+                return at
+            index += 2
+            continue
+        if 0xDC00 <= code <= 0xDFFF:
+            return at
+        index += 1
+    return None
 
 
 class StrictJSONRequest(Request):

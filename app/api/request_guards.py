@@ -104,7 +104,7 @@ class RequestGuards:
                     message = await receive()
             except TimeoutError:
                 detail = f"The request body stalled: no bytes for {self.body_idle_timeout_s:g} s."
-                raise HTTPException(408, detail=detail) from None
+                raise HTTPException(408, detail=detail, headers={"Connection": "close"}) from None
             reading = message["type"] == "http.request" and message.get("more_body", False)
             if message["type"] == "http.request":
                 num_bytes += len(message.get("body", b""))

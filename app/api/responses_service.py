@@ -33,10 +33,10 @@ from app.api.response_store import ResponseStore
 from app.api.responses_api_schemas import ResponsesRequest, dump_items, parse_items
 from app.api.schemas import ChatCompletionRequest
 from app.api.tool_calls import ContentDelta, ToolCall, ToolCallDelta, ToolCallStreamer, parse_tool_calls
-from app.errors import InvalidRequestError, MMServeError, NotFoundError
+from app.errors import InvalidRequestError, MMServeError, NotFoundError, from_family_error
 from app.inputs.submission import submit
+from workers.families.errors import FamilyInputError
 
-# a chat field's error names the Responses field it came from
 # a chat field's path -> the Responses request's: its function tools and named tool choice are flat
 # ({"type": "function", "name": ...}), its schema is text.format's own
 _PARAMS = (
@@ -74,6 +74,10 @@ class ResponsesService:
         except MMServeError as exc:  # its param is the chat request's: name the Responses field
             exc.param = responses_param(exc.param)
             raise
+        except FamilyInputError as exc:  # (a chat template's refusal, say)
+            error = from_family_error(exc)
+            error.param = responses_param(error.param)
+            raise error from exc
         self.chat.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
         gen = Generation(
             req_id=submitted.choices[0].req_id,

@@ -40,6 +40,8 @@ from app.settings import Settings
 from workers.families import load_processing
 
 log = logging.getLogger("mmserve.api")
+# every route reads its body as strict JSON (their StrictJSONRoute: tests/unit/test_json_body.py checks)
+ROUTERS = (chat.router, models.router, ops.router, tokenize_routes.router, responses_routes.router)
 
 
 def _log_pool_failure(start: asyncio.Future[None]) -> None:
@@ -126,10 +128,9 @@ def create_app(
     app.add_middleware(
         RequestGuards, api_key=settings.api_key, max_body_bytes=settings.max_request_body_bytes
     )
-    routers = (chat.router, models.router, ops.router, tokenize_routes.router, responses_routes.router)
-    for router in routers:
+    for router in ROUTERS:
         app.include_router(router)
     # added last: the outermost middleware, so it sees the guards' refusals too
-    routes = [*app.routes, *(route for router in routers for route in router.routes)]
+    routes = [*app.routes, *(route for router in ROUTERS for route in router.routes)]
     app.add_middleware(HttpMetrics, routes=[route.path for route in routes if isinstance(route, Route)])
     return app

@@ -43,7 +43,6 @@ log = logging.getLogger("mmserve.proxy")
 ENCODER_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # A body this large is parsed on a thread, so the streams relayed meanwhile do not stall.
 PARSE_IN_THREAD_BYTES = 1 << 20
-# A status for the log only: the client that would read it has gone (nginx's "client closed request").
 
 
 class ProxyMetrics:
@@ -158,7 +157,7 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
             metrics.upstream_errors.inc()
             raise
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health() -> JSONResponse:
         """200 when every LM and encoder instance answers its own ``/health`` with 200; else 503 with
         the ones that did not, so an orchestrator knows which to look at."""

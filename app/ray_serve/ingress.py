@@ -59,7 +59,7 @@ def build_ingress(options: IngressOptions) -> type:
             bind_to_node_address()
             self._replicas = replicas.options(stream=True)
 
-        @app.get("/health")
+        @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
         async def health(self) -> JSONResponse:
             return JSONResponse({"status": "ok"})
 

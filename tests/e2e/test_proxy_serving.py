@@ -156,6 +156,7 @@ def test_models_and_health(proxy: Server, lm: Server) -> None:
     assert models.json() == httpx.get(f"{lm.base_url}/v1/models", headers=AUTH).json()
     health = httpx.get(f"{proxy.base_url}/health")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert httpx.head(f"{proxy.base_url}/health").status_code == 200
 
 
 def test_a_down_encoder_costs_a_counted_failure_only(lm: Server, log_dir: Path) -> None:

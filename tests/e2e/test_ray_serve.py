@@ -195,6 +195,7 @@ def test_streaming_auth_and_errors_are_mmserve_serves(ray_server: RayServer) -> 
         assert (through.status_code, through.json()) == (alone.status_code, alone.json())
         assert through.status_code in (400, 401, 413, 422)
     assert httpx.get(f"{ray_server.base_url}/v1/models", headers=AUTH).json()["data"][0]["id"] == "tiny-llava"
+    assert httpx.head(f"{ray_server.base_url}/health").status_code == 200
 
 
 def test_cache_salt_and_media_ids_through_the_router(ray_server: RayServer) -> None:

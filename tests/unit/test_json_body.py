@@ -32,6 +32,10 @@ def test_strict_json_decodes_what_json_decodes() -> None:
         (b"[" * 100_000 + b"]" * 100_000, "nested too deeply", 0),
         (b'{"t": "\xff"}', "not UTF-8", 7),
         (b'{"t": 1} x', "trailing characters", 10),
+        # a pair is no lone surrogate, whatever else is wrong in the body
+        (b'{"t": "\\ud83d\\ude00", "n": 1e400}', "out of range", 0),
+        (b'{"t": "\\ud83d\\ude00", "u": "\\ud83d"}', "lone UTF-16 surrogate", 28),
+        (b'{"t": "\\ud83d\\ude00", "u": [', "truncated", 0),
     ],
 )
 def test_what_strict_json_refuses(body: bytes, reason: str, position: int | None) -> None:
@@ -61,3 +65,15 @@ def test_a_route_answers_the_400_envelope_naming_the_byte() -> None:
     error = answer.json()["error"]
     assert error["code"] == "invalid_json" and error["type"] == "invalid_request_error"
     assert "surrogate" in error["message"] and f"position {bad.index(LONE)}" in error["message"]
+
+
+def test_every_route_of_the_api_reads_strict_json() -> None:
+    """A router added without ``StrictJSONRoute`` would read bodies with the standard library again."""
+    from fastapi.routing import APIRoute
+
+    from app.api.server import ROUTERS
+
+    routes = [route for router in ROUTERS for route in router.routes]
+    assert routes and all(
+        isinstance(route, StrictJSONRoute) for route in routes if isinstance(route, APIRoute)
+    )
