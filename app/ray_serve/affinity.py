@@ -85,18 +85,25 @@ class AffinityTable:
         return sum(key in reported or self._placed.get(key) == replica for key in keys)
 
     def choose(
-        self, keys: Sequence[str], queue_lens: dict[Hashable, int], imbalance_threshold: int
+        self,
+        keys: Sequence[str],
+        queue_lens: dict[Hashable, int],
+        imbalance_threshold: int,
+        *,
+        holder_only: bool = False,
     ) -> Choice:
         """``queue_lens``: every candidate replica with its queue length. The replicas holding the most
         of ``keys`` are preferred unless the shortest of their queues exceeds the shortest of all by more
-        than ``imbalance_threshold`` (bounded imbalance). Otherwise, and for media held nowhere, the least
-        loaded replica is, the one holding fewest keys among equals (new media spreads over replicas)."""
+        than ``imbalance_threshold`` (bounded imbalance), or whatever the queues with ``holder_only``.
+        Otherwise, and for media held nowhere, the least loaded replica is, the one holding fewest keys
+        among equals (new media spreads over replicas)."""
         if not queue_lens:
             return Choice((), ())
         scores = {replica: self.held_by(keys, replica) for replica in queue_lens} if keys else {}
         best = max(scores.values(), default=0)
         holders = tuple(replica for replica, score in scores.items() if score == best) if best else ()
-        if holders and min(queue_lens[r] for r in holders) - min(queue_lens.values()) <= imbalance_threshold:
+        imbalance = min(queue_lens[r] for r in holders) - min(queue_lens.values()) if holders else 0
+        if holders and (holder_only or imbalance <= imbalance_threshold):
             return Choice(holders, holders)
         least = min(queue_lens, key=lambda replica: (queue_lens[replica], self.num_keys(replica)))
         return Choice((least,), holders)

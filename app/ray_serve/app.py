@@ -105,6 +105,7 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         isolate_tenants=settings.tenant_cache_isolation,
         replica_deployment=REPLICA_DEPLOYMENT,
         chat_messages=parsed.router == "prefix",
+        shared_responses=settings.responses_store is not None,
     )
     ingress = serve.deployment(
         name="MmserveIngress",

@@ -45,6 +45,7 @@ class IngressOptions:
     isolate_tenants: bool
     replica_deployment: str  # the replica deployment's name, under which its router is listed
     chat_messages: bool = False  # send the parsed messages too (Ray's prefix router reads them)
+    shared_responses: bool = False  # every replica reads one response store (--responses-store FILE)
 
 
 def build_ingress(options: IngressOptions) -> type:
@@ -83,7 +84,10 @@ def build_ingress(options: IngressOptions) -> type:
             parsed = json_or_none(body)
             tenant = request_tenant(request.scope)
             keys = media_keys(parsed, tenant=tenant, isolate_tenants=options.isolate_tenants)
-            keys += stored_response_keys(request.method, request.url.path, tenant)
+            stored = stored_response_keys(request.method, request.url.path, tenant)
+            keys += stored
+            follows = isinstance(parsed, dict) and isinstance(parsed.get("previous_response_id"), str)
+            holder_only = not options.shared_responses and bool(stored or follows)
             makes_response = request.method == "POST" and request.url.path == "/v1/responses"
             path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             messages = parsed.get("messages") if options.chat_messages and isinstance(parsed, dict) else None
@@ -95,6 +99,7 @@ def build_ingress(options: IngressOptions) -> type:
                 media_keys=keys,
                 chat_messages=messages if isinstance(messages, list) else None,
                 response_tenant=tenant if makes_response else None,
+                holder_only=holder_only,
             )
             failure: BaseException | None = None
             for _ in range(TRIES):

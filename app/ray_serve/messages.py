@@ -17,6 +17,9 @@ class ReplicaRequest:
     media_keys: tuple[str, ...] = ()  # what the media-affinity router places it by
     chat_messages: list[Any] | None = field(default=None, repr=False)
     response_tenant: str | None = None  # a Responses API request's tenant: its answer's id is a key
+    # its keys name a stored response that only the replica holding it has (no shared response store):
+    # it goes to a holder whatever the queues, and is not placed where none is known
+    holder_only: bool = False
 
     @property
     def messages(self) -> list[Any]:

@@ -85,8 +85,12 @@ class MediaAffinityRouter(ListedReplicas, RequestRouter):
         assert pending_request is not None
         self._read_reports(candidate_replicas)
         queue_lens = await self._queue_lens(candidate_replicas)
-        choice = self._table.choose(request.media_keys, queue_lens, self._imbalance_threshold)
-        self._open[pending_request.metadata.internal_request_id] = (request.media_keys, choice)
+        choice = self._table.choose(
+            request.media_keys, queue_lens, self._imbalance_threshold, holder_only=request.holder_only
+        )
+        # a response's key is placed only where it is: a guess would send its follow-ups astray
+        placed = () if request.holder_only and not choice.holders else request.media_keys
+        self._open[pending_request.metadata.internal_request_id] = (placed, choice)
         while len(self._open) > MAX_OPEN_CHOICES:
             self._open.popitem(last=False)
         preferred = [r for r in candidate_replicas if r.replica_id in choice.preferred]

@@ -148,6 +148,18 @@ def test_repeats_go_where_the_media_is_held_within_the_imbalance_bound() -> None
     assert table.choose(["k1"], idle, 2).placement("a") is Placement.AFFINITY
 
 
+def test_a_stored_response_only_its_holder_has_goes_there_whatever_the_queues() -> None:
+    """Without a shared response store only the replica that made a response can serve its follow-ups,
+    GET and DELETE: no imbalance fallback for them (another replica would answer 404)."""
+    table = AffinityTable()
+    table.place(["resp"], "a")
+    assert table.choose(["resp"], {"a": 50, "b": 0}, 2).preferred == ("b",)  # media alone: balanced
+    holder = table.choose(["resp", "img"], {"a": 50, "b": 0}, 2, holder_only=True)
+    assert holder.preferred == ("a",) and holder.placement("a") is Placement.AFFINITY
+    nowhere = table.choose(["other"], {"a": 0, "b": 0}, 2, holder_only=True)
+    assert nowhere.holders == ()  # held nowhere known: the least loaded (the router then places nothing)
+
+
 def test_reports_count_and_a_dead_replica_takes_its_keys() -> None:
     table = AffinityTable()
     table.report("b", ["k1", "k2"])
