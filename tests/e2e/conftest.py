@@ -214,7 +214,8 @@ def family_oracle(tiny_model: Callable[[str], Path]) -> Callable[[str], Oracle]:
 
 @pytest.fixture(scope="session")
 def image_http_server() -> Iterator[str]:
-    """A loopback HTTP server: /imgN.png is ``make_image(N)`` as PNG; /slow.png answers after 5 s."""
+    """A loopback HTTP server: /imgN.png is ``make_image(N)`` as PNG; /slow.png answers after 5 s;
+    /lateN.png is /imgN.png after 1.5 s."""
     import http.server
     import threading
     import time
@@ -223,7 +224,9 @@ def image_http_server() -> Iterator[str]:
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
             if self.path == "/slow.png":
                 time.sleep(5)
-            name = self.path.removeprefix("/img").removesuffix(".png")
+            if self.path.startswith("/late"):
+                time.sleep(1.5)
+            name = self.path.removeprefix("/img").removeprefix("/late").removesuffix(".png")
             if not name.isdigit():
                 self.send_error(404)
                 return

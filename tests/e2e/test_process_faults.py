@@ -112,19 +112,24 @@ def test_sigkill_fails_in_flight_then_the_server_recovers(server: Server, role: 
 
 
 @pytest.mark.parametrize("to", ["serve", "group"])
-def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path, to: str) -> None:
+def test_sigterm_drains_in_flight_requests(
+    tiny_model_dir: Path, tmp_path: Path, to: str, image_http_server: str
+) -> None:
     """SIGTERM to ``serve``, or to its whole process group as systemd stops a service (every process
     gets it at once): the requests in flight finish, and no process is restarted meanwhile."""
     sems_before = named_semaphores()
-    drained = start_serve(tiny_model_dir, tmp_path, "--shutdown-timeout", "60")
+    flags = ("--shutdown-timeout", "60", "--allow-private-media-urls")
+    drained = start_serve(tiny_model_dir, tmp_path, *flags)
     assert drained.process.proc is not None
     proc = drained.process.proc
     children = descendants(proc.pid)
     # long enough to outlast the 503 checks below on a busy machine (about 2 s alone)
     body = greedy_body([user_message("Finish this.", make_image(73))], max_tokens=1400)
     thread, events = started_stream(drained, body)
-    # and one still being prepared (a new large image) when the signal comes: accepted, so answered
-    preparing = greedy_body([user_message("And this.", make_image(75, size=(2600, 2600)))], max_tokens=4)
+    # and one still being prepared (its image arrives 1.5 s after it is asked for) when the signal comes:
+    # accepted, so answered
+    late = [{"type": "image_url", "image_url": {"url": f"{image_http_server}/late75.png"}}]
+    preparing = greedy_body([{"role": "user", "content": [*late, {"type": "text", "text": "And this."}]}], 4)
     prepared: list[httpx.Response] = []
     sender = threading.Thread(
         target=lambda: prepared.append(
@@ -132,7 +137,7 @@ def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path,
         )
     )
     sender.start()
-    time.sleep(0.3)  # sent and being processed (about a second for this image)
+    time.sleep(0.5)  # sent, and its image being fetched
 
     if to == "group":
         os.killpg(proc.pid, signal.SIGTERM)
