@@ -37,15 +37,16 @@ def free_port() -> int:
 
 
 def descendants(pid: int) -> list[int]:
-    """All live descendant pids of ``pid`` (from /proc)."""
+    """All live descendant pids of ``pid`` (from /proc; one that exits meanwhile is skipped)."""
     found: list[int] = []
     todo = [pid]
     while todo:
         parent = todo.pop()
         for task in Path(f"/proc/{parent}/task").glob("*/children"):
-            for child in task.read_text().split():
-                found.append(int(child))
-                todo.append(int(child))
+            with contextlib.suppress(OSError):
+                for child in task.read_text().split():
+                    found.append(int(child))
+                    todo.append(int(child))
     return found
 
 

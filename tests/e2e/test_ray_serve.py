@@ -18,7 +18,6 @@ of the tiny LLaVA behind the media-affinity router, each a whole mmserve instanc
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import os
 import secrets
@@ -30,7 +29,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +38,8 @@ import yaml
 
 from tests.e2e.conftest import data_url, greedy_body, make_image
 from tests.e2e.metrics import Metrics, parse_metrics
-from tests.e2e.server import ServerProcess, alive, free_port, wait_healthy
+from tests.e2e.ray_cluster import RayServer, is_loopback, listening_addresses, stop
+from tests.e2e.server import ServerProcess, alive, descendants, free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -50,29 +49,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 IMBALANCE = 2
 BODY_CAP_MB = "1"
 IMAGES = [make_image(4200 + k, size=(96, 96)) for k in range(6)]
-STOP_S = 90.0
 REPORT_PERIOD_S = 2.0  # how often a replica reports its keys (RayAppArgs' default)
-
-
-@dataclass
-class RayServer:
-    process: ServerProcess
-    port: int
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def replicas(self) -> dict[str, dict[str, Any]]:
-        """The replicas that have reported (a new one lists its URL within a report period)."""
-        listed = httpx.get(f"{self.base_url}/replicas", timeout=10).json()["replicas"]
-        return {entry["replica"]: entry for entry in listed if "url" in entry}
-
-    def replica_metrics(self) -> dict[str, Metrics]:
-        return {
-            name: parse_metrics(httpx.get(f"{entry['url']}/metrics", timeout=10).text)
-            for name, entry in self.replicas().items()
-        }
 
 
 @pytest.fixture(scope="module")
@@ -91,18 +68,6 @@ def ray_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         yield server
     finally:
         stop(process)
-
-
-def stop(process: ServerProcess) -> int:
-    """Ctrl-C to ``mmserve ray serve`` alone (Ray's own processes stop with its ``ray.shutdown``)."""
-    assert process.proc is not None
-    if process.proc.poll() is None:
-        process.proc.send_signal(signal.SIGINT)
-    try:
-        return process.proc.wait(STOP_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
 
 
 def ask(server: RayServer, image_index: int, **extra: Any) -> httpx.Response:
@@ -292,53 +257,6 @@ def test_tokenize_goes_where_its_image_is_held_and_counts_the_chat_prompt(ray_se
     assert counted.status_code == 200, counted.text
     assert counted.json()["count"] == chat.json()["usage"]["prompt_tokens"]
     assert counted.headers["x-mmserve-replica"] == chat.headers["x-mmserve-replica"]
-
-
-def descendants(root: int) -> list[int]:
-    """Every process below ``root`` (Ray's actors are children of the raylet that ``ray.init`` started)."""
-    parents = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-        except (OSError, ValueError):
-            continue
-    found, frontier = [], [root]
-    while frontier:
-        children = [pid for pid, parent in parents.items() if parent in frontier]
-        found += children
-        frontier = children
-    return found
-
-
-def listening_addresses(pids: list[int]) -> dict[str, int]:
-    """Each TCP address one of ``pids`` listens on ("ip:port", IPv4 or IPv6 as the kernel shows it), with
-    the pid: the kernel's socket tables, joined with the processes' socket file descriptors."""
-    inodes: dict[str, int] = {}
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith("socket:["):
-                        inodes[target[8:-1]] = pid
-    found = {}
-    for table in ("tcp", "tcp6"):
-        for row in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-            fields = row.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                address, port = fields[1].split(":")
-                packed = bytes.fromhex(address)
-                # the kernel prints each 32-bit word in host (little-endian) order
-                raw = b"".join(packed[i : i + 4][::-1] for i in range(0, len(packed), 4))
-                ip = ipaddress.ip_address(raw)
-                found[f"{ip}:{int(port, 16)}"] = inodes[fields[9]]
-    return found
-
-
-def is_loopback(address: str) -> bool:
-    ip = ipaddress.ip_address(address.rpartition(":")[0])
-    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
-    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def test_every_process_of_the_cluster_listens_on_loopback_only(ray_server: RayServer) -> None:
