@@ -155,6 +155,12 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV of prompt blocks seen before (images count by mm_hash and position)."
     )
+    async_scheduling: bool = Field(
+        True,
+        description="Schedule and send the next step while the worker runs the current one, from what is "
+        "known (vLLM's flag): the worker waits for neither the scheduler nor the pipe between steps. "
+        "A request's answers are the same either way; one that stops on EOS costs one step more.",
+    )
     disable_chunked_mm_input: bool = Field(
         False,
         description="Never split an image across prefill chunks: a chunk stops before an image it cannot "

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the scheduler's config; engine.scheduler imports this module
-    from engine.scheduler import SchedulerConfig
+    from engine.step_plan import SchedulerConfig
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ class SchedulerOptions:
     enable_prefix_caching: bool
     disable_chunked_mm_input: bool
     max_waiting_requests: int | None  # None: the queue is unbounded
+    async_scheduling: bool  # the next step is scheduled and sent while the worker runs this one
 
 
 @dataclass(frozen=True)

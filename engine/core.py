@@ -1,7 +1,8 @@
-"""The engine: admits requests (resolving their multimodal items through the receiver cache), runs one
-scheduler step at a time on the worker, and turns results into per-client outputs. No socket IO here:
-the inbox methods take decoded messages, ``step`` calls the executor, the caller publishes what they
-return.
+"""The engine: admits requests (resolving their multimodal items through the receiver cache), runs
+scheduler steps on the worker (the next one scheduled while the worker runs this one, with
+``--async-scheduling``: ``advance``), and turns results into per-client outputs. No socket IO here: the
+inbox methods take decoded messages, ``advance`` and ``step`` call the executor, the caller publishes
+what they return.
 
 One ``EngineCore`` lives as long as one worker: its caches describe that worker's KV pool and encoder
 store. A step the worker fails (``WorkerFailed``) ends the step's requests with 500 and is rolled back
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,8 +26,9 @@ from engine.encode_scheduler import EncodeOnlyScheduler
 from engine.executor import Executor, WorkerFailed, WorkerLost
 from engine.receiver_cache import ReceiverCachePartitions
 from engine.request import MMItem, Request
-from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.scheduler import Scheduler
 from engine.stats import EngineMetrics
+from engine.step_plan import SchedulerConfig, StepPlan
 from engine.step_wire import check_runner_output, item_from_wire, to_scheduler_output
 from engine.structured.backend import CompileError
 from engine.structured.compiler import GrammarCompiler, Ticket
@@ -58,6 +60,7 @@ class Launched:
     plan: StepPlan
     outputs: dict[bytes, list[RequestOutput]]
     sent: bool = False
+    failed: bool = False  # the worker did not complete it (set by ``finish``)
 
 
 class EngineCore:
@@ -93,6 +96,7 @@ class EngineCore:
         self.bad_messages = bad_messages if bad_messages is not None else BadMessageLog(log)
         self.grammars = grammars
         self.grammar_tickets: dict[str, Ticket] = {}  # requests waiting for their grammar
+        self.in_flight: deque[Launched] = deque()  # steps sent by ``advance``, oldest first (two at most)
 
     # ------------------------------------------------------------------ inbox
 
@@ -302,9 +306,48 @@ class EngineCore:
         """Whether any request is held, waiting for its grammar included."""
         return bool(self.scheduler.requests)
 
+    @property
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be launched before the one in flight is answered
+        (``--async-scheduling``): not on an encoder-only instance, nor while a constrained request
+        samples in the step in flight (its grammar must accept the token before the next bitmask is
+        made; docs/architecture.md, "Engine step")."""
+        scheduler = self.scheduler
+        return isinstance(scheduler, Scheduler) and not any(
+            r.grammar is not None and r.num_pending_outputs for r in scheduler.running
+        )
+
     def step(self) -> Outputs:
         """One engine step: ``launch`` then ``finish``. Raises ``WorkerLost``."""
         return self.finish(self.launch())
+
+    def advance(self, *, ahead: bool) -> Outputs:
+        """The engine loop's turn (docs/architecture.md, "Engine step"): with a step in flight, first
+        launches the next one if ``ahead`` (``--async-scheduling``) allows and ``can_schedule_ahead``,
+        then waits for the oldest step and postprocesses it; then, with none in flight, launches the
+        next. Returns the outputs to publish (those of the step that ended, and of requests that ended
+        while a step was scheduled). A step scheduled on the answer of one that failed fails too
+        (``abandon``). Raises ``WorkerLost``."""
+        outputs: Outputs = {}
+        if self.in_flight:
+            if ahead and len(self.in_flight) == 1 and self.has_work and self.can_schedule_ahead:
+                outputs = self._launch_into(outputs)
+                if len(self.in_flight) == 2:
+                    self.metrics.count(EngineCounter.ENGINE_STEPS_AHEAD)
+            launched = self.in_flight.popleft()
+            outputs = merged(outputs, self.finish(launched))
+            if launched.failed and self.in_flight:
+                outputs = merged(outputs, self.abandon(self.in_flight.popleft()))
+        if not self.in_flight and self.has_work:
+            outputs = self._launch_into(outputs)
+        return outputs
+
+    def _launch_into(self, outputs: Outputs) -> Outputs:
+        launched = self.launch()
+        if launched.sent:
+            self.in_flight.append(launched)  # (its ``outputs`` come with its own answer)
+            return outputs
+        return merged(outputs, self.finish(launched))
 
     def launch(self) -> Launched:
         """Schedules a step and sends it to the worker, without waiting for the reply: until ``finish``
@@ -315,9 +358,7 @@ class EngineCore:
         launched = Launched(plan, defaultdict(list))
         for request in plan.unavailable:  # ended before the step: nothing here can produce its embeddings
             launched.outputs[request.client].append(_unavailable_output(request.req_id))
-        if plan.is_empty and not (
-            plan.free_mm_hashes or plan.finished_req_ids or plan.preempted_req_ids or plan.forced_tokens
-        ):
+        if plan.sends_nothing:
             return launched
         sched, frames = to_scheduler_output(plan, self.scheduler.kv_cache, self._sampling_grammars(plan))
         try:
@@ -344,10 +385,12 @@ class EngineCore:
             raise
         except BadMessage as bad:
             self.bad_messages.record("worker", bad)
+            launched.failed = True
             for client, failed in self._fail_step(plan, WorkerFailed(str(bad))).items():
                 outputs[client] += failed
             return dict(outputs)
         except WorkerFailed as exc:
+            launched.failed = True
             for client, failed in self._fail_step(plan, exc).items():
                 outputs[client] += failed
             return dict(outputs)
@@ -374,14 +417,31 @@ class EngineCore:
             )
         return dict(outputs)
 
+    def abandon(self, launched: Launched) -> Outputs:
+        """Fails a step that was scheduled before the step ahead of it was answered, once that one
+        failed: it continued requests from tokens and K/V the failed step did not produce, and may have
+        registered blocks that hold them. Its reply is awaited and dropped (the worker runs steps in
+        order), then it is rolled back as a failed step. Raises ``WorkerLost``."""
+        if launched.sent:
+            try:
+                self.executor.wait(launched.plan.step_id)
+            except WorkerLost:
+                raise
+            except (WorkerFailed, BadMessage):
+                pass  # failed too
+        launched.failed = True
+        outputs: Outputs = defaultdict(list, launched.outputs)
+        error = WorkerFailed(f"the step before step {launched.plan.step_id} failed")
+        for client, failed in self._fail_step(launched.plan, error).items():
+            outputs[client] += failed
+        return dict(outputs)
+
     def _sampling_grammars(self, plan: StepPlan) -> list[tuple[str, RequestGrammar]]:
         """The constrained requests that sample in the step (it computes their last known token)."""
         found = []
-        for req_id, num_tokens in plan.num_scheduled_tokens.items():
+        for req_id in plan.sampling_req_ids:
             request = self.scheduler.requests.get(req_id)
-            if request is None or request.grammar is None:
-                continue
-            if request.num_computed_tokens + num_tokens >= request.num_tokens:
+            if request is not None and request.grammar is not None:
                 assert isinstance(request.grammar, RequestGrammar)
                 found.append((req_id, request.grammar))
         return found
@@ -415,3 +475,11 @@ ENCODER_OUTPUT_UNAVAILABLE = ErrorInfo(
 
 def _unavailable_output(req_id: str) -> RequestOutput:
     return RequestOutput(req_id, finish_reason=FinishReason.ABORT, error=ENCODER_OUTPUT_UNAVAILABLE)
+
+
+def merged(first: Outputs, second: Outputs) -> Outputs:
+    """Both steps' outputs, the first's first for each client."""
+    both: Outputs = {client: list(outputs) for client, outputs in first.items()}
+    for client, outputs in second.items():
+        both.setdefault(client, []).extend(outputs)
+    return both

@@ -26,7 +26,7 @@ from engine.ec_connector import ECConnectorScheduler
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import MMItem, Request, RequestStatus
-from engine.scheduler import SchedulerConfig, StepPlan, StepResult
+from engine.step_plan import SchedulerConfig, StepPlan, StepResult
 from wire.protocol import FinishReason, RunnerOutput
 
 

@@ -25,10 +25,10 @@ import zmq
 
 from engine.api_messages import decode_api_message
 from engine.config import EngineConfig
-from engine.core import EngineCore, Launched, Outputs
+from engine.core import EngineCore, Outputs
 from engine.ec_connector import ECConnectorScheduler
 from engine.executor import WorkerLost
-from engine.scheduler import SchedulerConfig
+from engine.step_plan import SchedulerConfig
 from engine.structured.compiler import GrammarCompiler
 from engine.worker_client import WorkerClient
 from wire.bad_messages import BadMessage, BadMessageLog
@@ -88,7 +88,6 @@ class EngineServer:
             self._poller.register(sock, zmq.POLLIN)
         self._poller.register(self._grammar_wake_read, zmq.POLLIN)
         self._core: EngineCore | None = None  # built once a worker says how large its KV pool is
-        self._launched: Launched | None = None  # the step in flight on the worker
         self.clients: dict[bytes, float] = {}  # identity -> last time it sent anything
         self.running = True
         self.draining = False  # Drain: new requests are refused, held ones run on
@@ -143,7 +142,10 @@ class EngineServer:
 
         A step's outputs are published after the next step went out, and the inbox is read while it
         runs: the worker does not wait for either (a request that arrives meanwhile joins the step
-        after). Only one step is in flight: the next is scheduled from the previous one's results."""
+        after). With ``--async-scheduling`` the next step is also scheduled and sent before the one in
+        flight is answered, so the worker never waits for the scheduler either; it is scheduled from
+        what is known, and a step that needs the answer first waits for it (``can_schedule_ahead``;
+        docs/architecture.md, "Engine step")."""
         if self._core is None:
             ready = self.worker.poll_ready(timeout_s=0)
             if ready is not None:
@@ -151,18 +153,20 @@ class EngineServer:
             elif self._stop_when_idle:
                 self.running = False
             return
-        if self._launched is not None:
-            launched, self._launched = self._launched, None
-            outputs = self._core.finish(launched)
-            if self._core.has_work:
-                self._launch(self._core)
+        core = self._core
+        if not core.in_flight:
+            self.worker.check()
+            if not core.has_work:
+                self._idle(core)
+                return
+        a_step_ends = bool(core.in_flight)
+        outputs = core.advance(ahead=self.config.scheduler.async_scheduling)
+        if a_step_ends or outputs:  # (a step just launched from idle has nothing to say yet)
             self._publish(outputs, with_stats=True)
             self._stats_dirty = False
-            return
-        self.worker.check()
-        if self._core.has_work:
-            self._launch(self._core)
-        elif self._stop_when_idle and not self._core.holds_requests:
+
+    def _idle(self, core: EngineCore) -> None:
+        if self._stop_when_idle and not core.holds_requests:
             log.info("drained: stopping")
             self.running = False
         elif self._stats_dirty:  # e.g. an abort emptied the engine: gauges must say so
@@ -170,14 +174,6 @@ class EngineServer:
             self._stats_dirty = False
         else:
             self._forget_silent_clients()
-
-    def _launch(self, core: EngineCore) -> None:
-        launched = core.launch()
-        if launched.sent:
-            self._launched = launched
-        else:  # nothing to run; requests that ended while it was scheduled hear it now
-            self._publish(core.finish(launched), with_stats=True)
-            self._stats_dirty = False
 
     def _start_core(self, ready: WorkerReady) -> None:
         """A fresh core for a new worker: empty caches, new epoch; every known API hears of it at
@@ -224,7 +220,6 @@ class EngineServer:
             code="worker_unavailable",
             http_status=503,
         )
-        self._launched = None
         self._publish(self.core.fail_all(error), with_stats=True)
         for client in self.clients:
             self._send(client, EngineDead(f"worker lost: {reason}"))

@@ -65,7 +65,11 @@ class Request:
     mm_items: dict[str, MMItem]  # mm_hash -> item, resolved at admission
     cache_salt: str | None = None  # the request's cache scope: its first KV block's hash covers it
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # by steps the worker answered
+    # scheduled in steps sent and not answered yet: the next step starts after them (docs/architecture.md,
+    # "Engine step"); and the tokens those steps sample, which the worker knows and the engine not yet
+    num_inflight_tokens: int = 0
+    num_pending_outputs: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -11,87 +11,23 @@ what the step computed for them; all running requests advance together. Admissio
 ``engine.admission``'s. When
 KV blocks run out, the most recently admitted running request is preempted: its blocks are freed, it
 goes back to the front of the queue and is recomputed later (outputs already produced are kept).
+``schedule()`` may run again before the previous step's ``postprocess`` (scheduling ahead; see
+``schedule``): a request's tokens in flight and the tokens they sample count as computed and known.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 
 from engine.admission import AdmissionError, admission_error
-from engine.block_pool import BlockHash
-from engine.config import SchedulerOptions
 from engine.ec_connector import ECConnectorScheduler
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import MMItem, OutputGrammar, Request, RequestStatus
+from engine.step_plan import SchedulerConfig, StepPlan, StepResult
 from engine.structured.errors import CONSTRAINT_UNSATISFIABLE, GRAMMAR_BROKEN
-from wire.protocol import ECConnectorMeta, FinishReason, RunnerOutput
-
-
-@dataclass(frozen=True)
-class SchedulerConfig(SchedulerOptions):
-    """The settings' knobs plus what the worker's ``WorkerReady`` says: its KV pool and whether it can
-    encode. Built by the engine for each worker it adopts (``for_worker``)."""
-
-    num_kv_blocks: int
-    block_size: int  # tokens per KV block
-    can_encode: bool  # False: the worker has no vision tower (encoder outputs come from the store)
-
-    @classmethod
-    def for_worker(
-        cls, options: SchedulerOptions, *, num_kv_blocks: int, block_size: int, can_encode: bool
-    ) -> SchedulerConfig:
-        # every field of the base class is one of ours
-        return cls(
-            **asdict(options),
-            num_kv_blocks=num_kv_blocks,
-            block_size=block_size,
-            can_encode=can_encode,
-        )
-
-
-@dataclass
-class StepPlan:
-    """What one step runs. Turned into a wire ``SchedulerOutput`` by the engine core."""
-
-    step_id: int
-    new_requests: list[Request]
-    num_scheduled_tokens: dict[str, int]
-    encoder_items: list[tuple[str, MMItem]]  # (mm_hash, item) to encode this step, each once
-    free_mm_hashes: list[str]
-    finished_req_ids: list[str]
-    resumed_requests: list[Request] = field(default_factory=list)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # blocks appended to running tables
-    preempted_req_ids: list[str] = field(default_factory=list)
-    # (block id, hash) this step registered in the prefix cache: taken back if the step fails
-    cached_blocks: list[tuple[int, BlockHash]] = field(default_factory=list)
-    ec_meta: ECConnectorMeta | None = None  # the connector's loads (and saves) of this step
-    # ended before the step: an item neither cached, nor in the store, nor encodable here (503)
-    unavailable: list[Request] = field(default_factory=list)
-    # tokens appended without sampling since the last step: req_id -> (tokens before them, the tokens)
-    forced_tokens: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
-
-    @property
-    def load_mm_hashes(self) -> list[str]:
-        return self.ec_meta.load_mm_hashes if self.ec_meta is not None else []
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-
-@dataclass
-class StepResult:
-    """Outcome of ``postprocess``: new tokens per request and which requests finished."""
-
-    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    finished: list[Request] = field(default_factory=list)
+from wire.protocol import FinishReason, RunnerOutput
 
 
 class Scheduler:
@@ -194,35 +130,52 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Called once per step: running requests first (oldest first), then waiting ones in FCFS
-        order while the token budget, ``max_num_seqs`` and free KV blocks allow."""
+        order while the token budget, ``max_num_seqs`` and free KV blocks allow.
+
+        It may be called while earlier steps are in flight (the worker has not answered them): a
+        running request then continues after their tokens, and a step that samples for it is followed
+        by its sampled token, which the worker appends itself (docs/architecture.md, "Engine step").
+        Left out until the answer: a constrained request with a token pending (its grammar must
+        accept it before the next bitmask) and one that the pending token ends by length. A request in
+        flight is never preempted: where one would be, the step stops there and admits no one."""
         token_budget = self.config.max_num_batched_tokens
         encoder_budget = self.config.encoder_compute_budget_tokens
         num_scheduled: dict[str, int] = {}
+        sampling: list[str] = []
         encoder_items: dict[str, MMItem] = {}
         new_block_ids: dict[str, list[int]] = {}
-        preempted_now = False
+        preempted_now = False  # (or a request in flight would have been preempted)
 
         index = 0
         while index < len(self.running) and token_budget > 0:
             request = self.running[index]
-            wanted = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            while not self.kv_cache.can_allocate(request, wanted):
+            if request.num_pending_outputs and self._waits_for_pending(request):
+                index += 1
+                continue
+            inflight = request.num_inflight_tokens
+            known = request.num_tokens + request.num_pending_outputs
+            wanted = min(known - request.num_computed_tokens - inflight, token_budget)
+            fits = True
+            while not self.kv_cache.can_allocate(request, inflight + wanted):
                 victim = self.running[-1]  # the most recently admitted: it has the least work to lose
-                self._preempt(victim)
                 preempted_now = True
+                if victim.num_inflight_tokens:  # its blocks are being written: wait for the answers
+                    fits = False
+                    break
+                self._preempt(victim)
                 if victim is request:
                     break
-            if request.status is RequestStatus.PREEMPTED:
-                break  # it was the last running request: nothing after it is left
+            if not fits or request.status is RequestStatus.PREEMPTED:
+                break  # nothing after it is scheduled: it was the last running request, or in flight
             num_tokens, encoder_budget = self._fit(request, wanted, encoder_budget, encoder_items)
             index += 1
             if num_tokens == 0:  # (or unavailable: it ends after this loop)
                 continue
-            blocks = self.kv_cache.allocate_slots(request, num_tokens)
+            blocks = self.kv_cache.allocate_slots(request, inflight + num_tokens)
             assert blocks is not None, "can_allocate promised room"
             if blocks:
                 new_block_ids[request.req_id] = blocks
-            num_scheduled[request.req_id] = num_tokens
+            self._schedule_tokens(request, num_tokens, num_scheduled, sampling)
             token_budget -= num_tokens
 
         new_requests: list[Request] = []
@@ -262,19 +215,18 @@ class Scheduler:
                 new_requests.append(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            num_scheduled[request.req_id] = num_tokens
+            self._schedule_tokens(request, num_tokens, num_scheduled, sampling)
             token_budget -= num_tokens
 
         unavailable, self._unavailable = self._unavailable, []
         for request in unavailable:
             self._finish(request, FinishReason.ABORT)
-        self._step_id += 1
         finished, self._finished_req_ids = self._finished_req_ids, []
         preempted, self._preempted_req_ids = self._preempted_req_ids, []
         resent, self._resend_free_mm_hashes = self._resend_free_mm_hashes, []
         forced, self._forced_tokens = self._forced_tokens, {}
-        return StepPlan(
-            step_id=self._step_id,
+        plan = StepPlan(
+            step_id=self._step_id + 1,
             new_requests=new_requests,
             num_scheduled_tokens=num_scheduled,
             encoder_items=list(encoder_items.items()),
@@ -287,11 +239,37 @@ class Scheduler:
             ec_meta=self.connector.build_connector_meta() if self.connector is not None else None,
             unavailable=unavailable,
             forced_tokens=forced,  # a request's entry goes when it finishes (_finish)
+            sampling_req_ids=sampling,
         )
+        if not plan.sends_nothing:  # (one that is not sent takes no step id: the worker's are in order)
+            self._step_id += 1
+        return plan
+
+    def _schedule_tokens(
+        self, request: Request, num_tokens: int, num_scheduled: dict[str, int], sampling: list[str]
+    ) -> None:
+        """``request`` computes its next ``num_tokens`` in the step being planned."""
+        num_scheduled[request.req_id] = num_tokens
+        request.num_inflight_tokens += num_tokens
+        known = request.num_tokens + request.num_pending_outputs
+        if request.num_computed_tokens + request.num_inflight_tokens == known:
+            request.num_pending_outputs += 1
+            sampling.append(request.req_id)
+
+    def _waits_for_pending(self, request: Request) -> bool:
+        """Whether a request with a token pending (sampled in a step in flight) sits this step out: its
+        grammar must accept that token before the next bitmask, or the token ends it by length (one
+        pending step is enough to tell; an EOS it cannot tell, and the step after it is dropped)."""
+        if request.grammar is not None:
+            return True
+        num_after = request.num_tokens + request.num_pending_outputs
+        num_outputs = num_after - request.num_prompt_tokens
+        return num_outputs >= request.sampling.max_tokens or num_after >= self.config.max_model_len
 
     def _preempt(self, request: Request) -> None:
         """Frees the request's KV blocks and encoder-cache uses and puts it at the front of the queue;
         it will recompute its tokens (prompt + outputs so far) and continue where it stopped."""
+        assert not request.num_inflight_tokens, "a request in a step in flight is never preempted"
         self.running.remove(request)
         self.kv_cache.free(request.req_id)
         for mm_hash in request.encoder_hashes_in_use - request.encoder_only_hashes:
@@ -310,7 +288,7 @@ class Scheduler:
         the items they cover. An item is encoded whole, in the step that first needs it; if it cannot
         be (compute budget or cache space), the chunk stops right before it. With
         ``disable_chunked_mm_input`` a chunk also stops before an image it would cover only in part."""
-        start = request.num_computed_tokens
+        start = request.num_computed_tokens + request.num_inflight_tokens
         if not self.config.can_encode and not self._all_obtainable(request, start, num_tokens):
             self._unavailable.append(request)  # before anything is allocated or loaded for it
             return 0, encoder_budget
@@ -386,10 +364,15 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue
             request.num_computed_tokens += num_tokens
+            request.num_inflight_tokens -= num_tokens
             for mm_hash in list(request.encoder_hashes_in_use - request.encoder_only_hashes):
                 if request.num_computed_tokens >= request.mm_last_end[mm_hash]:
                     request.encoder_hashes_in_use.discard(mm_hash)
                     self.encoder_cache.release(req_id, mm_hash)
+        for req_id in plan.sampling_req_ids:
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished:
+                request.num_pending_outputs -= 1
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids, strict=True):
             request = self.requests.get(req_id)
             if request is None or request.is_finished:

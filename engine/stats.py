@@ -8,7 +8,8 @@ from collections import defaultdict
 
 from engine.ec_connector import ECConnectorScheduler
 from engine.encode_scheduler import EncodeOnlyScheduler
-from engine.scheduler import Scheduler, StepPlan
+from engine.scheduler import Scheduler
+from engine.step_plan import StepPlan
 from engine.structured.compiler import GrammarCompiler
 from wire.metric_names import EngineCounter, EngineGauge, EngineObservation
 from wire.protocol import EngineStats, RunnerOutput

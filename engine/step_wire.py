@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import MMItem
-from engine.scheduler import StepPlan
+from engine.step_plan import StepPlan
 from engine.structured.grammar import RequestGrammar, stack_rows
 from wire.bad_messages import BadMessage
 from wire.protocol import (

@@ -1,18 +1,19 @@
 """The engine's side of the engine⇄worker pipe: a ROUTER bound at ``worker_addr``; the worker's DEALER
-connects and says WorkerReady. One step at a time: send SchedulerOutput (+ tensor frames), wait for
-the reply carrying the same step id.
+connects and says WorkerReady. Send SchedulerOutput (+ tensor frames), wait for the reply carrying the
+same step id. Two steps may be in flight (``--async-scheduling``): the worker answers them in order, and
+a reply read before its step is awaited is kept until it is.
 
     engine (ROUTER, bind)  ──[id, SchedulerOutput, frame 1..N]──▶  worker (DEALER, connect)
                            ◀──[id, WorkerReady | RunnerOutput | WorkerError]────
     socket monitor (inproc PAIR) ◀── ACCEPTED(fd) / DISCONNECTED(fd) of every peer connection
 
 - **Late replies.** A step that timed out may still be answered; that reply arrives while a later step
-  is awaited. Replies carry their step id: one for an older step is discarded (logged, counted in
-  ``num_stale_replies``), so a single timeout never shifts every later reply by one.
+  is awaited. Replies carry their step id: one for a step no longer in flight is discarded (logged,
+  counted in ``num_stale_replies``), so a single timeout never shifts every later reply by one.
 - **Bad messages.** A reply that does not decode, a second ``WorkerReady`` of the current worker, a
   reply for a step not sent yet, extra frames: counted in ``bad_messages`` and dropped. One that does
-  not decode from the current worker while a step is awaited fails that step (``WorkerFailed``): it was
-  that step's reply. Nothing a peer sends raises anything else here.
+  not decode from the current worker while steps are in flight fails the oldest unanswered one
+  (``WorkerFailed``): it was that step's reply. Nothing a peer sends raises anything else here.
 - **Loss.** The kernel closes a dead process's connection and ZeroMQ reports ``EVENT_DISCONNECTED``
   with the connection's fd (ipc:// and tcp:// alike, within milliseconds of a SIGKILL). The worker's
   fd is read from its WorkerReady frame (``SRCFD``); its disconnect raises ``WorkerLost`` from
@@ -82,7 +83,9 @@ class WorkerClient:
         self.num_stale_replies = 0
         self.bad_messages = bad_messages if bad_messages is not None else BadMessageLog(log)
         self.worker_bad_messages = 0  # what the current worker last reported dropping
-        self._deadline = 0.0  # of the step in flight
+        self._in_flight: dict[int, float] = {}  # step id -> its deadline; sent, not awaited yet (in order)
+        self._answers: dict[int, RunnerOutput | WorkerFailed] = {}  # read before their step was awaited
+        self._last_sent_step_id = 0
 
     def poll_ready(self, timeout_s: float) -> WorkerReady | None:
         """Waits up to ``timeout_s`` for a worker to connect and say WorkerReady (a new process after a
@@ -93,7 +96,7 @@ class WorkerClient:
             if not self._wait(deadline):
                 return None
             self._read_monitor()
-            self._read_replies(expected_step_id=None)
+            self._read_replies()
         identity, fd, ready = self._next_ready
         self._next_ready = None
         self.worker_id, self._worker_fd = identity, fd
@@ -104,12 +107,14 @@ class WorkerClient:
         """Called once the engine handled the loss of the current worker."""
         self.worker_id = self._worker_fd = self._lost = None
         self.worker_bad_messages = 0
+        self._in_flight.clear()
+        self._answers.clear()
 
     def check(self) -> None:
-        """Non-blocking, between steps: raises ``WorkerLost`` if the current worker is gone; discards
-        stray replies."""
+        """Non-blocking: raises ``WorkerLost`` if the current worker is gone; keeps the replies of steps in
+        flight, discards stray ones."""
         self._read_monitor()
-        self._read_replies(expected_step_id=None)
+        self._read_replies()
         self._raise_if_lost()
 
     def execute(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> RunnerOutput:
@@ -118,8 +123,7 @@ class WorkerClient:
         return self.wait(sched.step_id)
 
     def send(self, sched: SchedulerOutput, frames: Sequence[memoryview]) -> None:
-        """Sends the step (no step may be in flight: its reply would be discarded as stray);
-        ``WorkerLost`` if the worker is gone."""
+        """Sends the step (step ids increase); ``WorkerLost`` if the worker is gone."""
         self.check()
         assert self.worker_id is not None, "poll_ready() first"
         try:
@@ -127,18 +131,25 @@ class WorkerClient:
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: the peer's pipe is gone
             self._lost = f"cannot send step {sched.step_id}: {exc}"
             self._raise_if_lost()
-        self._deadline = time.monotonic() + self.step_timeout_s
+        self._in_flight[sched.step_id] = time.monotonic() + self.step_timeout_s
+        self._last_sent_step_id = sched.step_id
 
     def wait(self, step_id: int) -> RunnerOutput:
         """The reply to the step ``send`` sent: ``WorkerFailed`` on ``WorkerError`` or after
         ``step_timeout_s`` from its send, ``WorkerLost`` as soon as the worker's connection closes."""
+        assert step_id in self._in_flight, f"step {step_id} is not in flight"
         while True:
             self._read_monitor()
-            reply = self._read_replies(expected_step_id=step_id)
-            if reply is not None:
-                return reply
+            self._read_replies()
+            answer = self._answers.pop(step_id, None)
+            if answer is not None:
+                del self._in_flight[step_id]
+                if isinstance(answer, WorkerFailed):
+                    raise answer
+                return answer
             self._raise_if_lost()
-            if not self._wait(self._deadline):
+            if not self._wait(self._in_flight[step_id]):
+                del self._in_flight[step_id]  # its reply, if it comes, is discarded
                 raise WorkerFailed(f"worker did not answer step {step_id} in {self.step_timeout_s:g}s")
 
     def shutdown(self) -> None:
@@ -170,10 +181,10 @@ class WorkerClient:
             if self.worker_id is not None and self._worker_fd in (fd, None):
                 self._lost = "the worker's connection closed (its process exited or was killed)"
 
-    def _read_replies(self, expected_step_id: int | None) -> RunnerOutput | None:
-        """Reads every waiting message; returns the reply to ``expected_step_id`` (None: no step in
-        flight) or raises ``WorkerFailed`` for that step; discards late replies; keeps a new worker's
-        WorkerReady for ``poll_ready``."""
+    def _read_replies(self) -> None:
+        """Reads every waiting message: keeps the replies of steps in flight (a ``WorkerError`` as the
+        ``WorkerFailed`` its wait raises), discards late ones, keeps a new worker's WorkerReady for
+        ``poll_ready``."""
         while True:
             try:
                 parts = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -187,37 +198,37 @@ class WorkerClient:
                     continue
                 if identity == self.worker_id:
                     self.worker_bad_messages = msg.num_bad_messages
-                reply = self._match(identity, msg, expected_step_id)
+                self._keep(identity, msg)
             except BadMessage as bad:
                 self.bad_messages.record("worker", bad)
-                if bad.kind in _UNDECODABLE and identity == self.worker_id and expected_step_id is not None:
-                    raise WorkerFailed(f"worker's reply to step {expected_step_id}: {bad}") from bad
-                continue
-            if reply is not None:
-                return reply
+                oldest = self._oldest_unanswered()
+                if bad.kind in _UNDECODABLE and identity == self.worker_id and oldest is not None:
+                    self._answers[oldest] = WorkerFailed(f"worker's reply to step {oldest}: {bad}")
 
-    def _match(
-        self, identity: bytes, msg: RunnerOutput | WorkerError, expected_step_id: int | None
-    ) -> RunnerOutput | None:
-        """The awaited reply, or None for one discarded; ``WorkerFailed`` for the awaited step's
-        ``WorkerError``; ``BadMessage`` for a reply to a step not sent yet."""
+    def _keep(self, identity: bytes, msg: RunnerOutput | WorkerError) -> None:
+        """Keeps the reply of a step in flight (a ``WorkerError`` as its ``WorkerFailed``), or discards
+        it; ``BadMessage`` for a reply to a step not sent yet."""
         if identity != self.worker_id:
             self._discard(msg, "from a worker that is no longer current")
-            return None
-        if expected_step_id is None:
-            self._discard(msg, "with no step in flight")
-            return None
-        step_id = expected_step_id if msg.step_id == UNDECODABLE_STEP_ID else msg.step_id
-        if step_id < expected_step_id:
-            self._discard(msg, f"while step {expected_step_id} is awaited")
-            return None
-        if step_id > expected_step_id:
-            raise BadMessage("reply for a step not sent", f"step {step_id}, awaiting {expected_step_id}")
+            return
+        step_id = msg.step_id
+        if step_id == UNDECODABLE_STEP_ID:  # the worker answers in order: the oldest unanswered step's
+            step_id = self._oldest_unanswered() or UNDECODABLE_STEP_ID
+        if step_id > self._last_sent_step_id:
+            last = self._last_sent_step_id
+            raise BadMessage("reply for a step not sent", f"step {step_id}, last sent {last}")
+        if step_id not in self._in_flight or step_id in self._answers:
+            self._discard(msg, "for a step not in flight")
+            return
         if isinstance(msg, WorkerError):
-            raise WorkerFailed(
-                f"worker failed step {expected_step_id}: {msg.message}", msg.unavailable_mm_hashes
+            self._answers[step_id] = WorkerFailed(
+                f"worker failed step {step_id}: {msg.message}", msg.unavailable_mm_hashes
             )
-        return msg
+        else:
+            self._answers[step_id] = msg
+
+    def _oldest_unanswered(self) -> int | None:
+        return next((step_id for step_id in self._in_flight if step_id not in self._answers), None)
 
     def _on_ready(self, identity: bytes, fd: int | None, msg: WorkerReady) -> None:
         # The connection's ACCEPTED (and a DISCONNECTED, if it is gone already) was reported before

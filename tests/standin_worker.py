@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -148,7 +148,7 @@ class StandinWorker:
         self.steps: list[Step] = []  # every step received, in order
         self.errors: list[str] = []  # over ZeroMQ: the StepErrors answered as WorkerError
         self.dead = False  # a lose_steps step arrived
-        self._sent: tuple[int, RunnerOutput | Exception] | None = None  # send's outcome, until wait
+        self._sent: deque[tuple[int, RunnerOutput | Exception]] = deque()  # sends' outcomes, until waited
         self._shm_reader: ShmRingReader | None = None
 
     def count_up(self, req_id: str, token_ids: Sequence[int]) -> int:
@@ -173,21 +173,22 @@ class StandinWorker:
     # ------------------------------------------------------------------ the Executor
 
     def send(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> None:
-        """``engine.executor.Executor``: runs the step at once; ``wait`` gives its outcome. A step sent
-        while another is unanswered is a bug in the engine (``StepError``)."""
-        if self._sent is not None:
-            raise StepError(f"step {sched.step_id} sent while step {self._sent[0]} is unanswered")
+        """``engine.executor.Executor``: runs the step at once; ``wait`` gives its outcome. A third step
+        sent while two are unanswered is a bug in the engine (``StepError``)."""
+        if len(self._sent) == 2:
+            unanswered = [step_id for step_id, _ in self._sent]
+            raise StepError(f"step {sched.step_id} sent while steps {unanswered} are unanswered")
         try:
             outcome: RunnerOutput | Exception = self.execute(sched, frames)
         except WorkerLost:
             raise  # send reports a lost worker at once, as WorkerClient does for a closed pipe
         except WorkerFailed as exc:
             outcome = exc
-        self._sent = (sched.step_id, outcome)
+        self._sent.append((sched.step_id, outcome))
 
     def wait(self, step_id: int) -> RunnerOutput:
-        assert self._sent is not None and self._sent[0] == step_id, f"step {step_id} was not sent"
-        outcome, self._sent = self._sent[1], None
+        assert self._sent and self._sent[0][0] == step_id, f"step {step_id} is not the oldest sent"
+        outcome = self._sent.popleft()[1]
         if isinstance(outcome, Exception):
             raise outcome
         return outcome

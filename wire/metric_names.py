@@ -38,6 +38,10 @@ class EngineCounter(_Named):
     )
     ENCODER_RUNS = "encoder_runs_total", "Items run through the vision encoder."
     ENGINE_STEPS = "engine_steps_total", "Engine steps run on the worker."
+    ENGINE_STEPS_AHEAD = (
+        "engine_steps_ahead_total",
+        "Engine steps scheduled and sent while the step before them still ran (--async-scheduling).",
+    )
     PREFIX_CACHE_QUERIES = (
         "prefix_cache_queries_total",
         "Prompt tokens looked up in the prefix cache (at admission).",

@@ -71,6 +71,7 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("enable_prefix_caching", "engine"),
         ("disable_chunked_mm_input", "engine"),
         ("max_waiting_requests", "engine"),
+        ("async_scheduling", "engine"),
         ("step_timeout_s", "engine"),
     )),
     ("Structured outputs", (

@@ -35,6 +35,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         enable_prefix_caching=settings.enable_prefix_caching,
         disable_chunked_mm_input=settings.disable_chunked_mm_input,
         max_waiting_requests=settings.max_waiting_requests,
+        async_scheduling=settings.async_scheduling,
     )
     return EngineConfig(
         engine_addr=settings.engine_addr,

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.e2e.conftest import greedy_body, make_image, user_message
-from tests.e2e.server import Server
+from tests.e2e.server import Server, serving
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +67,63 @@ def test_sixteen_concurrent_streams_are_batched(server: Server) -> None:
     )
     assert steps > 0 and single < steps
     assert batched_8_plus > 0, "some steps ran more than four requests together"
+
+
+def varied_body(i: int) -> dict:
+    """Requests whose ends the engine learns in every way: by length, on a stop token (a third of the
+    vocabulary, after ``min_tokens``), and seeded samples with logprobs, several choices each."""
+    body = request_body(i, False)
+    if i % 3 == 0:
+        body |= {"max_tokens": 40, "min_tokens": 2, "stop_token_ids": list(range(i, 1000, 3))}
+    elif i % 3 == 1:
+        body |= {"temperature": 0.9, "seed": i, "n": 2, "logprobs": True, "top_logprobs": 2}
+    return body
+
+
+def test_scheduling_ahead_gives_the_answers_of_one_step_at_a_time(
+    server: Server, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The shared server schedules each step while the worker runs the one before (the default,
+    ``--async-scheduling``; docs/architecture.md, "Engine step"); one with ``--no-async-scheduling``
+    waits for each answer. The same 12 requests at once get the same choices from both: texts, finish
+    reasons, logprobs."""
+
+    def answers(srv: Server) -> tuple[list[list[dict]], float]:
+        before = srv.metrics()["mmserve_engine_steps_ahead_total"]
+
+        async def run_all() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=300) as client:
+                return await asyncio.gather(
+                    *(client.post("/v1/chat/completions", json=varied_body(i)) for i in range(12))
+                )
+
+        responses = asyncio.run(run_all())
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+        choices = [r.json()["choices"] for r in responses]
+        return choices, srv.metrics()["mmserve_engine_steps_ahead_total"] - before
+
+    ahead, num_ahead = answers(server)
+    with serving(tiny_model_dir, tmp_path, "--max-model-len", "4096", "--no-async-scheduling") as sync:
+        one_at_a_time, none_ahead = answers(sync)
+    assert [[tokens(c) for c in cs] for cs in ahead] == [[tokens(c) for c in cs] for cs in one_at_a_time]
+    # logprobs to float32 rounding: a step's batch differs (as between two runs one step at a time)
+    assert [x for cs in ahead for c in cs for x in logprobs(c)] == pytest.approx(
+        [x for cs in one_at_a_time for c in cs for x in logprobs(c)], abs=1e-4
+    )
+    assert num_ahead > 20 and none_ahead == 0
+    assert {c["finish_reason"] for cs in ahead for c in cs} == {"stop", "length"}
+
+
+def tokens(choice: dict) -> tuple[str, str, list[str] | None]:
+    """A choice's text, finish reason and, with logprobs, its tokens and each one's top tokens."""
+    content = (choice.get("logprobs") or {}).get("content")
+    listed = [f"{t['token']}|{[top['token'] for top in t['top_logprobs']]}" for t in content or []]
+    return choice["message"]["content"], choice["finish_reason"], listed or None
+
+
+def logprobs(choice: dict) -> list[float]:
+    content = (choice.get("logprobs") or {}).get("content") or []
+    return [t["logprob"] for t in content] + [top["logprob"] for t in content for top in t["top_logprobs"]]
 
 
 CLIENT_GONE = 'mmserve_http_requests_total{route="/v1/chat/completions",status="499"}'

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from engine.core import EngineCore
 from engine.ec_connector import ECConnectorScheduler
-from engine.scheduler import SchedulerConfig
+from engine.step_plan import SchedulerConfig
 from tests.standin_worker import StandinWorker
 from wire.protocol import AddRequest, MMFeature, RequestOutput, SamplingParams, TensorRef, WorkerReady
 
@@ -27,6 +27,7 @@ def scheduler_config(ready: WorkerReady, **overrides: int | bool | None) -> Sche
         "enable_prefix_caching": False,
         "disable_chunked_mm_input": False,
         "max_waiting_requests": None,
+        "async_scheduling": True,
         "num_kv_blocks": ready.num_kv_blocks,
         "block_size": ready.block_size,
         "can_encode": ready.has_vision_tower,
@@ -91,12 +92,16 @@ def add(
     )
 
 
-def run_until_idle(core: EngineCore, max_steps: int = 100) -> dict[bytes, list[RequestOutput]]:
-    """Steps until no request is left; all outputs per client, in step order."""
+def run_until_idle(
+    core: EngineCore, max_steps: int = 100, *, ahead: bool = False
+) -> dict[bytes, list[RequestOutput]]:
+    """Steps until no request is left; all outputs per client, in step order. ``ahead``: turns of the
+    engine loop with ``--async-scheduling`` (``EngineCore.advance``: the next step is sent before the
+    one in flight is answered), else one step at a time."""
     outputs: dict[bytes, list[RequestOutput]] = {}
     for _ in range(max_steps):
-        if not core.has_work:
+        if not core.has_work and not core.in_flight:
             return outputs
-        for client, outs in core.step().items():
+        for client, outs in (core.advance(ahead=True) if ahead else core.step()).items():
             outputs.setdefault(client, []).extend(outs)
     raise AssertionError("engine did not drain")

@@ -9,7 +9,8 @@ from weakref import WeakKeyDictionary
 
 from engine.encode_scheduler import EncodeOnlyScheduler
 from engine.request import MMItem, Request
-from engine.scheduler import Scheduler, SchedulerConfig, StepPlan, StepResult
+from engine.scheduler import Scheduler
+from engine.step_plan import SchedulerConfig, StepPlan, StepResult
 from engine.step_wire import to_scheduler_output
 from tests.standin_worker import NextToken, StandinWorker
 from wire.protocol import MMFeature, SamplingParams
@@ -33,6 +34,7 @@ def config(**overrides: int | bool | None) -> SchedulerConfig:
         "enable_prefix_caching": False,
         "disable_chunked_mm_input": False,
         "max_waiting_requests": None,
+        "async_scheduling": True,
         "can_encode": True,
     }
     values.update(overrides)

@@ -13,7 +13,7 @@ from app.launch.cli import build_parser, is_env_only, main, settings_from_args
 from app.launch.process_configs import engine_config, worker_config
 from app.proxy.cli import config_from_args
 from app.settings import Settings
-from engine.scheduler import SchedulerConfig
+from engine.step_plan import SchedulerConfig
 
 
 @pytest.mark.parametrize("role", ["serve", "api", "engine", "worker"])

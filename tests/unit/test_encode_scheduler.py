@@ -12,7 +12,7 @@ import pytest
 from engine.core import EngineCore
 from engine.ec_connector import ECConnectorScheduler
 from engine.encode_scheduler import EncodeOnlyScheduler
-from engine.scheduler import StepPlan, StepResult
+from engine.step_plan import StepPlan, StepResult
 from tests.standin_worker import StandinWorker
 from tests.unit.engine_core_support import PIXELS, engine_core, frames
 from tests.unit.scheduler_support import config, encoded, make_request, run_step

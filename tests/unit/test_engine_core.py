@@ -10,7 +10,7 @@ import pytest
 from engine.executor import WorkerLost
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import MMItem
-from engine.scheduler import StepPlan
+from engine.step_plan import StepPlan
 from engine.step_wire import to_scheduler_output
 from tests.standin_worker import StandinWorker
 from tests.unit.engine_core_support import (

@@ -5,7 +5,8 @@ step's drops are sent again. Step-driven, no processes."""
 from __future__ import annotations
 
 from engine.request import RequestStatus
-from engine.scheduler import Scheduler, SchedulerConfig, StepPlan
+from engine.scheduler import Scheduler
+from engine.step_plan import SchedulerConfig, StepPlan
 from tests.unit.scheduler_support import config, encoded, make_request, new_ids, run_step, users
 
 BLOCK = 16

@@ -153,6 +153,37 @@ def test_only_requests_that_sample_get_a_bitmask_row(grammars: GrammarCompiler) 
     assert sum(row == ["c"] for row in rows) == len(found["c"][0]) - forced
 
 
+def test_scheduling_ahead_waits_while_a_constrained_request_samples(
+    grammars: GrammarCompiler, tokenizer: PreTrainedTokenizerFast
+) -> None:
+    """``--async-scheduling``: a step is not sent ahead while a constrained request samples in the step
+    in flight (its grammar must take that token before the next bitmask), so the answers, forced
+    tokens included, are those of one step at a time; once it ended, the free request's steps go ahead."""
+    found = {}
+    num_waits = 0
+    for ahead in (False, True):
+        core = core_with(grammars, max_num_batched_tokens=64)
+        core.add_request(b"a", request("c", schema(POINT), prompt_len=100), [])
+        core.add_request(b"a", request("free", None, max_tokens=60, prompt_len=30), [])
+        wait_for_grammars(core)
+        outputs: dict[bytes, list[RequestOutput]] = {}
+        while core.has_work or core.in_flight:
+            for client, outs in core.advance(ahead=ahead).items():
+                outputs.setdefault(client, []).extend(outs)
+            constrained = core.scheduler.requests.get("c")
+            if constrained is not None and constrained.num_pending_outputs:
+                assert not core.can_schedule_ahead and len(core.in_flight) == 1
+                num_waits += 1
+        found[ahead] = answers(outputs)
+        counters = core.stats().counters
+        num_ahead = counters.get("engine_steps_ahead_total", 0)
+        assert (num_ahead > 0) == ahead
+    assert found[True] == found[False]
+    assert found[True]["free"][1] is FinishReason.LENGTH and len(found[True]["free"][0]) == 60
+    jsonschema.validate(json.loads(tokenizer.decode(found[True]["c"][0])), POINT)
+    assert num_waits >= 2  # the constrained request sampled with a step in flight, in both runs
+
+
 def test_a_request_waits_for_its_grammar_without_holding_a_slot(grammars: GrammarCompiler) -> None:
     """One running place: a request whose grammar compiles for seconds does not keep an unconstrained
     request behind it from running to its end meanwhile."""

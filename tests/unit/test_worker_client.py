@@ -62,6 +62,29 @@ def test_ready_then_steps_answered_in_order(client: tuple[WorkerClient, str]) ->
         assert c.num_stale_replies == 0 and worker.errors == []
 
 
+def test_two_steps_in_flight_are_answered_in_order(client: tuple[WorkerClient, str]) -> None:
+    """Scheduling ahead: step 2 is sent before step 1 is awaited, and step 2's reply, read while step 1
+    was awaited (or while sending step 3), is kept for its own wait, not discarded. An undecodable
+    reply counts as the oldest unanswered step's."""
+    c, addr = client
+    with serving(StandinWorker(delay_s={1: 0.2}, undecodable_steps={3}), addr):
+        assert c.poll_ready(timeout_s=5) is not None
+        c.send(step(1), [])
+        c.send(step(2), [])
+        assert c.wait(1).step_id == 1
+        deadline = time.monotonic() + 5
+        while 2 not in c._answers and time.monotonic() < deadline:  # step 2's reply is read early
+            c.check()
+            time.sleep(0.01)
+        c.send(step(3), [])
+        c.send(step(4), [])
+        assert c.wait(2) == output(2)
+        with pytest.raises(WorkerFailed, match="reply to step 3: undecodable|failed step 3: undecodable"):
+            c.wait(3)
+        assert c.wait(4) == output(4)
+        assert c.num_stale_replies == 0
+
+
 def test_a_late_reply_is_discarded_by_step_id(client: tuple[WorkerClient, str]) -> None:
     c, addr = client
     with serving(StandinWorker(delay_s={1: 0.6}), addr):
