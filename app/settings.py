@@ -147,6 +147,13 @@ class Settings(BaseSettings):
         description="Worker attention over the paged KV pool: batched (the step's decodes as one padded "
         "batch, its prefill chunks as another) or per-request (one call per request; the reference).",
     )
+    worker_step_overlap: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="The worker launches a step's forward while the device still runs the step before "
+        "(the tokens that step samples are read on the device) and answers that step meanwhile: auto, on "
+        "CUDA; on, also on the CPU, where nothing runs asynchronously and each answer only comes a step "
+        "later (for tests); off, each step answered before the next starts. The answers are the same.",
+    )
     enforce_eager: bool = Field(
         False,
         description="On CUDA, run decode steps eagerly instead of replaying them as CUDA graphs (vLLM's "

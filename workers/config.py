@@ -40,6 +40,7 @@ class WorkerConfig:
     gpu_memory_utilization: float  # on CUDA without kv_cache_tokens: share of GPU memory to use
     attention_backend: str  # workers.attention.ATTENTION_BACKENDS
     enforce_eager: bool  # no CUDA graphs for decode steps (workers/decode_graphs.py)
+    step_overlap: str  # auto (on CUDA), on, off: the next step launched before this one is answered
     threads: int | None  # PyTorch's CPU threads; None: the usable cores less one (at least 1)
     shutdown_timeout: float  # SIGTERM: keep serving steps this long, or until WorkerShutdown
     parts: ModelParts  # --encoder-only / --language-model-only

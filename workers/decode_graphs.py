@@ -79,6 +79,9 @@ class _Shape:
     host: torch.Tensor
     logits: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
+    # the last copy of ``host`` to ``ints`` (on CUDA): the next step's inputs wait for it before they are
+    # written there, since the worker prepares a step while the one before still runs
+    copied: torch.cuda.Event | None = None
 
 
 class DecodeGraphs:
@@ -240,8 +243,13 @@ class DecodeGraphs:
         self, shape: _Shape, embeds: torch.Tensor, positions: torch.Tensor, spans: list[SeqSpan]
     ) -> torch.Tensor:
         n = len(spans)
+        if shape.copied is not None:
+            shape.copied.synchronize()  # (long done, as a rule: it came before the last replay)
         self._fill_host(shape, spans, positions.cpu())
         shape.ints.copy_(shape.host, non_blocking=self.capture)
+        if self.capture:
+            shape.copied = torch.cuda.Event()
+            shape.copied.record()
         shape.embeds[:n].copy_(embeds)
         self.num_replays += 1
         if shape.graph is None:

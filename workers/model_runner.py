@@ -24,6 +24,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,10 +56,27 @@ from workers.runner_requests import (
     grammar_rows,
     step_spans,
 )
-from workers.sampler import SamplingRow, make_generator, sample
+from workers.sampler import Sampled, SamplingRow, make_generator, sample_on_device
 from workers.step_embeddings import step_embeddings
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchedStep:
+    """A step between ``ModelRunner.launch`` and ``finish``: its forward's logits (until ``sample``),
+    the requests that sample and their sampling rows, then its sampled tokens on the device."""
+
+    step_id: int
+    frames: Sequence[Buffer]  # kept: the grammar bitmask rows are views of a frame
+    num_encoded_items: int
+    encoder_seconds: float
+    forward_seconds: float = 0.0
+    seconds: float = 0.0  # the worker's time on it so far
+    req_ids: list[str] = field(default_factory=list)  # the requests that sample, in row order
+    rows: list[SamplingRow] = field(default_factory=list)
+    logits: torch.Tensor | None = None
+    sampled: Sampled | None = None
 
 
 class EncoderOutputUnavailable(RuntimeError):
@@ -182,6 +200,15 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> RunnerOutput:
         """Run one step. ``frames`` is the whole multipart message (indexed by ``TensorRef.frame``;
         frame 0, the message itself, is not read)."""
+        return self.finish(self.sample(self.launch(sched, frames)))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> LaunchedStep:
+        """A step up to its forward, which is on the device's stream when this returns (on a GPU, still
+        running): the scheduler's decisions, the encoder, the embeddings and the forward. A request
+        whose last token is still being sampled by the step before (``sample`` ran, ``finish`` not
+        yet) takes that token from the device (``RequestState.pending``). ``sample`` next, once the
+        step before is finished."""
         received = time.perf_counter()
         self._apply_decisions(sched)
 
@@ -191,25 +218,63 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         encoded = time.perf_counter()
 
+        step = LaunchedStep(sched.step_id, frames, num_encoded_items, encoder_seconds=encoded - start)
         if self.lm_forward is not None:
             allowed = grammar_rows(sched, frames, self.vocab_size)
-            req_ids, sampled_token_ids, logprobs = self._run_lm(sched.num_scheduled_tokens, allowed)
+            self._forward(step, sched.num_scheduled_tokens, allowed)
         elif any(sched.num_scheduled_tokens.values()):
             raise StepError("tokens scheduled on an encoder-only worker (it has no language model)")
-        else:
-            req_ids, sampled_token_ids, logprobs = [], [], []
         done = time.perf_counter()
+        step.forward_seconds = done - encoded
+        step.seconds = done - received
+        return step
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep) -> LaunchedStep:
+        """Puts the step's sampling on the device's stream (after its forward) and the copy of its
+        tokens to the host; its requests' next tokens are pending until ``finish``. Call it once the
+        step before is finished: penalties and ``min_tokens`` read every earlier token."""
+        started = time.perf_counter()
+        if step.logits is not None:
+            step.sampled = sample_on_device(step.logits, step.rows)
+            step.logits = None
+            for i, req_id in enumerate(step.req_ids):
+                self.requests[req_id].pending = (step.sampled.token_ids, i)
+        elapsed = time.perf_counter() - started
+        step.forward_seconds += elapsed
+        step.seconds += elapsed
+        return step
+
+    def finish(self, step: LaunchedStep) -> RunnerOutput:
+        """Waits for the step's tokens on the host (not for what the device does after them), appends
+        each to its request, and gives the step's reply."""
+        started = time.perf_counter()
+        sampled_token_ids: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        if step.sampled is not None:
+            sampled_token_ids, logprobs = step.sampled.to_host()
+            for req_id, token_id in zip(step.req_ids, sampled_token_ids, strict=True):
+                req = self.requests.get(req_id)
+                if req is not None:  # (a later step may have ended it: the engine ignores this token)
+                    req.token_ids.append(token_id)
+                    req.pending = None
+        elapsed = time.perf_counter() - started
         return RunnerOutput(
-            step_id=sched.step_id,
-            req_ids=req_ids,
+            step_id=step.step_id,
+            req_ids=step.req_ids,
             sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
-            num_encoded_items=num_encoded_items,
-            encoder_seconds=encoded - start,
-            forward_seconds=done - encoded,
-            step_seconds=time.perf_counter() - received,
+            num_encoded_items=step.num_encoded_items,
+            encoder_seconds=step.encoder_seconds,
+            forward_seconds=step.forward_seconds + elapsed,
+            step_seconds=step.seconds + elapsed,
             ec_stats=self.ec_connector.take_stats() if self.ec_connector is not None else None,
         )
+
+    def forget_pending(self) -> None:
+        """A step that was sampled will not be finished (it failed): its requests' tokens are unknown."""
+        for req in self.requests.values():
+            req.pending = None
 
     def _load_and_encode(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> int:
         """The connector's loads first (``start_load_caches``); an item whose load failed is encoded
@@ -283,51 +348,52 @@ class ModelRunner:
             assert table is not None  # checked
             table.extend(block_ids)
 
-    def _run_lm(
-        self, num_scheduled_tokens: dict[str, int], allowed: dict[str, torch.Tensor]
-    ) -> tuple[list[str], list[int], list[TokenLogprobs | None]]:
-        """One forward over every scheduled token, then sampling for each request whose step computes
-        its last known token (the end of its prompt, of its recomputed outputs after a resume, or the
-        token it sampled last); ``allowed``: the constrained ones' grammar bitmask rows."""
+    def _forward(
+        self, step: LaunchedStep, num_scheduled_tokens: dict[str, int], allowed: dict[str, torch.Tensor]
+    ) -> None:
+        """One forward over every scheduled token; the step samples for each request whose step
+        computes its last known token (the end of its prompt, of its recomputed outputs after a resume,
+        or the token it sampled last, pending or not); ``allowed``: the constrained ones' grammar
+        bitmask rows."""
         if not num_scheduled_tokens:
-            return [], [], []
+            return
         spans = step_spans(num_scheduled_tokens, self.requests, self.block_size)
         token_ids: list[int] = []
+        pending: list[tuple[int, tuple[torch.Tensor, int]]] = []  # (index in token_ids, where it is)
         positions: list[torch.Tensor | list[int]] = []  # each span's; a decode's as a list
-        req_ids: list[str] = []
-        sampling_rows: list[SamplingRow] = []
         logits_rows: list[int] = []  # each sampling request's last scheduled token
         for span in spans:
             req = self.requests[span.req_id]
             num_computed = span.num_past_tokens + span.num_new_tokens
             token_ids.extend(req.token_ids[span.num_past_tokens : num_computed])
+            if num_computed > len(req.token_ids):  # its last: sampled by the step before, on the device
+                assert req.pending is not None  # (step_spans counted it)
+                pending.append((len(token_ids), req.pending))
+                token_ids.append(0)
             if span.num_new_tokens == 1:
                 positions.append(req.positions.at(span.num_past_tokens))
             else:
                 positions.append(req.positions.between(span.num_past_tokens, num_computed))
-            if num_computed == len(req.token_ids):
-                req_ids.append(span.req_id)
+            if num_computed == len(req.token_ids) + (req.pending is not None):
+                step.req_ids.append(span.req_id)
                 logits_rows.append(len(token_ids) - 1)
                 row = SamplingRow(
                     req.sampling, req.num_output_tokens, req.generator, allowed.get(span.req_id), req.history
                 )
-                sampling_rows.append(row)
+                step.rows.append(row)
         embeds, deepstack = step_embeddings(
-            self.embed_tokens, token_ids, spans, self.requests, self.encoder_store, self.device
+            self.embed_tokens, token_ids, spans, self.requests, self.encoder_store, self.device, pending
         )
-        assert self.lm_forward is not None  # (execute runs the LM only where there is one)
-        logits = self.lm_forward(embeds, _step_positions(positions), spans, logits_rows, deepstack)
-        if not set(allowed) <= set(req_ids):
+        assert self.lm_forward is not None  # (launch runs the LM only where there is one)
+        step.logits = self.lm_forward(embeds, _step_positions(positions), spans, logits_rows, deepstack)
+        if not set(allowed) <= set(step.req_ids):
             raise StepError(
-                f"grammar bitmask rows for requests that do not sample: {sorted(set(allowed) - set(req_ids))}"
+                "grammar bitmask rows for requests that do not sample: "
+                f"{sorted(set(allowed) - set(step.req_ids))}"
             )
         # State changes only once the forward succeeded: a failed step leaves requests as they were.
         for span in spans:
             self.requests[span.req_id].num_computed_tokens += span.num_new_tokens
-        sampled_token_ids, logprobs = sample(logits, sampling_rows)
-        for req_id, token_id in zip(req_ids, sampled_token_ids, strict=True):
-            self.requests[req_id].token_ids.append(token_id)
-        return req_ids, sampled_token_ids, logprobs
 
     def _encode(self, inputs: list[EncoderInput], frames: Sequence[Buffer]) -> int:
         """The family's vision encoder on all items as one batch; outputs go to the encoder store."""

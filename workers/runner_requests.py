@@ -57,6 +57,9 @@ class RequestState:
     positions: RequestPositions  # rotary positions of its tokens, fixed by the prompt
     placements: list[Placement]  # its items, in prompt order
     num_computed_tokens: int = 0  # leading tokens whose K/V is in its blocks
+    # its next token while the step that samples it is not finished: (that step's tokens on the
+    # device, its row); a step launched meanwhile computes it from there (ModelRunner.launch)
+    pending: tuple[torch.Tensor, int] | None = None
     history: TokenHistory = field(init=False)  # its tokens as the penalties count them
 
     def __post_init__(self) -> None:
@@ -189,7 +192,7 @@ def step_spans(
             raise StepError(f"request {req_id!r} is scheduled but unknown to this worker")
         if req.block_ids is None:
             raise StepError(f"request {req_id!r} is scheduled but preempted (no blocks) on this worker")
-        num_known = len(req.token_ids) - req.num_computed_tokens
+        num_known = len(req.token_ids) + (req.pending is not None) - req.num_computed_tokens
         if not 0 < num_new_tokens <= num_known:
             raise StepError(
                 f"request {req_id!r} scheduled {num_new_tokens} tokens, {num_known} are computable"

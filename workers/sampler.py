@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from wire.protocol import Logprob, SamplingParams, TokenLogprobs
+from workers.host_copies import to_device
 
 _GREEDY_TEMPERATURE = 1e-5
 
@@ -121,12 +122,60 @@ def fold_seed(seed: int) -> int:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Sample one token per row of ``logits`` ([len(rows), vocab], float32)."""
+    return sample_on_device(logits, rows).to_host()
+
+
+class Sampled:
+    """A step's sampled tokens, and the logprobs its rows asked for, on the device; their copy to the
+    host is the last work the step puts on its stream, and ``to_host`` waits for that copy only, not
+    for work queued after it (the next step's forward, on a GPU: docs/architecture.md, "Engine step")."""
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        want_logprobs: list[int],
+        num_top: list[int],
+        logprob_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        self.token_ids = token_ids  # [rows] int64, on the device: the next step may read it there
+        self._want_logprobs = want_logprobs  # the rows that asked, in order
+        self._num_top = num_top  # each of those rows' number of top logprobs
+        tensors = [token_ids, *(logprob_tensors or ())]
+        if token_ids.device.type == "cuda":
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, tensor in zip(self._host, tensors, strict=True):
+                host.copy_(tensor, non_blocking=True)
+            self._copied: torch.cuda.Event | None = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host, self._copied = tensors, None
+
+    def to_host(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        token_list: list[int] = self._host[0].tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
+        if self._want_logprobs:
+            sampled, top_values, top_ids = (t.tolist() for t in self._host[1:])
+            for k, i in enumerate(self._want_logprobs):
+                n = self._num_top[k]
+                logprobs[i] = TokenLogprobs(
+                    sampled=Logprob(token_id=token_list[i], logprob=sampled[k]),
+                    top=[
+                        Logprob(token_id=t, logprob=lp)
+                        for t, lp in zip(top_ids[k][:n], top_values[k][:n], strict=True)
+                    ],
+                )
+        return token_list, logprobs
+
+
+def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> Sampled:
+    """Sample one token per row of ``logits`` ([len(rows), vocab], float32), leaving the tokens on the
+    device (no wait for the device here)."""
     num_rows, vocab_size = logits.shape
     assert num_rows == len(rows)
-    if num_rows == 0:
-        return [], []
-    want_logprobs = [row.params.num_top_logprobs is not None for row in rows]
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+    want = [i for i, row in enumerate(rows) if row.params.num_top_logprobs is not None]
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want else None
 
     logits = logits.clone()
     _mask_grammars(logits, rows)
@@ -137,19 +186,18 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     token_ids = logits.argmax(dim=-1)
     random_rows = [i for i, row in enumerate(rows) if row.params.temperature >= _GREEDY_TEMPERATURE]
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
+        idx = to_device(random_rows, logits.device, torch.long)
         sampled = _sample_random(logits.index_select(0, idx), [rows[i] for i in random_rows])
         token_ids = token_ids.index_copy(0, idx, sampled)
-
-    token_list: list[int] = token_ids.tolist()
-    logprobs: list[TokenLogprobs | None] = [None] * num_rows
-    if raw_logprobs is not None:
-        for i, row in enumerate(rows):
-            if want_logprobs[i]:
-                logprobs[i] = _token_logprobs(
-                    raw_logprobs[i], token_list[i], row.params.num_top_logprobs or 0
-                )
-    return token_list, logprobs
+    if raw_logprobs is None:
+        return Sampled(token_ids, [], [], None)
+    # the raw logprobs (before any mask) of each asking row: its token's and its top ones
+    num_top = [rows[i].params.num_top_logprobs or 0 for i in want]
+    idx = to_device(want, logits.device, torch.long)
+    asked = raw_logprobs.index_select(0, idx)
+    sampled_logprobs = asked.gather(1, token_ids.index_select(0, idx).unsqueeze(1)).squeeze(1)
+    top_values, top_ids = asked.topk(min(max(num_top), vocab_size), dim=-1)
+    return Sampled(token_ids, want, num_top, (sampled_logprobs, top_values, top_ids))
 
 
 def _mask_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -168,7 +216,8 @@ def _mask_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     else:
         bitmask = torch.full((len(rows), allowed.shape[1]), -1, dtype=torch.int32)
         bitmask.index_copy_(0, torch.tensor(constrained), allowed)
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=logits.shape[1])
+    bitmask = to_device(bitmask, logits.device, torch.int32)
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1])
 
 
 def _mask_allowed_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -177,11 +226,12 @@ def _mask_allowed_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     if not limited:
         return
     vocab_size = logits.shape[1]
-    keep = torch.zeros((len(limited), vocab_size), dtype=torch.bool, device=logits.device)
+    keep = torch.zeros((len(limited), vocab_size), dtype=torch.bool)  # made here, then copied once
     for k, i in enumerate(limited):
         ids = [t for t in rows[i].params.allowed_token_ids or () if t < vocab_size]
         keep[k, ids] = True
-    idx = torch.tensor(limited, device=logits.device)
+    keep = to_device(keep, logits.device, torch.bool)
+    idx = to_device(limited, logits.device, torch.long)
     logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
 
 
@@ -199,8 +249,8 @@ def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                 biases.append(bias)
     if row_idx:
         device = logits.device
-        index = (torch.tensor(row_idx, device=device), torch.tensor(token_idx, device=device))
-        logits.index_put_(index, torch.tensor(biases, dtype=logits.dtype, device=device), accumulate=True)
+        index = (to_device(row_idx, device, torch.long), to_device(token_idx, device, torch.long))
+        logits.index_put_(index, to_device(biases, device, logits.dtype), accumulate=True)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -226,33 +276,40 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     device = logits.device
     row_index = np.repeat(np.array(penalised, dtype=np.int64), num_ids)
     ids = np.concatenate([h.ids for h in histories])  # type: ignore[union-attr]
-    index = (torch.from_numpy(row_index).to(device), torch.from_numpy(ids).to(device))
+    index = (to_device(row_index, device, torch.long), to_device(ids, device, torch.long))
     scores = logits[index]
     if any(p.repetition_penalty != 1.0 for p in params):
-        repetition = torch.from_numpy(per_id("repetition_penalty")).to(device)
+        repetition = to_device(per_id("repetition_penalty"), device, logits.dtype)
         scores = torch.where(scores > 0, scores / repetition, scores * repetition)
-    logits.index_put_(index, scores - torch.from_numpy(subtract).to(device))
+    logits.index_put_(index, scores - to_device(subtract, device, logits.dtype))
 
 
 def _mask_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """-inf on the eos and stop token ids of every row short of its ``min_tokens``, in one indexed write."""
     vocab_size = logits.shape[1]
+    row_idx: list[int] = []
+    token_idx: list[int] = []
     for i, row in enumerate(rows):
         if row.num_output_tokens < row.params.min_tokens:
             banned = [
                 t for t in (*row.params.eos_token_ids, *row.params.stop_token_ids) if 0 <= t < vocab_size
             ]
-            if banned:
-                logits[i, banned] = float("-inf")
+            row_idx += [i] * len(banned)
+            token_idx += banned
+    if row_idx:
+        device = logits.device
+        index = (to_device(row_idx, device, torch.long), to_device(token_idx, device, torch.long))
+        logits.index_put_(index, torch.full((len(row_idx),), float("-inf"), device=device))
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     device = logits.device
     vocab_size = logits.shape[1]
-    temperature = torch.tensor([row.params.temperature for row in rows], device=device, dtype=logits.dtype)
+    temperature = to_device([row.params.temperature for row in rows], device, logits.dtype)
     logits = logits / temperature.unsqueeze(1)
     if any(row.params.min_p > 0 for row in rows):
         probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([row.params.min_p for row in rows], device=device, dtype=logits.dtype)
+        min_p = to_device([row.params.min_p for row in rows], device, logits.dtype)
         threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
         logits = logits.masked_fill(probs < threshold, float("-inf"))
 
@@ -261,12 +318,12 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab_size, device=device).unsqueeze(0)
-        remove = ranks >= torch.tensor(top_k, device=device).unsqueeze(1)
+        remove = ranks >= to_device(top_k, device, torch.long).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         probs_sorted = sorted_logits.softmax(dim=-1)
         # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
         mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
-        p = torch.tensor(top_p, device=device, dtype=logits.dtype).unsqueeze(1)
+        p = to_device(top_p, device, logits.dtype).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
 
@@ -281,12 +338,3 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     # that row takes its top logit, which is never a masked token.
     overflowed = probs.isnan().any(dim=-1)
     return torch.where(overflowed, logits.argmax(dim=-1), sampled)
-
-
-def _token_logprobs(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
-    sampled = Logprob(token_id=token_id, logprob=float(logprobs[token_id]))
-    top: list[Logprob] = []
-    if num_top > 0:
-        values, ids = logprobs.topk(min(num_top, logprobs.shape[0]))
-        top = [Logprob(token_id=t, logprob=lp) for t, lp in zip(ids.tolist(), values.tolist(), strict=True)]
-    return TokenLogprobs(sampled=sampled, top=top)

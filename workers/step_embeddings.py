@@ -5,11 +5,15 @@ rows for the same positions."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from workers.attention import SeqSpan
 from workers.encoder_store import EncoderStore
+from workers.host_copies import to_device
 from workers.paged_lm import Deepstack
 from workers.runner_requests import RequestState, StepError
 
@@ -21,10 +25,18 @@ def step_embeddings(
     requests: dict[str, RequestState],
     encoder_store: EncoderStore,
     device: torch.device,
+    pending: Sequence[tuple[int, tuple[torch.Tensor, int]]] = (),
 ) -> tuple[torch.Tensor, Deepstack | None]:
     """[len(token_ids), hidden] embeddings of the step's tokens (ordered as ``spans``), and the
-    deepstack inputs where the encoder outputs have deeper levels."""
-    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    deepstack inputs where the encoder outputs have deeper levels. ``pending``: (index, (tokens, row))
+    of each token still on the device, sampled by the step before (its ``token_ids`` entry is a
+    placeholder): read there, in one gather per tensor, after that step's sampling on the stream."""
+    ids = to_device(token_ids, device, torch.long)
+    for _, group in itertools.groupby(pending, key=lambda entry: id(entry[1][0])):
+        entries = list(group)
+        source = entries[0][1][0]
+        at = to_device([index for index, _ in entries], device, torch.long)
+        ids[at] = source[to_device([row for _, (_, row) in entries], device, torch.long)]
     embeds = embed_tokens(ids)
     deep_rows: list[torch.Tensor] = []
     deep_mask = torch.zeros(len(token_ids), dtype=torch.bool)

@@ -3,8 +3,11 @@
     engine (ROUTER, binds worker_addr)                worker (DEALER, connects)
         ◀── [WorkerReady(device, dtype, num_kv_blocks, block_size)]   model loaded, KV pool allocated
         ──▶ [SchedulerOutput, tensor frames...]
-        ◀── [RunnerOutput]  or  [WorkerError(step_id, message)]   one reply per step
+        ◀── [RunnerOutput]  or  [WorkerError(step_id, message)]   one reply per step, in step order
         ──▶ [WorkerShutdown]                             the worker closes and returns
+
+With ``--worker-step-overlap`` (on CUDA by default) a step whose successor is already waiting is answered
+after that successor's forward was launched (``_serve``; docs/architecture.md, "Engine step").
 
 A failing step is answered with ``WorkerError`` and the worker keeps serving; so is a message it cannot
 take (one that does not decode, tensor frames that do not match, a step that contradicts its state),
@@ -23,7 +26,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -46,7 +50,7 @@ from wire.protocol import (
 )
 from workers.config import WorkerConfig
 from workers.frames import dtype_name
-from workers.model_runner import EncoderOutputUnavailable, ModelRunner
+from workers.model_runner import EncoderOutputUnavailable, LaunchedStep, ModelRunner
 from workers.runner_requests import StepError
 
 logger = logging.getLogger(__name__)
@@ -56,6 +60,7 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 _POLL_INTERVAL_MS = 100  # how quickly a signal ends an idle loop
 ENGINE_LOST = 3  # exit status when the engine's connection dropped
+_Result = TypeVar("_Result", LaunchedStep, RunnerOutput)
 
 
 class _Stop:
@@ -122,7 +127,10 @@ def run_worker(config: WorkerConfig) -> int:
         )
         sock.send_multipart([encode(ready)])
         logger.info("worker ready on %s, connected to %s", runner.device, config.worker_addr)
-        return _serve(sock, monitor, runner, stop)
+        overlap = config.step_overlap == "on" or (
+            config.step_overlap == "auto" and runner.device.type == "cuda"
+        )
+        return _serve(sock, monitor, runner, stop, overlap)
     finally:
         sock.disable_monitor()
         monitor.close(linger=0)
@@ -158,31 +166,73 @@ def keep_freed_memory() -> None:
     mallopt(M_TRIM_THRESHOLD, 256 << 20)
 
 
-def _serve(sock: zmq.Socket, monitor: zmq.Socket, runner: ModelRunner, stop: _Stop) -> int:
+def _serve(sock: zmq.Socket, monitor: zmq.Socket, runner: ModelRunner, stop: _Stop, overlap: bool) -> int:
+    """Serves steps until WorkerShutdown, a signal or the engine's loss. With ``overlap``, a step whose
+    successor is already waiting stays unanswered (launched and sampled on the device) while that one
+    is launched; then it is finished and answered, and the successor sampled. So the device runs step
+    N+1's forward while the host finishes step N and answers it (docs/architecture.md, "Engine step").
+    Replies keep the steps' order."""
     bad_messages = BadMessageLog(logger)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
+    in_flight: LaunchedStep | None = None  # sampled on the device, not answered
+
+    def answer(reply: RunnerOutput | WorkerError) -> None:
+        num_bad = sum(bad_messages.counts.values())
+        sock.send_multipart([encode(msgspec.structs.replace(reply, num_bad_messages=num_bad))])
+
+    def finish_in_flight() -> bool:
+        """Answers the step in flight; whether it succeeded."""
+        nonlocal in_flight
+        if in_flight is None:
+            return True
+        step, in_flight = in_flight, None
+        reply = _guarded(step.step_id, bad_messages, runner.finish, step)
+        answer(reply)
+        if isinstance(reply, WorkerError):
+            runner.forget_pending()
+        return isinstance(reply, RunnerOutput)
+
     while not stop.is_set():
-        events = dict(poller.poll(_POLL_INTERVAL_MS))
-        if sock not in events:  # messages first: a WorkerShutdown comes just before the disconnect
-            if monitor in events and recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
-                logger.error("the engine went away: exiting (a new engine needs a new worker)")
-                return ENGINE_LOST
+        if in_flight is not None and not sock.poll(0):  # nothing waits behind it: answer it now
+            finish_in_flight()
             continue
+        if in_flight is None:
+            events = dict(poller.poll(_POLL_INTERVAL_MS))
+            if sock not in events:  # messages first: a WorkerShutdown comes just before the disconnect
+                if monitor in events and recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                    logger.error("the engine went away: exiting (a new engine needs a new worker)")
+                    return ENGINE_LOST
+                continue
         frames = sock.recv_multipart(copy=False)
+        launched: LaunchedStep | WorkerError
         try:
             msg = decode_engine_message(frames)
         except BadMessage as bad:
             bad_messages.record("engine", bad)
-            reply: RunnerOutput | WorkerError = WorkerError(UNDECODABLE_STEP_ID, str(bad))
+            launched = WorkerError(UNDECODABLE_STEP_ID, str(bad))
         else:
             if isinstance(msg, WorkerShutdown):
+                finish_in_flight()
                 logger.info("shutdown requested by the engine")
                 return 0
-            reply = _run_step(runner, msg, frames, bad_messages)
-        num_bad = sum(bad_messages.counts.values())
-        sock.send_multipart([encode(msgspec.structs.replace(reply, num_bad_messages=num_bad))])
+            launched = _guarded(msg.step_id, bad_messages, _launch, runner, msg, frames)
+        if not finish_in_flight() and isinstance(launched, LaunchedStep):
+            # it continued from tokens the failed step did not produce
+            launched = WorkerError(launched.step_id, "the step before it failed")
+        if isinstance(launched, WorkerError):
+            answer(launched)
+            continue
+        step = launched
+        sampled = _guarded(step.step_id, bad_messages, runner.sample, step)
+        if isinstance(sampled, WorkerError):
+            answer(sampled)
+        elif overlap:
+            in_flight = sampled
+        else:
+            answer(_guarded(step.step_id, bad_messages, runner.finish, step))
+    finish_in_flight()
     return 0
 
 
@@ -194,29 +244,34 @@ def decode_engine_message(frames: Sequence[zmq.Frame]) -> WorkerInbound:
     return msg
 
 
-def _run_step(
-    runner: ModelRunner, msg: SchedulerOutput, frames: Sequence[zmq.Frame], bad_messages: BadMessageLog
-) -> RunnerOutput | WorkerError:
-    """The step's reply: its ``RunnerOutput``, or ``WorkerError`` when it failed or could not be taken
+def _launch(runner: ModelRunner, msg: SchedulerOutput, frames: Sequence[zmq.Frame]) -> LaunchedStep:
+    """The step launched (``ModelRunner.launch``) once its tensor frames are checked against it."""
+    refs = [ref for item in msg.encoder_inputs for ref in item.tensors.values()]
+    if msg.grammar_bitmask is not None:
+        refs.append(msg.grammar_bitmask.bitmask)
+    check_tensor_frames(refs, [f.buffer for f in frames])
+    return runner.launch(msg, frames)
+
+
+def _guarded(
+    step_id: int, bad_messages: BadMessageLog, call: Callable[..., _Result], *args: Any
+) -> _Result | WorkerError:
+    """``call(*args)``, or the step's ``WorkerError`` when it failed or the step could not be taken
     (tensor frames that do not match its encoder inputs, a step contradicting this worker's state)."""
     try:
-        refs = [ref for item in msg.encoder_inputs for ref in item.tensors.values()]
-        if msg.grammar_bitmask is not None:
-            refs.append(msg.grammar_bitmask.bitmask)
-        check_tensor_frames(refs, [f.buffer for f in frames])
-        return runner.execute(msg, frames)
+        return call(*args)
     except BadMessage as bad:
         bad_messages.record("engine", bad)
-        return WorkerError(step_id=msg.step_id, message=str(bad))
+        return WorkerError(step_id=step_id, message=str(bad))
     except EncoderOutputUnavailable as exc:
-        logger.warning("step %d: %s", msg.step_id, exc)
-        return WorkerError(step_id=msg.step_id, message=str(exc), unavailable_mm_hashes=exc.mm_hashes)
+        logger.warning("step %d: %s", step_id, exc)
+        return WorkerError(step_id=step_id, message=str(exc), unavailable_mm_hashes=exc.mm_hashes)
     except StepError as exc:  # the step contradicts what this worker holds: nothing was changed
         bad_messages.record("engine", BadMessage("step the worker cannot take", str(exc)))
-        return WorkerError(step_id=msg.step_id, message=f"{type(exc).__name__}: {exc}")
+        return WorkerError(step_id=step_id, message=f"{type(exc).__name__}: {exc}")
     except Exception as exc:
-        logger.exception("step %d failed", msg.step_id)
-        return WorkerError(step_id=msg.step_id, message=f"{type(exc).__name__}: {exc}")
+        logger.exception("step %d failed", step_id)
+        return WorkerError(step_id=step_id, message=f"{type(exc).__name__}: {exc}")
 
 
 def _handle_signals(stop: _Stop) -> None:

@@ -87,6 +87,7 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("worker_threads", "worker"),
         ("attention_backend", "worker"),
         ("enforce_eager", "worker"),
+        ("worker_step_overlap", "worker"),
     )),
     ("Security and request limits", (
         ("api_key", "api"),

@@ -71,6 +71,7 @@ def worker_config(settings: Settings) -> WorkerConfig:
         gpu_memory_utilization=settings.gpu_memory_utilization,
         attention_backend=settings.attention_backend,
         enforce_eager=settings.enforce_eager,
+        step_overlap=settings.worker_step_overlap,
         threads=settings.worker_threads,
         shutdown_timeout=settings.shutdown_timeout,
         parts=parts,

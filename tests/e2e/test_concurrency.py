@@ -85,8 +85,9 @@ def test_scheduling_ahead_gives_the_answers_of_one_step_at_a_time(
 ) -> None:
     """The shared server schedules each step while the worker runs the one before (the default,
     ``--async-scheduling``; docs/architecture.md, "Engine step"); one with ``--no-async-scheduling``
-    waits for each answer. The same 12 requests at once get the same choices from both: texts, finish
-    reasons, logprobs."""
+    waits for each answer; one with ``--worker-step-overlap on`` also has its worker launch each step
+    before it answers the one before (its tokens read where they were sampled). The same 12 requests
+    at once get the same choices from all three: texts, finish reasons, logprobs."""
 
     def answers(srv: Server) -> tuple[list[list[dict]], float]:
         before = srv.metrics()["mmserve_engine_steps_ahead_total"]
@@ -103,14 +104,24 @@ def test_scheduling_ahead_gives_the_answers_of_one_step_at_a_time(
         return choices, srv.metrics()["mmserve_engine_steps_ahead_total"] - before
 
     ahead, num_ahead = answers(server)
-    with serving(tiny_model_dir, tmp_path, "--max-model-len", "4096", "--no-async-scheduling") as sync:
+    (tmp_path / "sync").mkdir()
+    (tmp_path / "overlap").mkdir()
+    with serving(
+        tiny_model_dir, tmp_path / "sync", "--max-model-len", "4096", "--no-async-scheduling"
+    ) as sync:
         one_at_a_time, none_ahead = answers(sync)
-    assert [[tokens(c) for c in cs] for cs in ahead] == [[tokens(c) for c in cs] for cs in one_at_a_time]
-    # logprobs to float32 rounding: a step's batch differs (as between two runs one step at a time)
-    assert [x for cs in ahead for c in cs for x in logprobs(c)] == pytest.approx(
-        [x for cs in one_at_a_time for c in cs for x in logprobs(c)], abs=1e-4
-    )
-    assert num_ahead > 20 and none_ahead == 0
+    # and the worker launching each step before answering the one before, as on a GPU
+    with serving(
+        tiny_model_dir, tmp_path / "overlap", "--max-model-len", "4096", "--worker-step-overlap", "on"
+    ) as srv:
+        overlapped, overlapped_ahead = answers(srv)
+    for other in (one_at_a_time, overlapped):
+        assert [[tokens(c) for c in cs] for cs in ahead] == [[tokens(c) for c in cs] for cs in other]
+        # logprobs to float32 rounding: a step's batch differs (as between two runs one step at a time)
+        assert [x for cs in ahead for c in cs for x in logprobs(c)] == pytest.approx(
+            [x for cs in other for c in cs for x in logprobs(c)], abs=1e-4
+        )
+    assert num_ahead > 20 and none_ahead == 0 and overlapped_ahead > 20
     assert {c["finish_reason"] for cs in ahead for c in cs} == {"stop", "length"}
 
 

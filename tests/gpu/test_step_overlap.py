@@ -1,0 +1,57 @@
+"""The worker's overlap on a GPU (docs/architecture.md, "Engine step"): step N+1 is launched, and step N
+finished and answered, without the host waiting for the device's work queued after step N's tokens.
+A long sleep kernel queued after step N stands for a long forward: launching N+1, finishing N and
+sampling N+1 must all return while it still runs (any copy from pageable memory, or any other host
+synchronisation on the way, would wait for it). The replies equal those of steps one at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.test_step_overlap import steps
+from wire.protocol import RunnerOutput
+from workers.model_runner import ModelRunner
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SLEEP_CYCLES = 4_000_000_000  # about 2 s at an H100's clock: far longer than the host's work below
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+def test_the_host_does_not_wait_for_the_device_between_steps(
+    tiny_model: Callable[[str], Path], family: str
+) -> None:
+    def runner() -> ModelRunner:
+        return ModelRunner(str(tiny_model(family)), device="cuda", kv_cache_tokens=4096, decode_graphs=True)
+
+    frames = [b""]
+    sequential = runner()
+    expected = [sequential.execute(step, frames) for step in steps()]
+
+    overlapped = runner()
+    replies: list[RunnerOutput] = []
+    first, *rest = steps()
+    in_flight = overlapped.sample(overlapped.launch(first, frames))
+    checked = 0
+    for step in rest:
+        measured = step.step_id >= 4  # the decode shapes were captured in the steps before
+        if measured:
+            torch.cuda._sleep(SLEEP_CYCLES)  # the device is busy long after step N's tokens
+            busy = torch.cuda.Event()
+            busy.record()
+        launched = overlapped.launch(step, frames)
+        replies.append(overlapped.finish(in_flight))
+        in_flight = overlapped.sample(launched)
+        if measured:
+            assert not busy.query(), f"step {step.step_id}: the host waited for the device"
+            checked += 1
+            torch.cuda.synchronize()
+    replies.append(overlapped.finish(in_flight))
+    assert checked >= 5
+    assert [(r.req_ids, r.sampled_token_ids) for r in replies] == [
+        (r.req_ids, r.sampled_token_ids) for r in expected
+    ]

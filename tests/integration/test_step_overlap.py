@@ -1,0 +1,110 @@
+"""The worker launching step N+1 before it finished step N (docs/architecture.md, "Engine step"): the
+engine sent N+1 ahead, N's tokens are still on the device when N+1's forward is launched, and N is
+answered while N+1 runs. On the CPU nothing runs asynchronously, but the bookkeeping is the GPU's: the
+pending tokens read where they were sampled, penalties and ``min_tokens`` counting every earlier token,
+a request dropped while its token was pending. The same steps must give the same replies, bit for bit,
+as one step finished before the next is launched."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from wire.protocol import NewRequestData, RunnerOutput, SamplingParams, SchedulerOutput
+from workers.model_runner import ModelRunner
+
+NUM_STEPS = 12
+BLOCK_SIZE = 16
+PARAMS = {
+    "greedy": SamplingParams(max_tokens=NUM_STEPS, temperature=0.0, num_top_logprobs=3),
+    "seeded": SamplingParams(max_tokens=NUM_STEPS, temperature=0.8, top_p=0.9, seed=7, num_top_logprobs=2),
+    "penalised": SamplingParams(
+        max_tokens=NUM_STEPS,
+        temperature=0.0,
+        repetition_penalty=1.3,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        min_tokens=6,
+        eos_token_ids=(5, 6, 7),
+    ),
+    "dropped": SamplingParams(max_tokens=NUM_STEPS, temperature=0.0),  # finished while a token is pending
+}
+DROP_AT = 5  # the step whose finished_req_ids drop "dropped"
+
+
+def steps() -> list[SchedulerOutput]:
+    """A prefill of every prompt (different lengths), then one decode per request per step."""
+    rng = random.Random(0)
+    prompts = {
+        req_id: [rng.randrange(10, 1000) for _ in range(20 + 7 * i)] for i, req_id in enumerate(PARAMS)
+    }
+    new, first_block = [], 0
+    for req_id, prompt in prompts.items():
+        num_blocks = -(-(len(prompt) + NUM_STEPS) // BLOCK_SIZE)
+        blocks = list(range(first_block, first_block + num_blocks))
+        first_block += num_blocks
+        new.append(NewRequestData(req_id, prompt, [], PARAMS[req_id], block_ids=blocks))
+    out = [SchedulerOutput(1, new, {r: len(p) for r, p in prompts.items()}, [], [], [])]
+    running = list(prompts)
+    for step_id in range(2, NUM_STEPS + 1):
+        finished = []
+        if step_id == DROP_AT:
+            running.remove("dropped")
+            finished.append("dropped")
+        out.append(SchedulerOutput(step_id, [], dict.fromkeys(running, 1), [], [], finished))
+    return out
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("decode_graphs", [False, True], ids=["eager", "fixed-shape"])
+def test_overlapped_steps_reply_as_steps_one_at_a_time(
+    tiny_model: Callable[[str], Path], family: str, decode_graphs: bool
+) -> None:
+    model_dir = tiny_model(family)
+
+    def runner() -> ModelRunner:
+        return ModelRunner(str(model_dir), "cpu", kv_cache_tokens=4096, decode_graphs=decode_graphs)
+
+    frames = [b""]
+    sequential = runner()
+    expected = [sequential.execute(step, frames) for step in steps()]
+
+    overlapped = runner()
+    replies: list[RunnerOutput] = []
+    first, *rest = steps()
+    in_flight = overlapped.sample(overlapped.launch(first, frames))
+    for step in rest:
+        launched = overlapped.launch(step, frames)  # its decodes read in_flight's tokens on the device
+        if step.step_id == DROP_AT:
+            assert "dropped" not in overlapped.requests  # dropped before its pending token was finished
+        else:
+            assert all(r.pending is not None for r in overlapped.requests.values())
+        replies.append(overlapped.finish(in_flight))
+        in_flight = overlapped.sample(launched)
+    replies.append(overlapped.finish(in_flight))
+
+    def answers(outputs: list[RunnerOutput]) -> list[tuple]:
+        return [(o.step_id, o.req_ids, o.sampled_token_ids, o.logprobs) for o in outputs]
+
+    assert answers(replies) == answers(expected)
+    tokens = {r: s.token_ids for r, s in overlapped.requests.items()}
+    assert tokens == {r: s.token_ids for r, s in sequential.requests.items()}
+    assert all(r.pending is None for r in overlapped.requests.values())
+    # the penalised request's tokens differ from the greedy one's choices: its penalties were applied
+    assert len(set(tokens["penalised"][-NUM_STEPS:])) > 1
+
+
+def test_a_failed_step_leaves_no_token_pending(tiny_model_dir: Path) -> None:
+    """The step after a failed one is failed too by the worker loop (its inputs were the failed
+    step's tokens); ``forget_pending`` drops what was pending, and the requests can be resumed."""
+    runner = ModelRunner(str(tiny_model_dir), "cpu", kv_cache_tokens=4096, decode_graphs=False)
+    first, second, *_ = steps()
+    runner.sample(runner.launch(first, [b""]))
+    assert all(r.pending is not None for r in runner.requests.values())
+    runner.forget_pending()
+    assert all(r.pending is None for r in runner.requests.values())
+    with pytest.raises(Exception, match="computable"):  # its tokens are unknown: the step is refused
+        runner.launch(second, [b""])
