@@ -18,7 +18,7 @@ from workers.model_runner import ModelRunner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-SLEEP_CYCLES = 4_000_000_000  # about 2 s at an H100's clock: far longer than the host's work below
+SLEEP_CYCLES = 1_000_000_000  # about 0.5 s at an H100's clock: far longer than the host's work below
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
@@ -38,7 +38,7 @@ def test_the_host_does_not_wait_for_the_device_between_steps(
     in_flight = overlapped.sample(overlapped.launch(first, frames))
     checked = 0
     for step in rest:
-        measured = step.step_id >= 4  # the decode shapes were captured in the steps before
+        measured = 4 <= step.step_id <= 6  # (the decode shapes were captured in the steps before)
         if measured:
             torch.cuda._sleep(SLEEP_CYCLES)  # the device is busy long after step N's tokens
             busy = torch.cuda.Event()
@@ -51,7 +51,7 @@ def test_the_host_does_not_wait_for_the_device_between_steps(
             checked += 1
             torch.cuda.synchronize()
     replies.append(overlapped.finish(in_flight))
-    assert checked >= 5
+    assert checked == 3
     assert [(r.req_ids, r.sampled_token_ids) for r in replies] == [
         (r.req_ids, r.sampled_token_ids) for r in expected
     ]
