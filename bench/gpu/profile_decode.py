@@ -1,7 +1,8 @@
 """Where a decode step's time goes: the worker's ``ModelRunner`` in this process (no API, engine or IPC),
 ``--batches`` of text requests of ``--prompt-tokens`` each prefilled, then decode steps timed with the
 decode CUDA graphs (workers/decode_graphs.py: with the fused layers and the Triton kernels; with
-transformers' layers; where Triton is there, without it) and without graphs (eager), and the largest
+transformers' layers; where Triton is there, without it) and without graphs (eager), then steps back to
+back one at a time and overlapped as with ``--worker-step-overlap`` (wall time per step), and the largest
 batch's graph steps under the torch profiler.
 
     python bench/gpu/profile_decode.py --model DIR --out DIR [--device cuda] [--batches 1,16,64]
@@ -48,7 +49,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     cuda = args.device.startswith("cuda")
     steps = args.steps
-    max_tokens = 8 * steps + 16  # enough for every measured step below
+    max_tokens = 12 * steps + 16  # enough for every measured step below
     kv_tokens = sum(batches) * (args.prompt_tokens + max_tokens + 32)
     runner = ModelRunner(str(args.model), args.device, kv_cache_tokens=kv_tokens, decode_graphs=True)
     graphs = runner.lm_forward
@@ -76,11 +77,31 @@ def main() -> None:
         runner.lm_forward = graphs
         return 1e3 * worker / steps, 1e3 * lm_seconds[0] / steps
 
+    def wall_ms(engine: FakeEngine, overlapped: bool) -> float:
+        """Wall time per decode step, each step finished before the next is launched or, as with
+        --worker-step-overlap, launched before the one before is finished (its tokens on the device)."""
+        sync()
+        started = time.perf_counter()
+        if overlapped:
+            engine.decode_overlapped(steps)
+        else:
+            for _ in range(steps):
+                engine.step()
+        sync()
+        return 1e3 * (time.perf_counter() - started) / steps
+
     lines = [
         f"decode steps, {args.prompt_tokens}-token prompts, {runner.device} {runner.dtype}",
         "",
         "| batch | mode | worker step ms | LM ms (synchronised) | rest ms |",
         "|---|---|---|---|---|",
+    ]
+    overlap_lines = [
+        "",
+        "steps back to back (graphs, fused, Triton where there): wall ms per step",
+        "",
+        "| batch | one at a time | overlapped (--worker-step-overlap) |",
+        "|---|---|---|",
     ]
     gen = torch.Generator().manual_seed(0)
     profiled = None
@@ -111,9 +132,13 @@ def main() -> None:
         if (graphs.triton, graphs.fused) != (has_triton, can_fuse):
             graphs.reset(has_triton)
             engine.step()
+        one_at_a_time, overlapped = wall_ms(engine, False), wall_ms(engine, True)
+        overlap_lines.append(f"| {batch} | {one_at_a_time:.2f} | {overlapped:.2f} |")
+        print(overlap_lines[-1], flush=True)
         if batch == max(batches):
             profiled = _profile(engine, steps, cuda)
         engine.run()
+    lines += overlap_lines
     lines += ["", f"decode graphs captured: {sorted(graphs.shapes)} (rows, key blocks)", ""]
     lines += profiled or []
     args.out.mkdir(parents=True, exist_ok=True)

@@ -189,6 +189,42 @@ class FakeEngine:
                 self.allocator.release(self.tables[req_id])
         return out
 
+    def decode_overlapped(self, num_steps: int) -> list[RunnerOutput]:
+        """``num_steps`` decode steps of every running request, each step launched before the one before
+        is finished, as the worker runs them with ``--worker-step-overlap`` (docs/architecture.md,
+        "Engine step"): each request computes the token its previous step sampled, which is still on
+        the device. Every running request must be past its prompt and sampling, with room left under
+        ``max_tokens`` for all ``num_steps`` (nothing finishes here)."""
+        outs: list[RunnerOutput] = []
+        in_flight = None
+        for _ in range(num_steps):
+            scheduled = dict.fromkeys(self.running, 1)
+            new_block_ids: dict[str, list[int]] = {}
+            for req_id in scheduled:
+                assert not self.unsent and not self.resuming and not self.to_free and not self.finished
+                if self.num_computed[req_id] % self.block_size == 0:
+                    new_block_ids[req_id] = self.allocator.allocate(1)
+                    self.tables[req_id] += new_block_ids[req_id]
+                self.num_computed[req_id] += 1
+            sched = SchedulerOutput(self.step_id, [], scheduled, [], [], [], new_block_ids=new_block_ids)
+            self.step_id += 1
+            launched = self.runner.launch(sched, [b""])
+            if in_flight is not None:
+                outs.append(self._take(self.runner.finish(in_flight)))
+            in_flight = self.runner.sample(launched)
+        if in_flight is not None:
+            outs.append(self._take(self.runner.finish(in_flight)))
+        return outs
+
+    def _take(self, out: RunnerOutput) -> RunnerOutput:
+        for req_id, token_id, logprobs in zip(out.req_ids, out.sampled_token_ids, out.logprobs, strict=True):
+            self.outputs[req_id].append(token_id)
+            self.logprobs[req_id].append(logprobs)
+            assert len(self.outputs[req_id]) < self.sampling[req_id].max_tokens, (
+                "decode_overlapped finishes none"
+            )
+        return out
+
     def run(self) -> dict[str, list[int]]:
         while self.running:
             self.step()

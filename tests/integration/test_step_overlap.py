@@ -12,7 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.integration.fake_engine import FakeEngine, Prompt
 from wire.protocol import NewRequestData, RunnerOutput, SamplingParams, SchedulerOutput
 from workers.model_runner import ModelRunner
 
@@ -108,3 +110,24 @@ def test_a_failed_step_leaves_no_token_pending(tiny_model_dir: Path) -> None:
     assert all(r.pending is None for r in runner.requests.values())
     with pytest.raises(Exception, match="computable"):  # its tokens are unknown: the step is refused
         runner.launch(second, [b""])
+
+
+def test_the_fake_engines_overlapped_decodes_equal_its_steps(tiny_model_dir: Path) -> None:
+    """``FakeEngine.decode_overlapped`` (what bench/gpu/profile_decode.py times as the worker's overlap)
+    gives the tokens of as many plain steps."""
+    outputs = []
+    for overlapped in (False, True):
+        runner = ModelRunner(str(tiny_model_dir), "cpu", kv_cache_tokens=4096, decode_graphs=True)
+        engine = FakeEngine(runner)
+        rng = random.Random(1)
+        for i in range(3):
+            ids = [rng.randrange(10, 1000) for _ in range(17 + 9 * i)]
+            engine.add(f"r{i}", Prompt(ids, [], [], [], torch.empty(0)), SamplingParams(max_tokens=40, temperature=0.0))
+        engine.step()  # the prompts
+        if overlapped:
+            engine.decode_overlapped(20)
+        else:
+            for _ in range(20):
+                engine.step()
+        outputs.append(dict(engine.outputs))
+    assert outputs[0] == outputs[1] and all(len(tokens) == 21 for tokens in outputs[1].values())
