@@ -60,7 +60,7 @@ class Launched:
     plan: StepPlan
     outputs: dict[bytes, list[RequestOutput]]
     sent: bool = False
-    failed: bool = False  # the worker did not complete it (set by ``finish``)
+    failed: bool = False  # the worker did not complete it, or the step before it (``finish``)
 
 
 class EngineCore:
@@ -326,18 +326,15 @@ class EngineCore:
         launches the next one if ``ahead`` (``--async-scheduling``) allows and ``can_schedule_ahead``,
         then waits for the oldest step and postprocesses it; then, with none in flight, launches the
         next. Returns the outputs to publish (those of the step that ended, and of requests that ended
-        while a step was scheduled). A step scheduled on the answer of one that failed fails too
-        (``abandon``). Raises ``WorkerLost``."""
+        while a step was scheduled). A step scheduled on the answer of one that failed fails with it
+        (``finish``). Raises ``WorkerLost``."""
         outputs: Outputs = {}
         if self.in_flight:
             if ahead and len(self.in_flight) == 1 and self.has_work and self.can_schedule_ahead:
                 outputs = self._launch_into(outputs)
                 if len(self.in_flight) == 2:
                     self.metrics.count(EngineCounter.ENGINE_STEPS_AHEAD)
-            launched = self.in_flight.popleft()
-            outputs = merged(outputs, self.finish(launched))
-            if launched.failed and self.in_flight:
-                outputs = merged(outputs, self.abandon(self.in_flight.popleft()))
+            outputs = merged(outputs, self.finish(self.in_flight.popleft()))
         if not self.in_flight and self.has_work:
             outputs = self._launch_into(outputs)
         return outputs
@@ -366,15 +363,16 @@ class EngineCore:
         except WorkerLost:
             raise
         except WorkerFailed as exc:  # not sent: the step fails as one the worker failed
-            for client, failed in self._fail_step(plan, exc).items():
+            for client, failed in self._roll_back([launched], exc).items():
                 launched.outputs[client] += failed
             return launched
         launched.sent = True
         return launched
 
     def finish(self, launched: Launched) -> Outputs:
-        """Waits for the launched step's reply, then postprocesses (or, when the worker failed the step,
-        rolls it back and fails its requests). Raises ``WorkerLost``."""
+        """Waits for the launched step's reply, then postprocesses; when the worker failed the step,
+        rolls it back and fails its requests, with the step sent after it if one is in flight
+        (``in_flight``, scheduled on this one's answer). Raises ``WorkerLost``."""
         plan, outputs = launched.plan, launched.outputs
         if not launched.sent:
             return dict(outputs)
@@ -385,15 +383,9 @@ class EngineCore:
             raise
         except BadMessage as bad:
             self.bad_messages.record("worker", bad)
-            launched.failed = True
-            for client, failed in self._fail_step(plan, WorkerFailed(str(bad))).items():
-                outputs[client] += failed
-            return dict(outputs)
+            return self._fail(launched, WorkerFailed(str(bad)))
         except WorkerFailed as exc:
-            launched.failed = True
-            for client, failed in self._fail_step(plan, exc).items():
-                outputs[client] += failed
-            return dict(outputs)
+            return self._fail(launched, exc)
         result = self.scheduler.postprocess(plan, runner_output)
         self.metrics.record_step(plan, runner_output)
 
@@ -417,23 +409,47 @@ class EngineCore:
             )
         return dict(outputs)
 
-    def abandon(self, launched: Launched) -> Outputs:
-        """Fails a step that was scheduled before the step ahead of it was answered, once that one
-        failed: it continued requests from tokens and K/V the failed step did not produce, and may have
-        registered blocks that hold them. Its reply is awaited and dropped (the worker runs steps in
-        order), then it is rolled back as a failed step. Raises ``WorkerLost``."""
-        if launched.sent:
-            try:
-                self.executor.wait(launched.plan.step_id)
-            except WorkerLost:
-                raise
-            except (WorkerFailed, BadMessage):
-                pass  # failed too
-        launched.failed = True
-        outputs: Outputs = defaultdict(list, launched.outputs)
-        error = WorkerFailed(f"the step before step {launched.plan.step_id} failed")
-        for client, failed in self._fail_step(launched.plan, error).items():
-            outputs[client] += failed
+    def _fail(self, launched: Launched, exc: WorkerFailed) -> Outputs:
+        """The worker did not complete ``launched``: it and the step sent after it, if one is in flight
+        (it continued requests from tokens and K/V this one did not produce, and may have registered
+        blocks that hold them or shared its encoder entries), are rolled back together
+        (``Scheduler.fail_steps``); the follower's reply is awaited and dropped first (the worker runs
+        steps in order). Every request of either ends with the step's error. Raises ``WorkerLost``."""
+        failed = [launched]
+        if self.in_flight:
+            follower = self.in_flight.popleft()
+            if follower.sent:
+                try:
+                    self.executor.wait(follower.plan.step_id)
+                except WorkerLost:
+                    raise
+                except (WorkerFailed, BadMessage):
+                    pass  # failed too
+            failed.append(follower)
+        outputs: Outputs = defaultdict(list)
+        for step in failed:
+            for client, ended in step.outputs.items():
+                outputs[client] += ended
+        for client, ended in self._roll_back(failed, exc).items():
+            outputs[client] += ended
+        return dict(outputs)
+
+    def _roll_back(self, failed: list[Launched], exc: WorkerFailed) -> Outputs:
+        """``Scheduler.fail_steps`` of ``failed``; each of their requests' error output."""
+        log.error("step %s failed: %s", " and ".join(str(f.plan.step_id) for f in failed), exc)
+        error = ErrorInfo(
+            message=f"internal error while running the model: {exc}", code="internal_error", http_status=500
+        )
+        if exc.unavailable_mm_hashes:
+            error = ENCODER_OUTPUT_UNAVAILABLE
+        outputs: Outputs = defaultdict(list)
+        for step in failed:
+            step.failed = True
+            self.metrics.count(EngineCounter.FAILED_STEPS)
+        for request in self.scheduler.fail_steps([step.plan for step in failed]):
+            outputs[request.client].append(
+                RequestOutput(request.req_id, finish_reason=FinishReason.ABORT, error=error)
+            )
         return dict(outputs)
 
     def _sampling_grammars(self, plan: StepPlan) -> list[tuple[str, RequestGrammar]]:
@@ -445,21 +461,6 @@ class EngineCore:
                 assert isinstance(request.grammar, RequestGrammar)
                 found.append((req_id, request.grammar))
         return found
-
-    def _fail_step(self, plan: StepPlan, exc: WorkerFailed) -> Outputs:
-        log.error("step %d failed: %s", plan.step_id, exc)
-        self.metrics.count(EngineCounter.FAILED_STEPS)
-        error = ErrorInfo(
-            message=f"internal error while running the model: {exc}", code="internal_error", http_status=500
-        )
-        if exc.unavailable_mm_hashes:
-            error = ENCODER_OUTPUT_UNAVAILABLE
-        outputs: Outputs = defaultdict(list)
-        for request in self.scheduler.fail_step(plan):
-            outputs[request.client].append(
-                RequestOutput(request.req_id, finish_reason=FinishReason.ABORT, error=error)
-            )
-        return dict(outputs)
 
     def stats(self) -> EngineStats:
         return self.metrics.snapshot(self.scheduler, self.connector, self.grammars)

@@ -154,6 +154,10 @@ class EncodeOnlyScheduler:
                 result.finished.append(request)
         return result
 
+    def fail_steps(self, plans: Sequence[StepPlan]) -> list[Request]:
+        """``fail_step`` of each (an encoder-only instance never schedules ahead: one at most)."""
+        return [request for plan in plans for request in self.fail_step(plan)]
+
     def fail_step(self, plan: StepPlan) -> list[Request]:
         """The step's requests end (ABORT); what it was to encode is forgotten, so it is encoded again."""
         failed = [self.requests[r] for r in plan.num_scheduled_tokens if r in self.requests]

@@ -136,6 +136,10 @@ class EncoderCacheManager:
         for mm_hash in list(self._req_entries.get(req_id, ())):
             self.release(req_id, mm_hash)
 
+    def users(self, mm_hash: str) -> list[str]:
+        """The requests using the entry now (none if it is freeable or not held)."""
+        return list(self._users.get(mm_hash, ()))
+
     def discard(self, mm_hash: str) -> None:
         """The step that was to encode ``mm_hash`` failed: evict the entry now, so a later request
         encodes the item again (``take_evicted`` reports it: the worker drops a partial output). Its

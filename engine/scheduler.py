@@ -136,15 +136,17 @@ class Scheduler:
         running request then continues after their tokens, and a step that samples for it is followed
         by its sampled token, which the worker appends itself (docs/architecture.md, "Engine step").
         Left out until the answer: a constrained request with a token pending (its grammar must
-        accept it before the next bitmask) and one that the pending token ends by length. A request in
-        flight is never preempted: where one would be, the step stops there and admits no one."""
+        accept it before the next bitmask) and one that the pending token ends by length. Nothing is
+        preempted while a step is in flight: where a request would be, the step stops there and admits
+        no one (the step after the answer preempts)."""
         token_budget = self.config.max_num_batched_tokens
         encoder_budget = self.config.encoder_compute_budget_tokens
         num_scheduled: dict[str, int] = {}
         sampling: list[str] = []
         encoder_items: dict[str, MMItem] = {}
         new_block_ids: dict[str, list[int]] = {}
-        preempted_now = False  # (or a request in flight would have been preempted)
+        preempted_now = False  # (or a request would have been, with a step in flight)
+        ahead = any(r.num_inflight_tokens for r in self.running)  # a step is in flight: no preemption
 
         index = 0
         while index < len(self.running) and token_budget > 0:
@@ -159,7 +161,7 @@ class Scheduler:
             while not self.kv_cache.can_allocate(request, inflight + wanted):
                 victim = self.running[-1]  # the most recently admitted: it has the least work to lose
                 preempted_now = True
-                if victim.num_inflight_tokens:  # its blocks are being written: wait for the answers
+                if ahead:  # its requests' blocks are being written, and what it frees is not known yet
                     fits = False
                     break
                 self._preempt(victim)
@@ -423,27 +425,50 @@ class Scheduler:
         return reason
 
     def fail_step(self, plan: StepPlan) -> list[Request]:
-        """Called instead of ``postprocess`` when the worker did not complete ``plan`` (an error or a
-        timeout; it is still there). Returns the step's requests, now finished with ABORT: the worker's
-        state for them is unknown. The step is undone from the caches' view: the blocks it registered
-        in the prefix cache and the encoder entries it allocated are forgotten (their K/V and outputs
-        may never have been written), so a later request computes and encodes them again; blocks
-        and entries of earlier steps stay. The step's drops (freed outputs, finished and preempted
-        requests) go out again with the next step: the worker may not have applied them, and
-        applying one twice is harmless. Requests the step did not run are untouched."""
-        failed = [self.requests[req_id] for req_id in plan.num_scheduled_tokens if req_id in self.requests]
-        for request in failed:
-            self._finish(request, FinishReason.ABORT)
-        # Only the step's requests held what it registered or allocated: all released above.
-        self.kv_cache.uncache(plan.cached_blocks)
-        for mm_hash in dict.fromkeys([*(h for h, _ in plan.encoder_items), *plan.load_mm_hashes]):
-            self.encoder_cache.discard(mm_hash)  # reported in the next step's free_mm_hashes
-        self._resend_free_mm_hashes += plan.free_mm_hashes
-        self._finished_req_ids[:0] = plan.finished_req_ids
-        for req_id, entry in plan.forced_tokens.items():  # the worker may not have appended them
-            if req_id in self.requests:  # not finished
-                self._forced_tokens.setdefault(req_id, entry)
-        self._preempted_req_ids[:0] = plan.preempted_req_ids
+        """``fail_steps`` of one step."""
+        return self.fail_steps([plan])
+
+    def fail_steps(self, plans: Sequence[StepPlan]) -> list[Request]:
+        """Called instead of ``postprocess`` when the worker did not complete ``plans[0]`` (an error or a
+        timeout; it is still there), with the step sent after it, if any: scheduled on its answer, it
+        fails too (docs/architecture.md, "Engine step"). Returns the steps' requests, now finished with
+        ABORT: the worker's state for them is unknown. The steps are undone from the caches' view, all
+        requests first: the blocks they registered in the prefix cache and the encoder entries they
+        allocated are forgotten (their K/V and outputs may never have been written), so a later request
+        computes and encodes them again; blocks and entries of earlier steps stay. A request outside
+        the steps that looked up such an entry (a head of line that then waited) gives it up and
+        encodes it again later. The steps' drops (freed outputs, finished and preempted requests) go
+        out again with the next step: the worker may not have applied them, and applying one twice is
+        harmless. Requests the steps did not run are untouched."""
+        failed = []
+        for plan in plans:
+            for req_id in plan.num_scheduled_tokens:
+                request = self.requests.get(req_id)
+                if request is not None:
+                    self._finish(request, FinishReason.ABORT)
+                    failed.append(request)
+        for plan in plans:
+            # Only the steps' requests held what they registered: all released above.
+            self.kv_cache.uncache(plan.cached_blocks)
+            for mm_hash in dict.fromkeys([*(h for h, _ in plan.encoder_items), *plan.load_mm_hashes]):
+                for req_id in self.encoder_cache.users(mm_hash):
+                    request = self.requests[req_id]
+                    if mm_hash in request.encoder_only_hashes:  # nothing to encode it from
+                        if request in self.waiting:
+                            self.waiting.remove(request)
+                        self._finish(request, FinishReason.ABORT)
+                        failed.append(request)
+                        continue
+                    request.encoder_hashes_in_use.discard(mm_hash)
+                    self.encoder_cache.release(req_id, mm_hash)
+                self.encoder_cache.discard(mm_hash)  # reported in the next step's free_mm_hashes
+            self._resend_free_mm_hashes += plan.free_mm_hashes
+        for plan in reversed(plans):  # (each prepended: the first step's drops go first)
+            self._finished_req_ids[:0] = plan.finished_req_ids
+            self._preempted_req_ids[:0] = plan.preempted_req_ids
+            for req_id, entry in plan.forced_tokens.items():  # the worker may not have appended them
+                if req_id in self.requests:  # not finished
+                    self._forced_tokens.setdefault(req_id, entry)
         return failed
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:

@@ -35,6 +35,7 @@ from workers.attention import SeqSpan
 from workers.attention.fixed_decode import FixedDecodeAttention
 from workers.attention.triton_decode import triton_available
 from workers.fused_decode import FusedDecoder, fusable, merge_projections
+from workers.host_copies import to_device
 from workers.paged_lm import Deepstack, PagedLanguageModel
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class DecodeGraphs:
         logits = self._replay(shape, inputs_embeds, position_ids, spans)
         if logits_rows == list(range(len(spans))):
             return logits
-        return logits.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=self.device))
+        return logits.index_select(0, to_device(logits_rows, self.device, torch.long))
 
     def _shape_for(self, spans: list[SeqSpan], position_rows: int) -> _Shape | None:
         if not self.enabled or not spans or any(s.num_new_tokens != 1 for s in spans):

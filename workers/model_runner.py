@@ -377,8 +377,9 @@ class ModelRunner:
             if num_computed == len(req.token_ids) + (req.pending is not None):
                 step.req_ids.append(span.req_id)
                 logits_rows.append(len(token_ids) - 1)
+                num_outputs = req.num_output_tokens + (req.pending is not None)  # before this step's
                 row = SamplingRow(
-                    req.sampling, req.num_output_tokens, req.generator, allowed.get(span.req_id), req.history
+                    req.sampling, num_outputs, req.generator, allowed.get(span.req_id), req.history
                 )
                 step.rows.append(row)
         embeds, deepstack = step_embeddings(

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from workers.attention import AttentionBackend, SeqSpan, StepAttention
+from workers.host_copies import to_device
 from workers.kv_pool import KVPool
 from workers.paged_attention import PAGED_ATTENTION, register_paged_attention
 
@@ -75,7 +76,7 @@ class PagedLanguageModel:
         assert inputs_embeds.shape[0] == sum(span.num_new_tokens for span in spans)
         step = self.attention(self.kv_pool, spans, device)
         hidden = self.decoder(inputs_embeds, position_ids.to(device), step, deepstack)
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
+        rows = to_device(logits_rows, device, torch.long)
         return self.logits(hidden.index_select(0, rows))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

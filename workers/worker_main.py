@@ -167,38 +167,22 @@ def keep_freed_memory() -> None:
 
 
 def _serve(sock: zmq.Socket, monitor: zmq.Socket, runner: ModelRunner, stop: _Stop, overlap: bool) -> int:
-    """Serves steps until WorkerShutdown, a signal or the engine's loss. With ``overlap``, a step whose
-    successor is already waiting stays unanswered (launched and sampled on the device) while that one
-    is launched; then it is finished and answered, and the successor sampled. So the device runs step
-    N+1's forward while the host finishes step N and answers it (docs/architecture.md, "Engine step").
-    Replies keep the steps' order."""
+    """Serves steps until WorkerShutdown, a signal or the engine's loss (``_Steps`` runs them)."""
     bad_messages = BadMessageLog(logger)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(monitor, zmq.POLLIN)
-    in_flight: LaunchedStep | None = None  # sampled on the device, not answered
 
-    def answer(reply: RunnerOutput | WorkerError) -> None:
+    def send(reply: RunnerOutput | WorkerError) -> None:
         num_bad = sum(bad_messages.counts.values())
         sock.send_multipart([encode(msgspec.structs.replace(reply, num_bad_messages=num_bad))])
 
-    def finish_in_flight() -> bool:
-        """Answers the step in flight; whether it succeeded."""
-        nonlocal in_flight
-        if in_flight is None:
-            return True
-        step, in_flight = in_flight, None
-        reply = _guarded(step.step_id, bad_messages, runner.finish, step)
-        answer(reply)
-        if isinstance(reply, WorkerError):
-            runner.forget_pending()
-        return isinstance(reply, RunnerOutput)
-
+    steps = _Steps(runner, bad_messages, send, overlap)
     while not stop.is_set():
-        if in_flight is not None and not sock.poll(0):  # nothing waits behind it: answer it now
-            finish_in_flight()
+        if steps.in_flight is not None and not sock.poll(0):  # nothing waits behind it: answer it now
+            steps.finish_in_flight()
             continue
-        if in_flight is None:
+        if steps.in_flight is None:
             events = dict(poller.poll(_POLL_INTERVAL_MS))
             if sock not in events:  # messages first: a WorkerShutdown comes just before the disconnect
                 if monitor in events and recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
@@ -206,34 +190,95 @@ def _serve(sock: zmq.Socket, monitor: zmq.Socket, runner: ModelRunner, stop: _St
                     return ENGINE_LOST
                 continue
         frames = sock.recv_multipart(copy=False)
-        launched: LaunchedStep | WorkerError
         try:
             msg = decode_engine_message(frames)
         except BadMessage as bad:
             bad_messages.record("engine", bad)
-            launched = WorkerError(UNDECODABLE_STEP_ID, str(bad))
-        else:
-            if isinstance(msg, WorkerShutdown):
-                finish_in_flight()
-                logger.info("shutdown requested by the engine")
-                return 0
-            launched = _guarded(msg.step_id, bad_messages, _launch, runner, msg, frames)
-        if not finish_in_flight() and isinstance(launched, LaunchedStep):
-            # it continued from tokens the failed step did not produce
+            steps.finish_in_flight()
+            steps.answer(WorkerError(UNDECODABLE_STEP_ID, str(bad)))
+            continue
+        if isinstance(msg, WorkerShutdown):
+            steps.finish_in_flight()
+            logger.info("shutdown requested by the engine")
+            return 0
+        steps.run(msg, frames)
+    steps.finish_in_flight()
+    return 0
+
+
+class _Steps:
+    """The worker's steps, answered in order. With ``overlap``, a step whose successor is already
+    waiting stays unanswered (launched and sampled on the device, ``in_flight``) while that one is
+    launched; then it is finished and answered, and the successor sampled. So the device runs step
+    N+1's forward while the host finishes step N and answers it (docs/architecture.md, "Engine step").
+    A successor with encoder work (items to encode or load) is launched only once the step before is
+    answered: that work would hold the answer back."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        bad_messages: BadMessageLog,
+        send: Callable[[RunnerOutput | WorkerError], None],
+        overlap: bool,
+    ) -> None:
+        self.runner, self.bad_messages, self.send, self.overlap = runner, bad_messages, send, overlap
+        self.in_flight: LaunchedStep | None = None  # sampled on the device, not answered
+        self.after_failure = False  # the last step answered failed
+
+    def answer(self, reply: RunnerOutput | WorkerError) -> None:
+        self.send(reply)
+        self.after_failure = isinstance(reply, WorkerError)
+
+    def run(self, msg: SchedulerOutput, frames: Sequence[zmq.Frame]) -> None:
+        loads = msg.ec_meta is not None and msg.ec_meta.load_mm_hashes
+        if not self.overlap or msg.encoder_inputs or loads:
+            self.finish_in_flight()
+        launched = self._guarded(msg.step_id, _launch, self.runner, msg, frames)
+        if not self.finish_in_flight() and isinstance(launched, LaunchedStep):
+            # it continued from tokens the failed step did not produce (the engine fails it too)
             launched = WorkerError(launched.step_id, "the step before it failed")
         if isinstance(launched, WorkerError):
-            answer(launched)
-            continue
-        step = launched
-        sampled = _guarded(step.step_id, bad_messages, runner.sample, step)
+            self.answer(launched)
+            return
+        sampled = self._guarded(launched.step_id, self.runner.sample, launched)
         if isinstance(sampled, WorkerError):
-            answer(sampled)
-        elif overlap:
-            in_flight = sampled
+            self.answer(sampled)
+        elif self.overlap:
+            self.in_flight = sampled
         else:
-            answer(_guarded(step.step_id, bad_messages, runner.finish, step))
-    finish_in_flight()
-    return 0
+            self.answer(self._guarded(launched.step_id, self.runner.finish, launched))
+
+    def finish_in_flight(self) -> bool:
+        """Answers the step in flight, if any; False if it failed."""
+        if self.in_flight is None:
+            return True
+        step, self.in_flight = self.in_flight, None
+        reply = self._guarded(step.step_id, self.runner.finish, step)
+        self.answer(reply)
+        if isinstance(reply, WorkerError):
+            self.runner.forget_pending()
+        return isinstance(reply, RunnerOutput)
+
+    def _guarded(self, step_id: int, call: Callable[..., _Result], *args: Any) -> _Result | WorkerError:
+        """``call(*args)``, or the step's ``WorkerError`` when it failed or the step could not be taken
+        (tensor frames that do not match its encoder inputs, a step contradicting this worker's state).
+        A step refused right after a failed one is not counted as a bad message: the engine had sent
+        it ahead of that failure's answer (it continues from what the failed step did not produce)."""
+        try:
+            return call(*args)
+        except BadMessage as bad:
+            self.bad_messages.record("engine", bad)
+            return WorkerError(step_id=step_id, message=str(bad))
+        except EncoderOutputUnavailable as exc:
+            logger.warning("step %d: %s", step_id, exc)
+            return WorkerError(step_id=step_id, message=str(exc), unavailable_mm_hashes=exc.mm_hashes)
+        except StepError as exc:  # the step contradicts what this worker holds: nothing was changed
+            if not self.after_failure:
+                self.bad_messages.record("engine", BadMessage("step the worker cannot take", str(exc)))
+            return WorkerError(step_id=step_id, message=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:
+            logger.exception("step %d failed", step_id)
+            return WorkerError(step_id=step_id, message=f"{type(exc).__name__}: {exc}")
 
 
 def decode_engine_message(frames: Sequence[zmq.Frame]) -> WorkerInbound:
@@ -251,27 +296,6 @@ def _launch(runner: ModelRunner, msg: SchedulerOutput, frames: Sequence[zmq.Fram
         refs.append(msg.grammar_bitmask.bitmask)
     check_tensor_frames(refs, [f.buffer for f in frames])
     return runner.launch(msg, frames)
-
-
-def _guarded(
-    step_id: int, bad_messages: BadMessageLog, call: Callable[..., _Result], *args: Any
-) -> _Result | WorkerError:
-    """``call(*args)``, or the step's ``WorkerError`` when it failed or the step could not be taken
-    (tensor frames that do not match its encoder inputs, a step contradicting this worker's state)."""
-    try:
-        return call(*args)
-    except BadMessage as bad:
-        bad_messages.record("engine", bad)
-        return WorkerError(step_id=step_id, message=str(bad))
-    except EncoderOutputUnavailable as exc:
-        logger.warning("step %d: %s", step_id, exc)
-        return WorkerError(step_id=step_id, message=str(exc), unavailable_mm_hashes=exc.mm_hashes)
-    except StepError as exc:  # the step contradicts what this worker holds: nothing was changed
-        bad_messages.record("engine", BadMessage("step the worker cannot take", str(exc)))
-        return WorkerError(step_id=step_id, message=f"{type(exc).__name__}: {exc}")
-    except Exception as exc:
-        logger.exception("step %d failed", step_id)
-        return WorkerError(step_id=step_id, message=f"{type(exc).__name__}: {exc}")
 
 
 def _handle_signals(stop: _Stop) -> None:

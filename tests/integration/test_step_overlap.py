@@ -7,6 +7,7 @@ as one step finished before the next is launched."""
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +16,11 @@ import pytest
 import torch
 
 from tests.integration.fake_engine import FakeEngine, Prompt
-from wire.protocol import NewRequestData, RunnerOutput, SamplingParams, SchedulerOutput
+from wire.bad_messages import BadMessageLog
+from wire.protocol import NewRequestData, RunnerOutput, SamplingParams, SchedulerOutput, WorkerError
+from workers import model_runner
 from workers.model_runner import ModelRunner
+from workers.worker_main import _Steps
 
 NUM_STEPS = 12
 BLOCK_SIZE = 16
@@ -101,7 +105,7 @@ def test_overlapped_steps_reply_as_steps_one_at_a_time(
 
 def test_a_failed_step_leaves_no_token_pending(tiny_model_dir: Path) -> None:
     """The step after a failed one is failed too by the worker loop (its inputs were the failed
-    step's tokens); ``forget_pending`` drops what was pending, and the requests can be resumed."""
+    step's tokens); ``forget_pending`` drops what was pending."""
     runner = ModelRunner(str(tiny_model_dir), "cpu", kv_cache_tokens=4096, decode_graphs=False)
     first, second, *_ = steps()
     runner.sample(runner.launch(first, [b""]))
@@ -122,7 +126,11 @@ def test_the_fake_engines_overlapped_decodes_equal_its_steps(tiny_model_dir: Pat
         rng = random.Random(1)
         for i in range(3):
             ids = [rng.randrange(10, 1000) for _ in range(17 + 9 * i)]
-            engine.add(f"r{i}", Prompt(ids, [], [], [], torch.empty(0)), SamplingParams(max_tokens=40, temperature=0.0))
+            engine.add(
+                f"r{i}",
+                Prompt(ids, [], [], [], torch.empty(0)),
+                SamplingParams(max_tokens=40, temperature=0.0),
+            )
         engine.step()  # the prompts
         if overlapped:
             engine.decode_overlapped(20)
@@ -131,3 +139,67 @@ def test_the_fake_engines_overlapped_decodes_equal_its_steps(tiny_model_dir: Pat
                 engine.step()
         outputs.append(dict(engine.outputs))
     assert outputs[0] == outputs[1] and all(len(tokens) == 21 for tokens in outputs[1].values())
+
+
+def test_min_tokens_counts_the_pending_token(tiny_model_dir: Path) -> None:
+    """A step launched while its request's last token is pending samples with that token counted: the
+    eos ``min_tokens`` held back is allowed exactly where it is one step at a time."""
+    min_tokens = 4
+
+    def run(params: SamplingParams, overlap: bool) -> list[int]:
+        runner = ModelRunner(str(tiny_model_dir), "cpu", kv_cache_tokens=1024, decode_graphs=False)
+        prompt = [random.Random(0).randrange(10, 1000) for _ in range(20)]
+        first = SchedulerOutput(
+            1, [NewRequestData("r", prompt, [], params, block_ids=[0, 1])], {"r": 20}, [], [], []
+        )
+        rest = [SchedulerOutput(i, [], {"r": 1}, [], [], []) for i in range(2, 11)]
+        if not overlap:
+            return [t for step in (first, *rest) for t in runner.execute(step, [b""]).sampled_token_ids]
+        tokens: list[int] = []
+        in_flight = runner.sample(runner.launch(first, [b""]))
+        for step in rest:
+            launched = runner.launch(step, [b""])
+            tokens += runner.finish(in_flight).sampled_token_ids
+            in_flight = runner.sample(launched)
+        return tokens + runner.finish(in_flight).sampled_token_ids
+
+    plain = run(SamplingParams(max_tokens=10, temperature=0.0), overlap=False)
+    eos = plain[min_tokens]  # what greedy picks once min_tokens outputs exist
+    assert eos not in plain[:min_tokens]
+    params = SamplingParams(max_tokens=10, temperature=0.0, min_tokens=min_tokens, eos_token_ids=(eos,))
+    sequential = run(params, overlap=False)
+    assert sequential[min_tokens] == eos and run(params, overlap=True) == sequential
+
+
+class Frame:
+    """What ``_Steps`` reads of a ZeroMQ frame."""
+
+    buffer = memoryview(b"")
+
+
+def test_the_worker_loop_fails_the_step_after_a_failed_one_without_counting_it_bad(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 1 fails in its sampling; step 2, which the engine sent ahead of that answer, cannot run
+    (the token it continues from was never made): both are answered WorkerError, in order, and step 2
+    is not a bad message from the engine. Step 3, sent after the engine failed both, runs."""
+    runner = ModelRunner(str(tiny_model_dir), "cpu", kv_cache_tokens=1024, decode_graphs=False)
+    bad = BadMessageLog(logging.getLogger("test"))
+    replies: list[RunnerOutput | WorkerError] = []
+    steps_ = _Steps(runner, bad, replies.append, overlap=True)
+    prompt = list(range(10, 30))
+    new = [NewRequestData("r", prompt, [], SamplingParams(max_tokens=5, temperature=0.0), block_ids=[0, 1])]
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("sampler failed")
+
+    monkeypatch.setattr(model_runner, "sample_on_device", broken)
+    steps_.run(SchedulerOutput(1, new, {"r": 20}, [], [], []), [Frame()])
+    monkeypatch.undo()
+    steps_.run(SchedulerOutput(2, [], {"r": 1}, [], [], []), [Frame()])
+    assert [(type(r).__name__, r.step_id) for r in replies] == [("WorkerError", 1), ("WorkerError", 2)]
+    assert sum(bad.counts.values()) == 0
+    new = [NewRequestData("s", prompt, [], SamplingParams(max_tokens=5, temperature=0.0), block_ids=[2, 3])]
+    steps_.run(SchedulerOutput(3, new, {"s": 20}, [], [], ["r"]), [Frame()])
+    steps_.finish_in_flight()
+    assert isinstance(replies[-1], RunnerOutput) and replies[-1].req_ids == ["s"]

@@ -10,16 +10,22 @@ known, and a step scheduled on a failed one failing with it."""
 
 from __future__ import annotations
 
-from engine.core import EngineCore
+from collections.abc import Sequence
+from pathlib import Path
+
+from engine.core import ENCODER_OUTPUT_UNAVAILABLE, EngineCore
+from engine.executor import WorkerFailed
 from engine.kv_cache_manager import hash_block
 from engine.scheduler import Scheduler
 from engine.step_plan import StepPlan, StepResult
 from engine.step_wire import to_scheduler_output
-from tests.standin_worker import StandinWorker
-from tests.unit.engine_core_support import add, engine_core, frames, run_until_idle
+from tests.standin_worker import StandinWorker, StepError
+from tests.unit.engine_core_support import add, engine_core, frames, key_only_frames, run_until_idle
 from tests.unit.scheduler_support import PROMPT_TOKEN, config, make_request, run_step, worker_for
+from tests.unit.test_ec_scheduler import CountingStore, lm_only_core
 from wire.metric_names import EngineCounter
-from wire.protocol import FinishReason, RequestOutput, RunnerOutput
+from wire.protocol import FinishReason, RequestOutput, RunnerOutput, SchedulerOutput
+from workers.frames import Buffer
 
 
 def launch(s: Scheduler) -> tuple[StepPlan, RunnerOutput]:
@@ -180,3 +186,53 @@ def test_a_step_scheduled_on_a_failed_step_fails_with_it() -> None:
     assert answers(run_until_idle(core, ahead=True)) == {"c": ([40, 41, 42], None)}
     # b and c hit block 0, which step 1 registered; c does not hit block 1, which step 3 did
     assert core.scheduler.kv_cache.num_prefix_hits_tokens == 16 + 16
+
+
+class OverZmq(StandinWorker):
+    """The stand-in as the engine meets it over ZeroMQ: a step it cannot take is a failed step."""
+
+    def execute(self, sched: SchedulerOutput, frames: Sequence[Buffer]) -> RunnerOutput:
+        try:
+            return super().execute(sched, frames)
+        except StepError as exc:
+            raise WorkerFailed(f"worker failed step {sched.step_id}: {exc}") from exc
+
+
+def test_a_failed_step_and_the_step_ahead_sharing_its_image_fail_together() -> None:
+    """Step 1 encodes img-x for "a"; "b" (the same image, by key) joins in step 2, sent ahead, and
+    shares the entry. Step 1 fails: both steps roll back together (the entry is discarded once neither
+    uses it), both requests end with 500, and the image is encoded again for the next request."""
+    core, worker = engine_core(OverZmq(fail_steps={1: "CUDA error"}))
+    core.add_request(b"api", add("a", "img-x", prompt_len=40, max_tokens=5), frames())
+    core.advance(ahead=True)  # step 1 out
+    core.add_request(
+        b"api", add("b", "img-x", with_tensors=False, prompt_len=40, max_tokens=5), key_only_frames()
+    )
+    outputs = core.advance(ahead=True)  # step 2 out, step 1 failed: both roll back
+    errors = {o.req_id: o.error.code for o in outputs[b"api"] if o.error is not None}
+    assert errors == {"a": "internal_error", "b": "internal_error"}
+    assert not core.in_flight and core.scheduler.requests == {}
+    assert "img-x" not in core.scheduler.encoder_cache
+    core.add_request(b"api", add("c", "img-x", prompt_len=40, max_tokens=2), frames())
+    assert answers(run_until_idle(core, ahead=True))["c"][1] is None
+    assert worker.encoder_inputs.count("img-x") == 2
+
+
+def test_a_lost_load_shared_by_the_step_ahead_fails_both_with_503(tmp_path: Path) -> None:
+    """A --language-model-only consumer: the store loses "Y" before the worker loads it (step 1 fails
+    with the item unavailable, an expected event); "r2" with the same image joined in step 2, sent
+    ahead: both get the step's 503, retryable, and the engine lives on."""
+    store = CountingStore(tmp_path / "ec")
+    store.put("Y", b"v")
+    core, worker = lm_only_core(store)
+    worker.__class__ = OverZmq  # a StepError is a failed step, as over ZeroMQ
+    store.lose_before_load = {"Y"}
+    core.add_request(b"a", add("r1", "Y"), frames())
+    core.advance(ahead=True)
+    core.add_request(b"a", add("r2", "Y", with_tensors=False), key_only_frames())
+    outputs = core.advance(ahead=True)
+    assert {o.req_id: o.error for o in outputs[b"a"]} == {
+        "r1": ENCODER_OUTPUT_UNAVAILABLE,
+        "r2": ENCODER_OUTPUT_UNAVAILABLE,
+    }
+    assert not core.in_flight and core.scheduler.requests == {}
