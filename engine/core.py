@@ -311,10 +311,13 @@ class EngineCore:
         """Whether the next step may be launched before the one in flight is answered
         (``--async-scheduling``): not on an encoder-only instance, nor while a constrained request
         samples in the step in flight (its grammar must accept the token before the next bitmask is
-        made; docs/architecture.md, "Engine step")."""
+        made), nor where the free KV blocks do not hold every running request's next tokens (the step
+        after the answer preempts; docs/architecture.md, "Engine step")."""
         scheduler = self.scheduler
-        return isinstance(scheduler, Scheduler) and not any(
-            r.grammar is not None and r.num_pending_outputs for r in scheduler.running
+        return (
+            isinstance(scheduler, Scheduler)
+            and not any(r.grammar is not None and r.num_pending_outputs for r in scheduler.running)
+            and scheduler.has_room_ahead()
         )
 
     def step(self) -> Outputs:

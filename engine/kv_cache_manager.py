@@ -166,6 +166,10 @@ class KVCacheManager:
         num_new_blocks, num_revived = self._plan(req, num_new_tokens, computed_block_ids)
         return num_new_blocks + num_revived <= self._pool.num_free_blocks
 
+    def num_new_blocks(self, req: KVRequest, num_new_tokens: int) -> int:
+        """Blocks a running request's table needs for ``num_new_tokens`` more tokens."""
+        return self._plan(req, num_new_tokens, ())[0]
+
     def allocate_slots(
         self, req: KVRequest, num_new_tokens: int, computed_block_ids: Sequence[int] = ()
     ) -> list[int] | None:

@@ -258,6 +258,18 @@ class Scheduler:
             request.num_pending_outputs += 1
             sampling.append(request.req_id)
 
+    def has_room_ahead(self) -> bool:
+        """Whether the free KV blocks hold every running request's next tokens, so that a step scheduled
+        ahead (which preempts no one) leaves no running request out for lack of room; where they do
+        not, the engine waits for the answer and schedules then, preempting as it must."""
+        needed = 0
+        budget = self.config.max_num_batched_tokens
+        for request in self.running:
+            start = request.num_computed_tokens + request.num_inflight_tokens
+            wanted = min(request.num_tokens + request.num_pending_outputs - start, budget)
+            needed += self.kv_cache.num_new_blocks(request, request.num_inflight_tokens + wanted)
+        return needed <= self.kv_cache.num_free_blocks
+
     def _waits_for_pending(self, request: Request) -> bool:
         """Whether a request with a token pending (sampled in a step in flight) sits this step out: its
         grammar must accept that token before the next bitmask, or the token ends it by length (one

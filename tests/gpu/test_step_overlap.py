@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.test_step_overlap import steps
-from wire.protocol import RunnerOutput
+from tests.integration.test_step_overlap import FRAMES, run_overlapped, steps
+from wire.protocol import SchedulerOutput
 from workers.model_runner import ModelRunner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -28,30 +28,23 @@ def test_the_host_does_not_wait_for_the_device_between_steps(
     def runner() -> ModelRunner:
         return ModelRunner(str(tiny_model(family)), device="cuda", kv_cache_tokens=4096, decode_graphs=True)
 
-    frames = [b""]
     sequential = runner()
-    expected = [sequential.execute(step, frames) for step in steps()]
+    expected = [sequential.execute(step, FRAMES) for step in steps()]
+    busy: list[torch.cuda.Event] = []
 
-    overlapped = runner()
-    replies: list[RunnerOutput] = []
-    first, *rest = steps()
-    in_flight = overlapped.sample(overlapped.launch(first, frames))
-    checked = 0
-    for step in rest:
-        measured = 4 <= step.step_id <= 6  # (the decode shapes were captured in the steps before)
-        if measured:
+    def watch(step: SchedulerOutput, phase: str) -> None:
+        if not 4 <= step.step_id <= 6:  # (the decode shapes were captured in the steps before)
+            return
+        if phase == "before":
             torch.cuda._sleep(SLEEP_CYCLES)  # the device is busy long after step N's tokens
-            busy = torch.cuda.Event()
-            busy.record()
-        launched = overlapped.launch(step, frames)
-        replies.append(overlapped.finish(in_flight))
-        in_flight = overlapped.sample(launched)
-        if measured:
-            assert not busy.query(), f"step {step.step_id}: the host waited for the device"
-            checked += 1
+            busy.append(torch.cuda.Event())
+            busy[-1].record()
+        elif phase == "sampled":  # launching N+1, finishing N and sampling N+1 did not wait for it
+            assert not busy[-1].query(), f"step {step.step_id}: the host waited for the device"
             torch.cuda.synchronize()
-    replies.append(overlapped.finish(in_flight))
-    assert checked == 3
+
+    replies = run_overlapped(runner(), steps(), watch)
+    assert len(busy) == 3
     assert [(r.req_ids, r.sampled_token_ids) for r in replies] == [
         (r.req_ids, r.sampled_token_ids) for r in expected
     ]

@@ -39,6 +39,7 @@ PARAMS = {
     "dropped": SamplingParams(max_tokens=NUM_STEPS, temperature=0.0),  # finished while a token is pending
 }
 DROP_AT = 5  # the step whose finished_req_ids drop "dropped"
+FRAMES = [b""]  # a step's frames: the message's own (not read), no tensors
 
 
 def steps() -> list[SchedulerOutput]:
@@ -64,6 +65,29 @@ def steps() -> list[SchedulerOutput]:
     return out
 
 
+def run_overlapped(
+    runner: ModelRunner,
+    steps: list[SchedulerOutput],
+    hook: Callable[[SchedulerOutput, str], None] | None = None,
+) -> list[RunnerOutput]:
+    """The steps in the worker's order with ``--worker-step-overlap``: each launched before the one
+    before is finished, which is then answered, and the new one sampled. ``hook(step, phase)`` runs
+    before each launch after the first ("before"), right after it ("launched") and once it is sampled
+    ("sampled")."""
+    call = hook or (lambda step, phase: None)
+    replies: list[RunnerOutput] = []
+    first, *rest = steps
+    in_flight = runner.sample(runner.launch(first, FRAMES))
+    for step in rest:
+        call(step, "before")
+        launched = runner.launch(step, FRAMES)  # its decodes read in_flight's tokens on the device
+        call(step, "launched")
+        replies.append(runner.finish(in_flight))
+        in_flight = runner.sample(launched)
+        call(step, "sampled")
+    return [*replies, runner.finish(in_flight)]
+
+
 @pytest.mark.parametrize("family", ["llava", "qwen2_5_vl"])
 @pytest.mark.parametrize("decode_graphs", [False, True], ids=["eager", "fixed-shape"])
 def test_overlapped_steps_reply_as_steps_one_at_a_time(
@@ -74,23 +98,19 @@ def test_overlapped_steps_reply_as_steps_one_at_a_time(
     def runner() -> ModelRunner:
         return ModelRunner(str(model_dir), "cpu", kv_cache_tokens=4096, decode_graphs=decode_graphs)
 
-    frames = [b""]
     sequential = runner()
-    expected = [sequential.execute(step, frames) for step in steps()]
+    expected = [sequential.execute(step, FRAMES) for step in steps()]
 
-    overlapped = runner()
-    replies: list[RunnerOutput] = []
-    first, *rest = steps()
-    in_flight = overlapped.sample(overlapped.launch(first, frames))
-    for step in rest:
-        launched = overlapped.launch(step, frames)  # its decodes read in_flight's tokens on the device
+    def check(step: SchedulerOutput, phase: str) -> None:
+        if phase != "launched":
+            return
         if step.step_id == DROP_AT:
             assert "dropped" not in overlapped.requests  # dropped before its pending token was finished
         else:
             assert all(r.pending is not None for r in overlapped.requests.values())
-        replies.append(overlapped.finish(in_flight))
-        in_flight = overlapped.sample(launched)
-    replies.append(overlapped.finish(in_flight))
+
+    overlapped = runner()
+    replies = run_overlapped(overlapped, steps(), check)
 
     def answers(outputs: list[RunnerOutput]) -> list[tuple]:
         return [(o.step_id, o.req_ids, o.sampled_token_ids, o.logprobs) for o in outputs]
@@ -153,15 +173,12 @@ def test_min_tokens_counts_the_pending_token(tiny_model_dir: Path) -> None:
             1, [NewRequestData("r", prompt, [], params, block_ids=[0, 1])], {"r": 20}, [], [], []
         )
         rest = [SchedulerOutput(i, [], {"r": 1}, [], [], []) for i in range(2, 11)]
-        if not overlap:
-            return [t for step in (first, *rest) for t in runner.execute(step, [b""]).sampled_token_ids]
-        tokens: list[int] = []
-        in_flight = runner.sample(runner.launch(first, [b""]))
-        for step in rest:
-            launched = runner.launch(step, [b""])
-            tokens += runner.finish(in_flight).sampled_token_ids
-            in_flight = runner.sample(launched)
-        return tokens + runner.finish(in_flight).sampled_token_ids
+        replies = (
+            run_overlapped(runner, [first, *rest])
+            if overlap
+            else [runner.execute(s, FRAMES) for s in (first, *rest)]
+        )
+        return [t for reply in replies for t in reply.sampled_token_ids]
 
     plain = run(SamplingParams(max_tokens=10, temperature=0.0), overlap=False)
     eos = plain[min_tokens]  # what greedy picks once min_tokens outputs exist
