@@ -236,3 +236,19 @@ def test_a_lost_load_shared_by_the_step_ahead_fails_both_with_503(tmp_path: Path
         "r2": ENCODER_OUTPUT_UNAVAILABLE,
     }
     assert not core.in_flight and core.scheduler.requests == {}
+
+
+def test_short_of_blocks_the_engine_waits_for_the_answer_and_preempts() -> None:
+    """Three requests whose outputs outgrow the pool: where the free blocks do not hold every running
+    request's next token, no step goes ahead (``has_room_ahead``), and the step after the answer
+    preempts as one step at a time does; the answers are the same."""
+
+    def run(ahead: bool) -> tuple[dict[str, tuple[list[int], str | None]], int]:
+        core, _ = engine_core(StandinWorker(num_kv_blocks=14, block_size=4))
+        for name in ("a", "b", "c"):
+            core.add_request(b"api", add(name, prompt_len=8, max_tokens=12), [])
+        return answers(run_until_idle(core, 200, ahead=ahead)), core.scheduler.num_preemptions
+
+    (expected, _), (found, num_preemptions) = run(False), run(True)
+    assert found == expected and num_preemptions > 0
+    assert all(len(tokens) == 12 and error is None for tokens, error in found.values())
