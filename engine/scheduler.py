@@ -262,13 +262,18 @@ class Scheduler:
         """Whether the free KV blocks hold every running request's next tokens, so that a step scheduled
         ahead (which preempts no one) leaves no running request out for lack of room; where they do
         not, the engine waits for the answer and schedules then, preempting as it must."""
-        needed = 0
         budget = self.config.max_num_batched_tokens
+        free = self.kv_cache.num_free_blocks
+        # the common case, without a look at each: a step computes at most ``budget`` tokens, which
+        # start at most one new block more per request than their count fills
+        if free >= budget // self.config.block_size + len(self.running):
+            return True
+        needed = 0
         for request in self.running:
             start = request.num_computed_tokens + request.num_inflight_tokens
             wanted = min(request.num_tokens + request.num_pending_outputs - start, budget)
             needed += self.kv_cache.num_new_blocks(request, request.num_inflight_tokens + wanted)
-        return needed <= self.kv_cache.num_free_blocks
+        return needed <= free
 
     def _waits_for_pending(self, request: Request) -> bool:
         """Whether a request with a token pending (sampled in a step in flight) sits this step out: its
