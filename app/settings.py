@@ -166,7 +166,8 @@ class Settings(BaseSettings):
         True,
         description="Schedule and send the next step while the worker runs the current one, from what is "
         "known (vLLM's flag): the worker waits for neither the scheduler nor the pipe between steps. "
-        "A request's answers are the same either way; one that stops on EOS costs one step more.",
+        "A request's answers are the same either way; one that stops on EOS costs one step more. On a "
+        "CPU whose every core is busy it can cost throughput (docs/benchmarks.md, 'Scheduling ahead').",
     )
     disable_chunked_mm_input: bool = Field(
         False,
