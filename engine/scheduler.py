@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from engine.admission import AdmissionError, admission_error
 from engine.ec_connector import ECConnectorScheduler
+from engine.encoder_admission import EncoderAdmission
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import MMItem, OutputGrammar, Request, RequestStatus
@@ -38,6 +39,12 @@ class Scheduler:
         self.connector = connector if connector is not None and connector.role.loads else None
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_tokens)
         self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.admission = EncoderAdmission(
+            self.encoder_cache,
+            self.connector,
+            can_encode=config.can_encode,
+            disable_chunked_mm_input=config.disable_chunked_mm_input,
+        )
         self.num_preemptions = 0
         self.num_forced_tokens = 0  # appended without sampling (_append_forced)
         self.waiting: deque[Request] = deque()
@@ -49,7 +56,6 @@ class Scheduler:
         self._forced_tokens: dict[str, tuple[int, list[int]]] = {}  # for the next step (StepPlan's)
         self._preempted_req_ids: list[str] = []  # likewise, their block tables
         self._resend_free_mm_hashes: list[str] = []  # a failed step's frees, sent again
-        self._unavailable: list[Request] = []  # found unservable while scheduling this step
         self.num_awaiting_grammar = 0  # waiting requests whose grammar is still compiling
 
     # ------------------------------------------------------------------ admission
@@ -169,7 +175,7 @@ class Scheduler:
                     break
             if not fits or request.status is RequestStatus.PREEMPTED:
                 break  # nothing after it is scheduled: it was the last running request, or in flight
-            num_tokens, encoder_budget = self._fit(request, wanted, encoder_budget, encoder_items)
+            num_tokens, encoder_budget = self.admission.fit(request, wanted, encoder_budget, encoder_items)
             index += 1
             if num_tokens == 0:  # (or unavailable: it ends after this loop)
                 continue
@@ -196,8 +202,10 @@ class Scheduler:
             wanted = min(request.num_tokens - num_computed, token_budget)
             num_tokens = 0
             if self.kv_cache.can_allocate(request, wanted, computed_blocks):
-                num_tokens, encoder_budget = self._fit(request, wanted, encoder_budget, encoder_items)
-            if self._unavailable and self._unavailable[-1] is request:
+                num_tokens, encoder_budget = self.admission.fit(
+                    request, wanted, encoder_budget, encoder_items
+                )
+            if self.admission.unavailable and self.admission.unavailable[-1] is request:
                 request.num_computed_tokens = 0
                 self.waiting.remove(request)  # it ends below; the next in line may run
                 continue
@@ -220,7 +228,7 @@ class Scheduler:
             self._schedule_tokens(request, num_tokens, num_scheduled, sampling)
             token_budget -= num_tokens
 
-        unavailable, self._unavailable = self._unavailable, []
+        unavailable, self.admission.unavailable = self.admission.unavailable, []
         for request in unavailable:
             self._finish(request, FinishReason.ABORT)
         finished, self._finished_req_ids = self._finished_req_ids, []
@@ -299,78 +307,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         self._preempted_req_ids.append(request.req_id)
-
-    def _fit(
-        self, request: Request, num_tokens: int, encoder_budget: int, encoder_items: dict[str, MMItem]
-    ) -> tuple[int, int]:
-        """How many of ``request``'s next tokens can run this step, acquiring encoder-cache entries for
-        the items they cover. An item is encoded whole, in the step that first needs it; if it cannot
-        be (compute budget or cache space), the chunk stops right before it. With
-        ``disable_chunked_mm_input`` a chunk also stops before an image it would cover only in part."""
-        start = request.num_computed_tokens + request.num_inflight_tokens
-        if not self.config.can_encode and not self._all_obtainable(request, start, num_tokens):
-            self._unavailable.append(request)  # before anything is allocated or loaded for it
-            return 0, encoder_budget
-        for feature in request.mm_features:
-            begin, end = feature.offset, feature.end
-            if end <= start or begin >= start + num_tokens:
-                continue  # not covered by this chunk
-            if self.config.disable_chunked_mm_input and start <= begin and end > start + num_tokens:
-                num_tokens = begin - start
-                break
-            mm_hash = feature.mm_hash
-            if mm_hash in request.encoder_hashes_in_use:
-                continue
-            first_query = mm_hash not in request.encoder_hashes_queried
-            request.encoder_hashes_queried.add(mm_hash)
-            if self.encoder_cache.lookup(mm_hash, request.req_id, count_query=first_query):
-                request.encoder_hashes_in_use.add(mm_hash)
-                continue
-            if self._in_store(request, mm_hash):  # loaded, not encoded: no compute budget spent
-                if self.encoder_cache.can_allocate(feature.num_tokens):
-                    self.encoder_cache.allocate(mm_hash, feature.num_tokens, request.req_id)
-                    request.encoder_hashes_in_use.add(mm_hash)
-                    assert self.connector is not None
-                    self.connector.update_state_after_alloc(mm_hash)
-                    if self.config.can_encode:  # its tensors come along: encoded if the load fails
-                        encoder_items[mm_hash] = request.mm_items[mm_hash]
-                    continue
-            elif feature.num_tokens <= encoder_budget and self.encoder_cache.can_allocate(feature.num_tokens):
-                self.encoder_cache.allocate(mm_hash, feature.num_tokens, request.req_id)
-                request.encoder_hashes_in_use.add(mm_hash)
-                encoder_items[mm_hash] = request.mm_items[mm_hash]
-                encoder_budget -= feature.num_tokens
-                continue
-            num_tokens = max(0, begin - start)
-            break
-        return num_tokens, encoder_budget
-
-    def _all_obtainable(self, request: Request, start: int, num_tokens: int) -> bool:
-        """Without a vision tower: whether every item the chunk covers is cached or in the store."""
-        for feature in request.mm_features:
-            begin, end = feature.offset, feature.end
-            if (
-                end <= start
-                or begin >= start + num_tokens
-                or feature.mm_hash in request.encoder_hashes_in_use
-            ):
-                continue
-            if feature.mm_hash not in self.encoder_cache and not self._in_store(request, feature.mm_hash):
-                return False
-        return True
-
-    def _in_store(self, request: Request, mm_hash: str) -> bool:
-        """Whether the connector's store holds the item; asked once per request, for all of its items
-        the encoder cache lacks at that moment (one round trip)."""
-        if self.connector is None:
-            return False
-        if mm_hash not in request.ec_in_store:
-            missing = [
-                h for h in request.mm_last_end if h not in request.ec_in_store and h not in self.encoder_cache
-            ]
-            missing = missing if mm_hash in missing else [mm_hash, *missing]
-            request.ec_in_store.update(zip(missing, self.connector.has_caches(missing), strict=True))
-        return request.ec_in_store[mm_hash]
 
     # ------------------------------------------------------------------ after the worker ran
 
