@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app import setting_values
 from wire.curve import CurveKeys, load_keys
 from wire.shm_ring import HEADER_BYTES  # a ring chunk's header
 from workers.config import CPU_DEFAULT_KV_CACHE_TOKENS
@@ -366,43 +367,17 @@ class Settings(BaseSettings):
     @field_validator("allowed_media_domains", mode="before")
     @classmethod
     def _parse_domains(cls, value: Any) -> Any:
-        """``a.com,b.org`` or a JSON list; names are compared lower-case, without a trailing dot."""
-        if isinstance(value, str):
-            text = value.strip()
-            value = json.loads(text) if text.startswith("[") else text.split(",")
-        if isinstance(value, list):
-            return [str(v).strip().lower().rstrip(".") for v in value if str(v).strip()]
-        return value
+        return setting_values.media_domains(value)
 
     @field_validator("api_key", mode="before")
     @classmethod
     def _parse_api_keys(cls, value: Any) -> Any:
-        """A comma-separated list (the environment variable), a list (the repeated flag), or one key."""
-        if isinstance(value, str):
-            value = value.split(",")
-        if isinstance(value, list | tuple):
-            keys = [str(key).strip() for key in value]
-            if any(not key for key in keys):
-                raise ValueError("an API key must not be empty")
-            return list(dict.fromkeys(keys))
-        return value
+        return setting_values.api_keys(value)
 
     @field_validator("limit_mm_per_prompt", mode="before")
     @classmethod
     def _parse_limits(cls, value: Any) -> Any:
-        """``image=4`` (also ``image=4,video=0``) or JSON ``{"image": 4}``, as vLLM accepts."""
-        if not isinstance(value, str):
-            return value
-        text = value.strip()
-        if text.startswith("{"):
-            return json.loads(text)
-        limits: dict[str, str] = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            modality, sep, count = part.partition("=")
-            if not sep:
-                raise ValueError(f"expected modality=N, got {part!r}")
-            limits[modality.strip()] = count.strip()
-        return limits
+        return setting_values.mm_limits(value)
 
     @field_validator("limit_mm_per_prompt")
     @classmethod

@@ -60,7 +60,6 @@ class Launched:
     plan: StepPlan
     outputs: dict[bytes, list[RequestOutput]]
     sent: bool = False
-    failed: bool = False  # the worker did not complete it, or the step before it (``finish``)
 
 
 class EngineCore:
@@ -337,7 +336,7 @@ class EngineCore:
                 outputs = self._launch_into(outputs)
                 if len(self.in_flight) == 2:
                     self.metrics.count(EngineCounter.ENGINE_STEPS_AHEAD)
-            outputs = merged(outputs, self.finish(self.in_flight.popleft()))
+            outputs = _merged(outputs, self.finish(self.in_flight.popleft()))
         if not self.in_flight and self.has_work:
             outputs = self._launch_into(outputs)
         return outputs
@@ -347,7 +346,7 @@ class EngineCore:
         if launched.sent:
             self.in_flight.append(launched)  # (its ``outputs`` come with its own answer)
             return outputs
-        return merged(outputs, self.finish(launched))
+        return _merged(outputs, self.finish(launched))
 
     def launch(self) -> Launched:
         """Schedules a step and sends it to the worker, without waiting for the reply: until ``finish``
@@ -446,9 +445,7 @@ class EngineCore:
         if exc.unavailable_mm_hashes:
             error = ENCODER_OUTPUT_UNAVAILABLE
         outputs: Outputs = defaultdict(list)
-        for step in failed:
-            step.failed = True
-            self.metrics.count(EngineCounter.FAILED_STEPS)
+        self.metrics.count(EngineCounter.FAILED_STEPS, len(failed))
         for request in self.scheduler.fail_steps([step.plan for step in failed]):
             outputs[request.client].append(
                 RequestOutput(request.req_id, finish_reason=FinishReason.ABORT, error=error)
@@ -481,7 +478,7 @@ def _unavailable_output(req_id: str) -> RequestOutput:
     return RequestOutput(req_id, finish_reason=FinishReason.ABORT, error=ENCODER_OUTPUT_UNAVAILABLE)
 
 
-def merged(first: Outputs, second: Outputs) -> Outputs:
+def _merged(first: Outputs, second: Outputs) -> Outputs:
     """Both steps' outputs, the first's first for each client."""
     both: Outputs = {client: list(outputs) for client, outputs in first.items()}
     for client, outputs in second.items():

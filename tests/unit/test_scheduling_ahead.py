@@ -177,7 +177,7 @@ def test_a_step_scheduled_on_a_failed_step_fails_with_it() -> None:
     outputs = core.advance(ahead=True)  # step 1 out
     outputs = core.advance(ahead=True)  # step 2 out, step 1 answered
     core.add_request(b"api", add("b", prompt_len=40, max_tokens=10), [])
-    outputs = core.advance(ahead=True)  # step 3 out, step 2 failed: step 3 abandoned
+    outputs = core.advance(ahead=True)  # step 3 out, step 2 failed: both roll back
     found = answers(outputs)
     assert found == {"a": ([], "internal_error"), "b": ([], "internal_error")}
     assert not core.in_flight and core.scheduler.requests == {}
