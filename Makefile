@@ -26,6 +26,8 @@ $(VENV)/.installed: pyproject.toml
 	# test-only: torchvision in $(VENV)/hf-reference for transformers' video processors, which the tests run
 	# in a subprocess as the reference for the product's own (torch-only) video processing
 	$(PY) tests/reference/setup_env.py $(VENV)/hf-reference
+	# test-only: the GPU image's Triton in $(VENV)/triton, to compile the kernels for the H100 without one
+	$(PY) tests/triton/setup_env.py $(VENV)/triton
 	touch $@
 
 setup: $(VENV)/.installed

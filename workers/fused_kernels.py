@@ -81,18 +81,20 @@ def _compile() -> dict[str, Any]:
         out2 = ((x2.to(tl.float32) * cos2.to(tl.float32)).to(dtype).to(tl.float32)
                 + (x1.to(tl.float32) * sin2.to(tl.float32)).to(dtype).to(tl.float32)).to(dtype)  # fmt: skip
         if head < NUM_HEADS:
-            dst = q_out_ptr + (row * NUM_HEADS + head) * 2 * HALF + cols
-            tl.store(dst, out1, mask=ok)
-            tl.store(dst + HALF, out2, mask=ok)
+            # each branch's names are its own: Triton merges a name both branches assign into one
+            # value, which must then have one type in both
+            q_dst = q_out_ptr + (row * NUM_HEADS + head) * 2 * HALF + cols
+            tl.store(q_dst, out1, mask=ok)
+            tl.store(q_dst + HALF, out2, mask=ok)
         else:
             kv_head = head - NUM_HEADS
             slot = tl.load(slots_ptr + row)
-            dst = slot * stride_slot + kv_head * 2 * HALF + cols
-            tl.store(k_pool_ptr + dst, out1, mask=ok)
-            tl.store(k_pool_ptr + dst + HALF, out2, mask=ok)
+            pool_at = slot * stride_slot + kv_head * 2 * HALF + cols
+            tl.store(k_pool_ptr + pool_at, out1, mask=ok)
+            tl.store(k_pool_ptr + pool_at + HALF, out2, mask=ok)
             v_src = v_ptr + row * stride_v + kv_head * 2 * HALF + cols
-            tl.store(v_pool_ptr + dst, tl.load(v_src, mask=ok, other=0.0), mask=ok)
-            tl.store(v_pool_ptr + dst + HALF, tl.load(v_src + HALF, mask=ok, other=0.0), mask=ok)
+            tl.store(v_pool_ptr + pool_at, tl.load(v_src, mask=ok, other=0.0), mask=ok)
+            tl.store(v_pool_ptr + pool_at + HALF, tl.load(v_src + HALF, mask=ok, other=0.0), mask=ok)
 
     @triton.jit
     def silu_mul(gate_ptr, up_ptr, out_ptr, width, stride_gate, stride_up, BLOCK: tl.constexpr):
