@@ -41,6 +41,9 @@ MAX_TOKENS = 16
 STAGGER_S = 0.1  # about a turn's length (1.6 s here) over 16 agents
 NUM_ALONE = 4  # agents run one after another, per load and round: the history's cost without queueing
 LOADS = ("full history", "previous_response_id")
+# a control for loads of agents: each turn its new input alone, as a new conversation (the same arrivals
+# and new work, no history), so that what the history costs under load reads apart from queueing
+NO_HISTORY = "no history"
 
 
 def user_turn(screenshot: str, turn: int) -> dict[str, Any]:
@@ -72,7 +75,8 @@ async def stream_turn(client: httpx.AsyncClient, url: str, body: bytes) -> tuple
 def turn_body(
     model: str, load: str, history: list[dict[str, Any]], previous: str | None, new: dict[str, Any]
 ) -> bytes:
-    """A turn's request: the whole history and the new input, or the new input on the previous response."""
+    """A turn's request: the whole history and the new input, the new input on the previous response, or
+    (``NO_HISTORY``) the new input alone."""
     fields: dict[str, Any] = {
         "model": model,
         "max_output_tokens": MAX_TOKENS,
@@ -81,6 +85,8 @@ def turn_body(
     }
     if load == "full history":
         fields |= {"input": [*history, new], "store": False}
+    elif load == NO_HISTORY:
+        fields |= {"input": [new], "store": False}
     else:
         fields |= {"input": [new], **({"previous_response_id": previous} if previous else {})}
     return json.dumps(fields).encode()

@@ -11,7 +11,9 @@
 - **agent loop**: one agent alone, five turns on ``/v1/responses`` chained by ``previous_response_id``,
   each a new image (bench/bench_agents.py's loop): TTFT per turn, turn 5's over turn 1's (the history's
   cost; docs/benchmarks.md, "Agent loops"); then 16 agents at once, as bench/bench_agents.py's load
-  (agents 0.1 s apart): TTFT p50 per turn, turn 5's over turn 1's under load;
+  (agents 0.1 s apart): TTFT p50 per turn, turn 5's over turn 1's under load; and the same load with no
+  history (each turn its new input alone), whose TTFT by turn is what the arrivals alone give: each
+  turn's TTFT with the history over it is the history's cost under load;
 - **decode**: 1, 16 and 64 text requests at once (~280-token prompts, 128 tokens), their prompts sent
   once before (one output token) so that they come from the prefix cache: time per output token (client
   p50) and the worker's mean forward time per step.
@@ -19,7 +21,8 @@
 Each figure has its roofline beside it (docs/benchmarks.md, "The GPU path"): a decode step cannot beat
 (weights it reads + the batch's KV bytes) / HBM bandwidth; an encoder or prefill step cannot beat its
 FLOPs / the card's bf16 rate. ``--dry`` runs the same on the CPU at toy sizes (bench/gpu/run.sh --dry).
-Writes ``gpu_bench.json`` and ``serve.log`` into ``--out``; prints a table last.
+``--loads`` picks among ``images``, ``decode``, ``agent`` (alone) and ``agents`` (at once). Writes
+``gpu_bench.json`` and ``serve.log`` into ``--out``; prints a table last.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from bench_agents import agent_alone, run_load  # noqa: E402
+from bench_agents import NO_HISTORY, agent_alone, run_load  # noqa: E402
 from bench_input_scale import scrape  # noqa: E402
 from bench_throughput import Proc, chat_body, free_port, wait_healthy  # noqa: E402
 from charts import Panel, draw  # noqa: E402
@@ -49,6 +52,7 @@ HBM_BYTES_PER_S = 3.35e12  # H100 SXM's datasheet (an H200: 4.8e12)
 BF16_FLOPS = 800e12  # an 8192^3 bf16 matmul here: 769-798 TFLOP/s on the H100 and H200
 POOL = 8
 AGENT_TURNS, NUM_AGENTS = 5, 3
+LOADS = ("images", "decode", "agent", "agents")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,24 @@ class Sizes:
 
 FULL = Sizes(64, 128, 128, 1024, (1, 16, 64), 240, 16)
 DRY = Sizes(3, 6, 8, 448, (1, 3), 40, 3)
+
+
+def measure_images(base_url: str, model: str, sizes: Sizes, figures: dict[str, Any]) -> None:
+    """One image's probe, the pool's images sent once, then the loads at 0 % and 90 % reuse."""
+    image = probe(base_url, image_bodies(model, sizes, reuse=False, seed=99)[0][0])
+    # Qwen2.5-VL's resize: each side to the nearest multiple of 28 px, one token per 28x28
+    image["image_tokens"] = round(sizes.image_px / 28) ** 2
+    figures["image_probe"] = image
+    pool = [
+        (json.dumps(chat_body(model, "Describe it.", jpeg_data_url(sizes.image_px, s), 8)).encode(), True)
+        for s in range(POOL)
+    ]
+    asyncio.run(send(base_url, iter(pool), len(pool), duration_s=3600))
+    for key, reuse, seed in (("image_0pct", False, 1), ("image_90pct", True, 2)):
+        figures[key] = run(
+            base_url, image_bodies(model, sizes, reuse, seed), sizes.concurrency, sizes.max_tokens
+        )
+        print(key, json.dumps(figures[key]), flush=True)
 
 
 def image_bodies(model: str, sizes: Sizes, reuse: bool, seed: int) -> list[tuple[bytes, bool]]:
@@ -168,19 +190,26 @@ def agent_turns(base_url: str, model: str, sizes: Sizes) -> dict[str, Any]:
 
 def agents_at_once(base_url: str, model: str, sizes: Sizes) -> dict[str, Any]:
     """``sizes.agents`` agents at once, chained by ``previous_response_id``, every turn a new image: TTFT
-    p50 per turn and turn 5's over turn 1's (the history's cost under load)."""
-    screenshots = [
-        [jpeg_data_url(sizes.image_px, 7000 + 10 * agent + turn) for turn in range(AGENT_TURNS)]
-        for agent in range(sizes.agents)
+    p50 per turn and turn 5's over turn 1's; then the same load with no history (new images), whose TTFT
+    per turn is the arrivals' own: turn 5's with the history over turn 5's without is the history's cost
+    under load."""
+    figures: dict[str, Any] = {"agents": sizes.agents}
+    # the control first: whatever the server still does once (its first decode graphs of each batch
+    # size) falls in the control's early turns, not in the chained load's
+    for key, load, seed in (("no_history_", NO_HISTORY, 9000), ("", "previous_response_id", 7000)):
+        screenshots = [
+            [jpeg_data_url(sizes.image_px, seed + 10 * agent + turn) for turn in range(AGENT_TURNS)]
+            for agent in range(sizes.agents)
+        ]
+        result = run_load(base_url, model, load, screenshots)
+        figures[f"{key}ttft_ms_p50"] = [1e3 * statistics.median(turn) for turn in result["ttft"]]
+        figures[f"{key}turns_per_s"] = result["turns/s"]
+        print(f"agents_at_once {load}", json.dumps(figures), flush=True)
+    figures["last_over_first"] = figures["ttft_ms_p50"][-1] / figures["ttft_ms_p50"][0]
+    figures["history_over_none"] = [
+        a / b for a, b in zip(figures["ttft_ms_p50"], figures["no_history_ttft_ms_p50"], strict=True)
     ]
-    load = run_load(base_url, model, "previous_response_id", screenshots)
-    ttft_ms = [1e3 * statistics.median(turn) for turn in load["ttft"]]
-    return {
-        "agents": sizes.agents,
-        "ttft_ms_p50": ttft_ms,
-        "turns_per_s": load["turns/s"],
-        "last_over_first": ttft_ms[-1] / ttft_ms[0],
-    }
+    return figures
 
 
 def rooflines(
@@ -235,7 +264,11 @@ def main() -> None:
     parser.add_argument("--chart", type=Path, help="also draw the figures beside their rooflines (PNG)")
     parser.add_argument("--chart-from", type=Path, help="only draw --chart from a gpu_bench.json")
     parser.add_argument("--card", default="", help="the card's name, for the chart's title")
+    parser.add_argument("--loads", default=",".join(LOADS), help=f"comma-separated, of {','.join(LOADS)}")
     args = parser.parse_args()
+    loads = set(args.loads.split(","))
+    if not loads <= set(LOADS):
+        parser.error(f"--loads: unknown {sorted(loads - set(LOADS))}")
     if args.chart_from is not None:
         draw_chart(json.loads(args.chart_from.read_text()), args.chart, args.card)
         return
@@ -257,33 +290,24 @@ def main() -> None:
     figures: dict[str, Any] = {"sizes": sizes.__dict__, "checkpoint": checkpoint}
     try:
         wait_healthy(base_url, [proc], timeout_s=900)
-        image = probe(base_url, image_bodies(model, sizes, reuse=False, seed=99)[0][0])
-        # Qwen2.5-VL's resize: each side to the nearest multiple of 28 px, one token per 28x28
-        image["image_tokens"] = round(sizes.image_px / 28) ** 2
-        figures["image_probe"] = image
-        pool = [
-            (json.dumps(chat_body(model, "Describe it.", jpeg_data_url(sizes.image_px, s), 8)).encode(), True)
-            for s in range(POOL)
-        ]
-        asyncio.run(send(base_url, iter(pool), len(pool), duration_s=3600))
-        for key, reuse, seed in (("image_0pct", False, 1), ("image_90pct", True, 2)):
-            figures[key] = run(
-                base_url, image_bodies(model, sizes, reuse, seed), sizes.concurrency, sizes.max_tokens
-            )
-            print(key, json.dumps(figures[key]), flush=True)
-        for batch in sizes.decode_batches:
-            # the prompts once with one output token first: the measured run finds them in the prefix
-            # cache, so its steps are decodes (and one short prefill), not prefill chunks among decodes
-            warm = text_bodies(model, dataclasses.replace(sizes, max_tokens=1), batch)
-            asyncio.run(send(base_url, iter(warm), batch, duration_s=3600))
-            figures[f"decode_{batch}"] = run(
-                base_url, text_bodies(model, sizes, batch), batch, sizes.max_tokens
-            )
-            print(f"decode_{batch}", json.dumps(figures[f"decode_{batch}"]), flush=True)
-        figures["agent"] = agent_turns(base_url, model, sizes)
-        print("agent", json.dumps(figures["agent"]), flush=True)
-        figures["agents_at_once"] = agents_at_once(base_url, model, sizes)
-        print("agents_at_once", json.dumps(figures["agents_at_once"]), flush=True)
+        if "images" in loads:
+            measure_images(base_url, model, sizes, figures)
+        if "decode" in loads:
+            for batch in sizes.decode_batches:
+                # the prompts once with one output token first: the measured run finds them in the
+                # prefix cache, so its steps are decodes (and one short prefill), not prefill chunks
+                warm = text_bodies(model, dataclasses.replace(sizes, max_tokens=1), batch)
+                asyncio.run(send(base_url, iter(warm), batch, duration_s=3600))
+                figures[f"decode_{batch}"] = run(
+                    base_url, text_bodies(model, sizes, batch), batch, sizes.max_tokens
+                )
+                print(f"decode_{batch}", json.dumps(figures[f"decode_{batch}"]), flush=True)
+        if "agent" in loads:
+            figures["agent"] = agent_turns(base_url, model, sizes)
+            print("agent", json.dumps(figures["agent"]), flush=True)
+        if "agents" in loads:
+            figures["agents_at_once"] = agents_at_once(base_url, model, sizes)
+            print("agents_at_once", json.dumps(figures["agents_at_once"]), flush=True)
     finally:
         proc.stop()
     figures["roofline"] = rooflines(checkpoint, config, figures, args.hbm_bytes_per_s, args.flops)
@@ -364,6 +388,12 @@ def print_table(figures: dict[str, Any]) -> None:
         label = f"{crowd['agents']} agents at once, TTFT p50"
         detail = f", {crowd['turns_per_s']:.2f} turns/s"
         print(_turns_line(label, crowd["ttft_ms_p50"], detail, crowd["last_over_first"]))
+        none = crowd["no_history_ttft_ms_p50"]
+        print(
+            f"the same load with no history, TTFT p50 by turn: {', '.join(f'{t:.0f}' for t in none)} ms, "
+            f"{crowd['no_history_turns_per_s']:.2f} turns/s; with the history over without, by turn: "
+            + ", ".join(f"{r:.2f}x" for r in crowd["history_over_none"])
+        )
 
 
 def _turns_line(label: str, ttft_ms: list[float], detail: str, last_over_first: float) -> str:

@@ -108,6 +108,11 @@ def main() -> None:
     parser.add_argument(
         "--skip", default="", help="comma-separated steps to leave out (tier, bench, profile)"
     )
+    parser.add_argument(
+        "--bench-loads",
+        default="images,decode,agent,agents",
+        help="the benchmark's loads (bench_gpu.py --loads)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(args.skip.split(","))
@@ -145,7 +150,8 @@ def main() -> None:
         ]
 
     if built and "bench" not in skip:
-        steps.run("bench", script("bench_gpu", *(["--dry"] if args.dry else [])), "bench.log", limit_s=200)
+        bench = script("bench_gpu", "--loads", args.bench_loads, *(["--dry"] if args.dry else []))
+        steps.run("bench", bench, "bench.log", limit_s=200)
     if built and "profile" not in skip:
         toy = ["--batches", "1,3", "--prompt-tokens", "40", "--steps", "2"] if args.dry else []
         steps.run("profile", script("profile_decode", *toy), "bench.log", limit_s=200)
@@ -166,7 +172,11 @@ def bench_table(log: list[str]) -> list[str]:
     if not headers:
         return log[-8:]
     table = log[headers[-1] :]
-    ends = [i for i, line in enumerate(table) if "agents at once" in line or line.startswith("agent loop")]
+    ends = [
+        i
+        for i, line in enumerate(table)
+        if "agents at once" in line or "with no history" in line or line.startswith("agent loop")
+    ]
     return table[: ends[-1] + 1] if ends else table[:10]
 
 

@@ -47,7 +47,9 @@ def test_the_kit_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     assert all(c > 0 for c in agent["cached_tokens"][1:])
     crowd = figures["agents_at_once"]  # three agents at once, five turns each
     assert crowd["agents"] == 3 and len(crowd["ttft_ms_p50"]) == 5 and crowd["turns_per_s"] > 0
-    assert "agents at once" in bench, bench
+    # the same load with no history: the control that the history's cost under load is read against
+    assert len(crowd["no_history_ttft_ms_p50"]) == 5 and len(crowd["history_over_none"]) == 5
+    assert "agents at once" in bench and "with no history" in bench, bench
     profile = (out / "profile.txt").read_text()
     assert "| 3 | graphs |" in profile and "| 3 | eager |" in profile, profile
     assert len(list(out.iterdir())) <= 8  # what the device tool brings back
