@@ -7,7 +7,10 @@ Each kernel rounds where transformers' modules round, so its results are theirs:
 ``residual + x`` is rounded to bf16 before the norm reads it, the norm computes in float32 and rounds
 before the weight's multiply (``weight * x.to(bf16)``), RoPE rounds ``q * cos`` and
 ``rotate_half(q) * sin`` before adding them, and SiLU rounds before the multiply. What can still differ
-is the last bit of a float32 reduction or ``exp``. ``workers.fused_decode`` holds the same operations as
+is the last bit of a float32 reduction or ``exp``. They are compiled without contracting a multiply and
+an add into one FMA (``LAUNCH_OPTIONS``): an FMA rounds once where PyTorch rounds the product first (on
+an H100 RoPE's ``q * cos + rotate_half(q) * sin`` became one bf16 FMA per element, and its results
+differed from transformers' in the last bit). ``workers.fused_decode`` holds the same operations as
 PyTorch calls, the CPU's path and the reference of tests/gpu/test_fused_kernels.py.
 
 Triton comes with CUDA builds of PyTorch; these are compiled on first use.
@@ -20,6 +23,8 @@ from typing import Any
 import torch
 
 _kernels: dict[str, Any] = {}
+# every launch's compile options: no FMA contraction (the module's docstring)
+LAUNCH_OPTIONS: dict[str, Any] = {"enable_fp_fusion": False}
 
 
 def _compile() -> dict[str, Any]:
@@ -131,7 +136,7 @@ def add_rms_norm(
     residual_out = torch.empty_like(x) if residual is not None else x
     _kernel("add_rms_norm")[(rows,)](
         x, x if residual is None else residual, weight, out, residual_out, eps, width,
-        HAS_RESIDUAL=residual is not None, WIDTH_PAD=_pad(width),
+        HAS_RESIDUAL=residual is not None, WIDTH_PAD=_pad(width), **LAUNCH_OPTIONS,
     )  # fmt: skip
     return out, residual_out
 
@@ -156,7 +161,7 @@ def rope_write(
     _kernel("rope_write")[(rows, num_heads + num_kv_heads)](
         q, k, v, cos, sin, q_out, k_pool, v_pool, slots,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), k_pool.stride(0),
-        NUM_HEADS=num_heads, HALF=half, HALF_PAD=_pad(half),
+        NUM_HEADS=num_heads, HALF=half, HALF_PAD=_pad(half), **LAUNCH_OPTIONS,
     )  # fmt: skip
     return q_out
 
@@ -169,6 +174,6 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, width), dtype=gate.dtype, device=gate.device)
     block = 1024
     _kernel("silu_mul")[(rows, -(-width // block))](
-        gate, up, out, width, gate.stride(0), up.stride(0), BLOCK=block
+        gate, up, out, width, gate.stride(0), up.stride(0), BLOCK=block, **LAUNCH_OPTIONS
     )
     return out

@@ -47,12 +47,21 @@ def compile_checks() -> dict[str, Callable[[], None]]:
 
     fused = fused_kernels._compile()
 
-    def build(kernel: object, types: list[str], constants: dict[str, object]) -> Callable[[], None]:
+    def build(
+        kernel: object,
+        types: list[str],
+        constants: dict[str, object],
+        options: dict[str, object] | None = None,
+    ) -> Callable[[], None]:
         def check() -> None:
             names = kernel.arg_names  # type: ignore[attr-defined]
             signature = dict(zip(names, types + ["constexpr"] * len(constants), strict=True))
-            compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget(*SM_90))
+            source = ASTSource(kernel, signature, constants)
+            compiled = triton.compile(source, target=GPUTarget(*SM_90), options=options)
             assert compiled.asm.get("cubin"), "no cubin"
+            if options is fused_kernels.LAUNCH_OPTIONS:
+                # each product rounded before its sum, as PyTorch rounds it: no fused multiply-add
+                assert "fma." not in compiled.asm["ptx"], "the PTX contracts a multiply and an add"
 
         return check
 
@@ -62,18 +71,23 @@ def compile_checks() -> dict[str, Callable[[], None]]:
             fused["add_rms_norm"],
             [bf16] * 5 + [f32, i32],
             {"HAS_RESIDUAL": True, "WIDTH_PAD": fused_kernels._pad(HIDDEN)},
+            fused_kernels.LAUNCH_OPTIONS,
         ),
         "add_rms_norm without a residual": build(
             fused["add_rms_norm"],
             [bf16] * 5 + [f32, i32],
             {"HAS_RESIDUAL": False, "WIDTH_PAD": fused_kernels._pad(HIDDEN)},
+            fused_kernels.LAUNCH_OPTIONS,
         ),
         "rope_write": build(
             fused["rope_write"],
             [bf16] * 8 + [i64] + [i32] * 5,
             {"NUM_HEADS": HEADS, "HALF": 64, "HALF_PAD": 64},
+            fused_kernels.LAUNCH_OPTIONS,
         ),
-        "silu_mul": build(fused["silu_mul"], [bf16] * 3 + [i32] * 3, {"BLOCK": 1024}),
+        "silu_mul": build(
+            fused["silu_mul"], [bf16] * 3 + [i32] * 3, {"BLOCK": 1024}, fused_kernels.LAUNCH_OPTIONS
+        ),
         "paged_decode": build(
             triton_decode._compile(),
             [bf16] * 3 + [i64] * 2 + [bf16, f32] + [i32] * 10,
