@@ -34,7 +34,9 @@ def draw(path: Path, title: str, panels: list[Panel], footnote: str) -> Path:
             xs = [g + (i - (len(bars) - 1) / 2) * width for g in range(len(panel.rows))]
             values = [row.get(bar, 0.0) for row in panel.rows.values()]
             drawn = ax.bar(xs, values, width, label=bar)
-            ax.bar_label(drawn, labels=[panel.fmt.format(v) for v in values], fontsize=8, padding=2)
+            # a group without this bar gets no bar and no label (not "0.0")
+            labels = [panel.fmt.format(row[bar]) if bar in row else "" for row in panel.rows.values()]
+            ax.bar_label(drawn, labels=labels, fontsize=8, padding=2)
         ax.set_xticks(range(len(panel.rows)), [textwrap.fill(name, 14) for name in panel.rows], fontsize=8)
         ax.set_title(panel.title, fontsize=10)
         ax.set_ylabel(panel.ylabel)
