@@ -53,6 +53,13 @@ BF16_FLOPS = 800e12  # an 8192^3 bf16 matmul here: 769-798 TFLOP/s on the H100 a
 POOL = 8
 AGENT_TURNS, NUM_AGENTS = 5, 3
 LOADS = ("images", "decode", "agent", "agents")
+AGENT_COUNTERS = (
+    "encoder_runs_total",
+    "encoder_cache_hits_total",
+    "worker_busy_seconds_total",
+    "prompt_tokens_total",
+    "prefix_cache_hits_total",
+)
 
 
 @dataclass(frozen=True)
@@ -201,9 +208,17 @@ def agents_at_once(base_url: str, model: str, sizes: Sizes) -> dict[str, Any]:
             [jpeg_data_url(sizes.image_px, seed + 10 * agent + turn) for turn in range(AGENT_TURNS)]
             for agent in range(sizes.agents)
         ]
+        before = scrape(base_url)
         result = run_load(base_url, model, load, screenshots)
+        after = scrape(base_url)
         figures[f"{key}ttft_ms_p50"] = [1e3 * statistics.median(turn) for turn in result["ttft"]]
         figures[f"{key}turns_per_s"] = result["turns/s"]
+        # where the load's time went: encoder runs (a history image is encoded again when a chunk
+        # covers its last tokens and the encoder cache no longer holds it), the worker's busy time
+        figures[f"{key}server"] = {
+            name: after.get(f"mmserve_{name}", 0.0) - before.get(f"mmserve_{name}", 0.0)
+            for name in AGENT_COUNTERS
+        }
         print(f"agents_at_once {load}", json.dumps(figures), flush=True)
     figures["last_over_first"] = figures["ttft_ms_p50"][-1] / figures["ttft_ms_p50"][0]
     figures["history_over_none"] = [
@@ -394,6 +409,8 @@ def print_table(figures: dict[str, Any]) -> None:
             f"{crowd['no_history_turns_per_s']:.2f} turns/s; with the history over without, by turn: "
             + ", ".join(f"{r:.2f}x" for r in crowd["history_over_none"])
         )
+        for label, key in (("with the history", "server"), ("no history", "no_history_server")):
+            print(f"  {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in crowd[key].items()))
 
 
 def _turns_line(label: str, ttft_ms: list[float], detail: str, last_over_first: float) -> str:

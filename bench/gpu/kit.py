@@ -175,7 +175,9 @@ def bench_table(log: list[str]) -> list[str]:
     ends = [
         i
         for i, line in enumerate(table)
-        if "agents at once" in line or "with no history" in line or line.startswith("agent loop")
+        if "agents at once" in line
+        or "with no history" in line
+        or line.startswith(("agent loop", "  no history:"))
     ]
     return table[: ends[-1] + 1] if ends else table[:10]
 

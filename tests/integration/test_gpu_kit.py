@@ -49,6 +49,10 @@ def test_the_kit_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     assert crowd["agents"] == 3 and len(crowd["ttft_ms_p50"]) == 5 and crowd["turns_per_s"] > 0
     # the same load with no history: the control that the history's cost under load is read against
     assert len(crowd["no_history_ttft_ms_p50"]) == 5 and len(crowd["history_over_none"]) == 5
+    # each load's server counters: 15 turns, a new image each, and the history cached in the chained one
+    for key in ("server", "no_history_server"):
+        assert crowd[key]["encoder_runs_total"] >= 15 and crowd[key]["worker_busy_seconds_total"] > 0
+    assert crowd["server"]["prefix_cache_hits_total"] > crowd["no_history_server"]["prefix_cache_hits_total"]
     assert "agents at once" in bench and "with no history" in bench, bench
     profile = (out / "profile.txt").read_text()
     assert "| 3 | graphs |" in profile and "| 3 | eager |" in profile, profile
