@@ -81,6 +81,8 @@ QUIET_REASONS = {
 }
 # Queries whose answer may be empty or 0 after this traffic; every other one must show a value above 0.
 QUIET = {key: reason for reason, keys in QUIET_REASONS.items() for key in keys}
+# the gauges of requests in flight, which only a scrape during traffic sees above 0
+ENGINE_GAUGES = ("mmserve_num_requests_running", "mmserve_kv_cache_usage_ratio")
 
 
 @dataclass
@@ -126,6 +128,12 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             traffic_start = time.time()
             statuses = every_kind_of_request(server.base_url, proxy.base_url)
             statuses += steady_traffic(server.base_url, 3.0)
+            # The engine's gauges are sampled by the scrapes: on a loaded machine a short load can fall
+            # between two of them. More of it (bounded) until a scrape has seen requests running.
+            for _ in range(4):
+                if all(prometheus.query(f"max_over_time({gauge}[1m]) > 0") for gauge in ENGINE_GAUGES):
+                    break
+                statuses += steady_traffic(server.base_url, 3.0)
             traffic_end = time.time()
             # two more scrapes and rule evaluations after the last answer
             wait_until(lambda: _latest_scrape(prometheus) > traffic_end + 2, 20, "scraped after traffic")
