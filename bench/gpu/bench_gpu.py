@@ -13,7 +13,8 @@
   cost; docs/benchmarks.md, "Agent loops"); then 16 agents at once, as bench/bench_agents.py's load
   (agents 0.1 s apart): TTFT p50 per turn, turn 5's over turn 1's under load; and the same load with no
   history (each turn its new input alone), whose TTFT by turn is what the arrivals alone give: each
-  turn's TTFT with the history over it is the history's cost under load;
+  turn's TTFT with the history over it is the history's cost under load (a warm-up round of both,
+  then two rounds alternating them);
 - **decode**: 1, 16 and 64 text requests at once (~280-token prompts, 128 tokens), their prompts sent
   once before (one output token) so that they come from the prefix cache: time per output token (client
   p50) and the worker's mean forward time per step.
@@ -52,6 +53,7 @@ HBM_BYTES_PER_S = 3.35e12  # H100 SXM's datasheet (an H200: 4.8e12)
 BF16_FLOPS = 800e12  # an 8192^3 bf16 matmul here: 769-798 TFLOP/s on the H100 and H200
 POOL = 8
 AGENT_TURNS, NUM_AGENTS = 5, 3
+AGENT_ROUNDS = 2  # of the agents-at-once loads, after a warm-up round
 LOADS = ("images", "decode", "agent", "agents")
 AGENT_COUNTERS = (
     "encoder_runs_total",
@@ -196,30 +198,41 @@ def agent_turns(base_url: str, model: str, sizes: Sizes) -> dict[str, Any]:
 
 
 def agents_at_once(base_url: str, model: str, sizes: Sizes) -> dict[str, Any]:
-    """``sizes.agents`` agents at once, chained by ``previous_response_id``, every turn a new image: TTFT
-    p50 per turn and turn 5's over turn 1's; then the same load with no history (new images), whose TTFT
-    per turn is the arrivals' own: turn 5's with the history over turn 5's without is the history's cost
-    under load."""
-    figures: dict[str, Any] = {"agents": sizes.agents}
-    # the control first: whatever the server still does once (its first decode graphs of each batch
-    # size) falls in the control's early turns, not in the chained load's
-    for key, load, seed in (("no_history_", NO_HISTORY, 9000), ("", "previous_response_id", 7000)):
-        screenshots = [
-            [jpeg_data_url(sizes.image_px, seed + 10 * agent + turn) for turn in range(AGENT_TURNS)]
-            for agent in range(sizes.agents)
-        ]
-        before = scrape(base_url)
-        result = run_load(base_url, model, load, screenshots)
-        after = scrape(base_url)
-        figures[f"{key}ttft_ms_p50"] = [1e3 * statistics.median(turn) for turn in result["ttft"]]
-        figures[f"{key}turns_per_s"] = result["turns/s"]
-        # where the load's time went: encoder runs (a history image is encoded again when a chunk
-        # covers its last tokens and the encoder cache no longer holds it), the worker's busy time
-        figures[f"{key}server"] = {
-            name: after.get(f"mmserve_{name}", 0.0) - before.get(f"mmserve_{name}", 0.0)
-            for name in AGENT_COUNTERS
-        }
-        print(f"agents_at_once {load}", json.dumps(figures), flush=True)
+    """``sizes.agents`` agents at once, chained by ``previous_response_id``, every turn a new image, beside
+    the same load with no history (each turn its new input alone), whose TTFT per turn is what the
+    arrivals alone give: the chained load's TTFT over it, turn by turn, is the history's cost under load.
+    A warm-up round of both loads first (what the server does once, such as its first decode graphs for
+    long contexts, falls there), then ``AGENT_ROUNDS`` rounds alternating the two; TTFT p50 per turn over
+    every round's agents, and each load's server counters summed over its rounds."""
+    loads = (("no_history_", NO_HISTORY), ("", "previous_response_id"))
+    ttft: dict[str, list[list[float]]] = {key: [[] for _ in range(AGENT_TURNS)] for key, _ in loads}
+    wall: dict[str, list[float]] = {key: [] for key, _ in loads}
+    counters = {key: dict.fromkeys(AGENT_COUNTERS, 0.0) for key, _ in loads}
+    for round_ in range(AGENT_ROUNDS + 1):
+        for index, (key, load) in enumerate(loads):
+            seed = 7000 + 1000 * (2 * round_ + index)  # every image new to the server
+            screenshots = [
+                [jpeg_data_url(sizes.image_px, seed + 10 * agent + turn) for turn in range(AGENT_TURNS)]
+                for agent in range(sizes.agents)
+            ]
+            before = scrape(base_url)
+            result = run_load(base_url, model, load, screenshots)
+            after = scrape(base_url)
+            if round_ == 0:
+                continue  # the warm-up
+            for turn, values in enumerate(result["ttft"]):
+                ttft[key][turn] += values
+            wall[key].append(sizes.agents * AGENT_TURNS / result["turns/s"])
+            # where the load's time went: encoder runs (a history image is encoded again when a chunk
+            # covers its last tokens and the encoder cache no longer holds it), the worker's busy time
+            for name in AGENT_COUNTERS:
+                counters[key][name] += after.get(f"mmserve_{name}", 0.0) - before.get(f"mmserve_{name}", 0.0)
+            print(f"agents_at_once round {round_} {load}", json.dumps(result["ttft"]), flush=True)
+    figures: dict[str, Any] = {"agents": sizes.agents, "rounds": AGENT_ROUNDS}
+    for key, _ in loads:
+        figures[f"{key}ttft_ms_p50"] = [1e3 * statistics.median(turn) for turn in ttft[key]]
+        figures[f"{key}turns_per_s"] = sizes.agents * AGENT_TURNS * AGENT_ROUNDS / sum(wall[key])
+        figures[f"{key}server"] = counters[key]
     figures["last_over_first"] = figures["ttft_ms_p50"][-1] / figures["ttft_ms_p50"][0]
     figures["history_over_none"] = [
         a / b for a, b in zip(figures["ttft_ms_p50"], figures["no_history_ttft_ms_p50"], strict=True)
@@ -400,7 +413,7 @@ def print_table(figures: dict[str, Any]) -> None:
         print(_turns_line("agent loop alone, TTFT", agent["ttft_ms"], detail, agent["last_over_first"]))
     crowd = figures.get("agents_at_once")
     if crowd is not None:
-        label = f"{crowd['agents']} agents at once, TTFT p50"
+        label = f"{crowd['agents']} agents at once ({crowd['rounds']} rounds), TTFT p50"
         detail = f", {crowd['turns_per_s']:.2f} turns/s"
         print(_turns_line(label, crowd["ttft_ms_p50"], detail, crowd["last_over_first"]))
         none = crowd["no_history_ttft_ms_p50"]

@@ -151,7 +151,7 @@ def main() -> None:
 
     if built and "bench" not in skip:
         bench = script("bench_gpu", "--loads", args.bench_loads, *(["--dry"] if args.dry else []))
-        steps.run("bench", bench, "bench.log", limit_s=200)
+        steps.run("bench", bench, "bench.log", limit_s=300)
     if built and "profile" not in skip:
         toy = ["--batches", "1,3", "--prompt-tokens", "40", "--steps", "2"] if args.dry else []
         steps.run("profile", script("profile_decode", *toy), "bench.log", limit_s=200)
