@@ -153,7 +153,11 @@ def main() -> None:
         bench = script("bench_gpu", "--loads", args.bench_loads, *(["--dry"] if args.dry else []))
         steps.run("bench", bench, "bench.log", limit_s=300)
     if built and "profile" not in skip:
-        toy = ["--batches", "1,3", "--prompt-tokens", "40", "--steps", "2"] if args.dry else []
+        toy = (
+            ["--batches", "1,3", "--prompt-tokens", "40", "--steps", "2", "--image-px", "224"]
+            if args.dry
+            else []
+        )
         steps.run("profile", script("profile_decode", *toy), "bench.log", limit_s=200)
     write_summary(args.out, steps)
 
@@ -197,7 +201,8 @@ def write_summary(out: Path, steps: Steps) -> None:
         lines += ["", "## bench", "", *bench_table(bench_log.read_text(errors="replace").splitlines())]
     profile = out / "profile.txt"
     if profile.exists():
-        lines += ["", "## profile", "", *profile.read_text().splitlines()[:14]]
+        text = profile.read_text().splitlines()
+        lines += ["", "## profile", "", *text[:14], *(line for line in text if line.startswith("encoder: "))]
     bench = out / "gpu_bench.json"
     if bench.exists():
         lines += ["", f"gpu_bench.json: {len(json.loads(bench.read_text()))} sections"]

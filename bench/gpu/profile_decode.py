@@ -45,6 +45,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--prompt-tokens", type=int, default=280)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--image-px", type=int, default=1024, help="the encoder's image, square")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     cuda = args.device.startswith("cuda")
@@ -141,6 +142,7 @@ def main() -> None:
     lines += overlap_lines
     lines += ["", f"decode graphs captured: {sorted(graphs.shapes)} (rows, key blocks)", ""]
     lines += profiled or []
+    lines += _encoder(runner, args.model, args.image_px, cuda)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "profile.txt").write_text("\n".join(lines) + "\n")
 
@@ -170,6 +172,51 @@ def _profile(engine: FakeEngine, steps: int, cuda: bool) -> list[str]:
             by_gpu = events.table(sort_by="self_cuda_time_total", row_limit=20)
         lines += ["by GPU time:", by_gpu, ""]
     return lines + ["by CPU time:", events.table(sort_by="self_cpu_time_total", row_limit=20)]
+
+
+def _encoder(runner: ModelRunner, model: Path, image_px: int, cuda: bool) -> list[str]:
+    """The vision encoder on one random ``image_px`` square image, processed by the checkpoint's image
+    processor as the API would: its time (median of 5 after 2 warm-ups) and, on CUDA, one run under the
+    torch profiler by GPU time."""
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    pixels = np.random.default_rng(0).integers(0, 256, (image_px, image_px, 3), dtype=np.uint8)
+    processed = AutoImageProcessor.from_pretrained(model)(
+        images=[Image.fromarray(pixels)], return_tensors="pt"
+    )
+    item = {name: processed[name] for name in runner.model.item_tensors["image"]}
+
+    def encode() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        runner.model.encode([item])
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    for _ in range(2):
+        encode()
+    ms = 1e3 * sorted(encode() for _ in range(5))[2]
+    rows = sum(int(t.shape[0]) for t in processed.values() if t.dim() == 2 and t.shape[0] > 4)
+    lines = [
+        "",
+        f"encoder: one {image_px}x{image_px} image ({rows} patch rows): {ms:.1f} ms (median of 5)",
+        "",
+    ]
+    if cuda:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            encode()
+        events = prof.key_averages()
+        try:
+            table = events.table(sort_by="self_device_time_total", row_limit=20)
+        except (KeyError, AttributeError, ValueError):
+            table = events.table(sort_by="self_cuda_time_total", row_limit=20)
+        lines += ["encoder by GPU time:", table]
+    print("\n".join(lines[:3]), flush=True)
+    return lines
 
 
 if __name__ == "__main__":
