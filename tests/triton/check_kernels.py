@@ -99,7 +99,7 @@ def compile_checks() -> dict[str, Callable[[], None]]:
                 "BLOCK_SIZE": 16,
                 "KEYS": triton_decode.KEYS_PER_ITERATION,
             },
-        ),  # fmt: skip
+        ),
     }
 
 
