@@ -74,6 +74,8 @@ HISTOGRAM_BUCKETS = {
     EngineObservation.BATCHED_TOKENS_PER_STEP: TOKEN_BUCKETS,
     EngineObservation.EC_LOAD_SECONDS: EC_BUCKETS,
     EngineObservation.GRAMMAR_COMPILE_SECONDS: LATENCY_BUCKETS,
+    EngineObservation.REQUEST_QUEUE_SECONDS: LATENCY_BUCKETS,
+    EngineObservation.REQUEST_PREFILL_SECONDS: LATENCY_BUCKETS,
 }
 _SEPARATE = {*ENGINE_BAD_MESSAGES.values()} | {
     counter for _, _, members in ENGINE_LABELLED_COUNTERS.values() for counter in members.values()

@@ -354,6 +354,7 @@ class EngineCore:
         aborts and cache resets only release what the step does not need before it ends). Raises
         ``WorkerLost``."""
         plan = self.scheduler.schedule()
+        self.metrics.record_admitted(plan.new_requests)
         launched = Launched(plan, defaultdict(list))
         for request in plan.unavailable:  # ended before the step: nothing here can produce its embeddings
             launched.outputs[request.client].append(_unavailable_output(request.req_id))
@@ -397,6 +398,8 @@ class EngineCore:
         no_token: dict[str, list[int]] = {r: [] for r in finished if r not in result.new_token_ids}
         for req_id, token_ids in (result.new_token_ids | no_token).items():
             request = finished.get(req_id) or self.scheduler.requests[req_id]
+            if token_ids:
+                self.metrics.record_tokens(request)
             entry = logprobs.get(req_id)
             outputs[request.client].append(
                 RequestOutput(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -81,6 +82,10 @@ class Request:
     # mm_hashes already looked up once (an item that waits for budget is not counted again)
     encoder_hashes_queried: set[str] = field(default_factory=set)
     sent_to_worker: bool = False
+    # engine-side times (time.monotonic()): its arrival, its first step, its first output token
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
     # mm_hash -> whether the encoder-cache connector's store held the item when first asked
     ec_in_store: dict[str, bool] = field(default_factory=dict)
     # structured output: True from admission until its grammar is compiled (it waits in the queue

@@ -4,10 +4,12 @@ histogram samples in the API."""
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 from engine.ec_connector import ECConnectorScheduler
 from engine.encode_scheduler import EncodeOnlyScheduler
+from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.step_plan import StepPlan
 from engine.structured.compiler import GrammarCompiler
@@ -26,6 +28,21 @@ class EngineMetrics:
     def set_total(self, name: EngineCounter, value: float) -> None:
         """A counter kept outside the core (already cumulative, across worker restarts)."""
         self._counters[name] = value
+
+    def record_admitted(self, requests: list[Request]) -> None:
+        """Called when a step is scheduled, with the requests it computes for the first time."""
+        now = time.monotonic()
+        for request in requests:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+                self._observations[EngineObservation.REQUEST_QUEUE_SECONDS].append(now - request.arrival_time)
+
+    def record_tokens(self, request: Request) -> None:
+        """Called for each output that carries tokens: the first one ends the request's prefill."""
+        if request.first_token_time is None and request.first_scheduled_time is not None:
+            request.first_token_time = time.monotonic()
+            elapsed = request.first_token_time - request.first_scheduled_time
+            self._observations[EngineObservation.REQUEST_PREFILL_SECONDS].append(elapsed)
 
     def record_step(self, plan: StepPlan, output: RunnerOutput) -> None:
         """Called after every step that ran on the worker."""

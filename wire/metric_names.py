@@ -158,3 +158,11 @@ class EngineObservation(_Named):
         "structured_output_compile_seconds",
         "Time to compile one constraint into a grammar (off the step loop).",
     )
+    REQUEST_QUEUE_SECONDS = (
+        "request_queue_time_seconds",
+        "Time a request waited in the engine, from its arrival to the first step that computes it.",
+    )
+    REQUEST_PREFILL_SECONDS = (
+        "request_prefill_time_seconds",
+        "Time from a request's first step to its first output token (its prompt's steps, encoder included).",
+    )

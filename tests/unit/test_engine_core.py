@@ -198,6 +198,9 @@ def test_outputs_are_routed_per_client() -> None:
     assert worker.steps[-1].sched.finished_req_ids == ["rb"]
 
 
+QUEUE, PREFILL = "request_queue_time_seconds", "request_prefill_time_seconds"
+
+
 def test_stats_counters_gauges_and_drained_observations() -> None:
     worker = StandinWorker(encoder_seconds=0.25, forward_seconds=0.01, delay_s={1: 0.05, 2: 0.05})
     core, _ = engine_core(worker, max_num_seqs=2, encoder_cache_tokens=100)
@@ -225,6 +228,11 @@ def test_stats_counters_gauges_and_drained_observations() -> None:
     assert stats.counters["encoder_cache_hits_total"] == 1
     assert stats.gauges["encoder_cache_usage_tokens"] == 16.0
     assert (stats.gauges["num_requests_running"], stats.gauges["num_requests_waiting"]) == (2.0, 1.0)
+    # r1 and r2 ran at once, in the first step, which took the worker 50 ms; their first tokens came
+    # with its answer
+    queued, prefill = (stats.observations.pop(k) for k in (QUEUE, PREFILL))
+    assert len(queued) == 2 and all(0 <= t < 0.05 for t in queued), queued
+    assert len(prefill) == 2 and all(t >= 0.05 for t in prefill), prefill
     assert stats.observations == {
         "num_requests_per_step": [2, 2],
         "num_batched_tokens_per_step": [40, 2],
@@ -237,6 +245,9 @@ def test_stats_counters_gauges_and_drained_observations() -> None:
     stats = core.stats()
     assert stats.counters["engine_steps_total"] == 6
     assert stats.observations["num_requests_per_step"] == [2, 1, 1, 1]
+    # r3 waited for a slot through both 50 ms steps
+    [r3_queued], [r3_prefill] = stats.observations[QUEUE], stats.observations[PREFILL]
+    assert r3_queued >= 0.1 and r3_prefill >= 0, (r3_queued, r3_prefill)
     assert (stats.gauges["num_requests_running"], stats.gauges["num_requests_waiting"]) == (0.0, 0.0)
 
 
