@@ -61,6 +61,11 @@ AGENT_COUNTERS = (
     "worker_busy_seconds_total",
     "prompt_tokens_total",
     "prefix_cache_hits_total",
+    # a first token's wait, summed over the load's requests: all of it (the API's), the engine's queue,
+    # the prefill
+    "time_to_first_token_seconds_sum",
+    "request_queue_time_seconds_sum",
+    "request_prefill_time_seconds_sum",
 )
 
 

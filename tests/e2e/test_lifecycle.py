@@ -100,6 +100,9 @@ def test_compose_topology_as_processes(tiny_model_dir: Path, tmp_path: Path) -> 
         metrics = httpx.get(f"{base_url}/metrics").text
         assert "mmserve_mm_ipc_cache_hits_total 1.0" in metrics
         assert "mmserve_encoder_cache_hits_total 1.0" in metrics
+        # each request's wait in the engine's queue and its prefill, observed once each
+        assert "mmserve_request_queue_time_seconds_count 2.0" in metrics
+        assert "mmserve_request_prefill_time_seconds_count 2.0" in metrics
 
         # The engine container dies: its worker exits for a restart (status 3), the api reports
         # unhealthy at once; the restart policy starts both again, and the api (never restarted)

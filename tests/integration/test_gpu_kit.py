@@ -52,6 +52,8 @@ def test_the_kit_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     # each load's server counters: 15 turns, a new image each, and the history cached in the chained one
     for key in ("server", "no_history_server"):
         assert crowd[key]["encoder_runs_total"] >= 15 and crowd[key]["worker_busy_seconds_total"] > 0
+        server = crowd[key]
+        assert 0 < server["request_prefill_time_seconds_sum"] < server["time_to_first_token_seconds_sum"]
     assert crowd["server"]["prefix_cache_hits_total"] > crowd["no_history_server"]["prefix_cache_hits_total"]
     assert "agents at once" in bench and "with no history" in bench, bench
     profile = (out / "profile.txt").read_text()
