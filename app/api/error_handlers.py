@@ -148,8 +148,10 @@ async def _on_request_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(exc)
 
 
-async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
+async def _on_http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == CLIENT_CLOSED_REQUEST:  # a body the client left unsent: nobody reads an answer
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     headers = dict(exc.headers) if exc.headers else None  # e.g. Allow on a 405
     if exc.status_code in (404, 405):
         verb = "Not found" if exc.status_code == 404 else "Method not allowed"

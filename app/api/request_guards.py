@@ -22,6 +22,7 @@ import hmac
 from fastapi import HTTPException
 
 from app.api.asgi_types import ASGIApp, Message, Receive, Scope, Send
+from app.api.disconnect import CLIENT_CLOSED_REQUEST
 from app.api.error_handlers import error_response
 from app.errors import AuthenticationError, MMServeError, RequestTooLargeError
 from wire.hashing import framed_digest
@@ -88,10 +89,12 @@ class RequestGuards:
         )
 
     def _counting(self, receive: Receive) -> Receive:
-        """``receive`` that raises a 413 once the streamed body passes the cap, and a 408 when the body
-        stalls. FastAPI lets only an ``HTTPException`` through its body parsing (anything else becomes a
-        400), and the app's handler turns it into the envelope: the route is still reading, nothing was
-        sent yet. Once the body is whole, ``receive`` waits for the disconnect, as long as it takes."""
+        """``receive`` that raises a 413 once the streamed body passes the cap, a 408 when the body
+        stalls, and a 499 (``CLIENT_CLOSED_REQUEST``, answered with no body) when the client leaves
+        before its body is whole: FastAPI would count that as a 400 for a body it could not parse.
+        FastAPI lets only an ``HTTPException`` through its body parsing (anything else becomes a 400),
+        and the app's handler turns it into the envelope: the route is still reading, nothing was sent
+        yet. Once the body is whole, ``receive`` waits for the disconnect, as long as it takes."""
         num_bytes = 0
         reading = True
 
@@ -105,6 +108,10 @@ class RequestGuards:
             except TimeoutError:
                 detail = f"The request body stalled: no bytes for {self.body_idle_timeout_s:g} s."
                 raise HTTPException(408, detail=detail, headers={"Connection": "close"}) from None
+            if message["type"] == "http.disconnect":  # the client left with its body unsent: a 499
+                raise HTTPException(
+                    CLIENT_CLOSED_REQUEST, detail="The client left before its body was whole."
+                )
             reading = message["type"] == "http.request" and message.get("more_body", False)
             if message["type"] == "http.request":
                 num_bytes += len(message.get("body", b""))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -198,6 +199,24 @@ def test_client_disconnect_aborts_the_request(server: Server, n: int) -> None:
     steps = metrics["mmserve_engine_steps_total"]
     time.sleep(1.0)
     assert server.metrics()["mmserve_engine_steps_total"] == steps, "the engine stopped working on it"
+
+
+def test_a_client_gone_while_sending_its_body_is_a_499(server: Server) -> None:
+    """It sends a third of its declared body and closes: a 499 (client closed request), not a 400 for a
+    body that failed to parse, and nothing reaches the engine."""
+    body = json.dumps(greedy_body([user_message("x" * 3_000_000)], max_tokens=4)).encode()
+    before = server.metrics()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body[: len(body) // 3])
+    bad_body = CLIENT_GONE.replace('"499"', '"400"')
+    deadline = time.monotonic() + 30
+    while server.metrics()[CLIENT_GONE] == before[CLIENT_GONE]:
+        assert time.monotonic() < deadline, "the API never counted the gone client 499"
+        time.sleep(0.05)
+    after = server.metrics()
+    assert after.get(bad_body, 0) == before.get(bad_body, 0)
+    assert after["mmserve_prompt_tokens_total"] == before["mmserve_prompt_tokens_total"]
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -203,3 +203,18 @@ def test_a_stalled_body_is_a_408_and_a_whole_one_waits_for_the_disconnect() -> N
     status, body, _ = asgi_post(app, [b"a" * 10, b"b" * 10], then=-0.5)  # whole; a disconnect 0.5 s later
     assert status == 200 and json.loads(body) == {"num_bytes": 20}
     assert after_body == ["http.disconnect"]  # waited past the body timeout: no 408 once it was whole
+
+
+def test_a_client_that_leaves_before_its_body_is_whole_is_a_bodiless_499() -> None:
+    app = FastAPI()
+    install_error_handlers(app)
+    app.add_middleware(RequestGuards, api_key=None, max_body_bytes=CAP, body_idle_timeout_s=5.0)
+    routed: list[int] = []
+
+    @app.post("/v1/echo")
+    async def echo(request: Request) -> dict[str, int]:
+        routed.append(len(await request.body()))
+        return {"num_bytes": routed[-1]}
+
+    status, body, _ = asgi_post(app, [b"a" * 10, b"b" * 10], then=0.01)  # 20 bytes of more, then gone
+    assert (status, body, routed) == (499, b"", [])  # not a 400 for a body that failed to parse
