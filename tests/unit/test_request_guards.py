@@ -184,10 +184,18 @@ def asgi_post(app: FastAPI, chunks: list[bytes], then: float) -> tuple[int, byte
     return asyncio.run(go())
 
 
-def test_a_stalled_body_is_a_408_and_a_whole_one_waits_for_the_disconnect() -> None:
+def guarded_app(body_idle_timeout_s: float) -> FastAPI:
+    """An app with the error handlers and ``RequestGuards`` (no key, the body cap ``CAP``)."""
     app = FastAPI()
     install_error_handlers(app)
-    app.add_middleware(RequestGuards, api_key=None, max_body_bytes=CAP, body_idle_timeout_s=0.2)
+    app.add_middleware(
+        RequestGuards, api_key=None, max_body_bytes=CAP, body_idle_timeout_s=body_idle_timeout_s
+    )
+    return app
+
+
+def test_a_stalled_body_is_a_408_and_a_whole_one_waits_for_the_disconnect() -> None:
+    app = guarded_app(0.2)
     after_body: list[str] = []
 
     @app.post("/v1/echo")
@@ -206,9 +214,7 @@ def test_a_stalled_body_is_a_408_and_a_whole_one_waits_for_the_disconnect() -> N
 
 
 def test_a_client_that_leaves_before_its_body_is_whole_is_a_bodiless_499() -> None:
-    app = FastAPI()
-    install_error_handlers(app)
-    app.add_middleware(RequestGuards, api_key=None, max_body_bytes=CAP, body_idle_timeout_s=5.0)
+    app = guarded_app(5.0)
     routed: list[int] = []
 
     @app.post("/v1/echo")
