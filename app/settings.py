@@ -163,6 +163,12 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV of prompt blocks seen before (images count by mm_hash and position)."
     )
+    prefix_match: Literal["token", "block"] = Field(
+        "token",
+        description="How far a prefix-cache hit reaches: token, up to the first token that differs (the "
+        "first tokens of a cached block are copied into the request's own block); block, whole blocks "
+        "only (vLLM's).",
+    )
     async_scheduling: bool = Field(
         True,
         description="Schedule and send the next step while the worker runs the current one, from what is "

@@ -10,15 +10,35 @@ A block moves between the free queue (ref_count 0) and the block tables (ref_cou
 
 ``uncache`` takes a hash back when the step that was to compute the block's K/V failed.
 
+A hashed block may also carry its ``BlockContent`` (its parent's key, token ids and multimodal items),
+indexed by parent: a request whose next block differs from every cached one can still match its first
+tokens against the blocks cached after the same parent (``children``, the token-granular prefix match of
+docs/architecture.md, "KV cache and prefix caching"). The content goes and comes with the hash.
+
 The ``KVCacheManager`` owns one pool and is its only caller; it keeps the block tables.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 BlockHash = bytes
+# what a block follows: the previous block's hash, or for a first block ("root", its cache salt)
+ParentKey = BlockHash | tuple[str, str | None]
+
+
+@dataclass(frozen=True)
+class BlockContent:
+    """A full block's content, for matching its first tokens: what it follows, its token ids and the
+    multimodal items overlapping it as (mm_hash, offset, end), both relative to the block's start (an
+    item that began in an earlier block has a negative offset)."""
+
+    parent: ParentKey
+    token_ids: tuple[int, ...]
+    items: tuple[tuple[str, int, int], ...]
 
 
 class BlockPool:
@@ -34,6 +54,8 @@ class BlockPool:
     #   P5  a block's hash is set once while it is used (its content is then final) and only ``take``,
     #       ``reset`` or ``uncache`` (the step that was to write the content failed) drop it
     #   P6  num_free_blocks + num_used_blocks == num_blocks
+    #   P7  a block has a content entry only while it carries a hash, and it is listed under its
+    #       content's parent exactly then: _children[c.parent] holds b  <=>  _content[b] == c
     def __init__(self, num_blocks: int) -> None:
         assert num_blocks >= 0
         self.num_blocks = num_blocks
@@ -42,6 +64,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._block_of: dict[BlockHash, int] = {}
+        self._content: dict[int, BlockContent] = {}
+        self._children: dict[ParentKey, dict[int, None]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -65,6 +89,12 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> int | None:
         """The block holding the K/V named by ``block_hash`` (used or cached-free), or None."""
         return self._block_of.get(block_hash)
+
+    def children(self, parent: ParentKey, limit: int) -> list[tuple[int, BlockContent]]:
+        """The ``limit`` hashed blocks last registered with a content that follows ``parent``, newest
+        first (a first block's parent may have thousands)."""
+        newest = itertools.islice(reversed(self._children.get(parent, {})), limit)
+        return [(b, self._content[b]) for b in newest]
 
     def num_free_among(self, block_ids: Iterable[int]) -> int:
         """How many of ``block_ids`` sit in the free queue (acquiring them shrinks it)."""
@@ -99,16 +129,20 @@ class BlockPool:
             if self._ref_counts[b] == 0:
                 self._free[b] = None
 
-    def cache(self, block_id: int, block_hash: BlockHash) -> bool:
+    def cache(self, block_id: int, block_hash: BlockHash, content: BlockContent | None = None) -> bool:
         """Register a used block whose content (tokens and images) ``block_hash`` names; True if it
-        now carries the hash. If the hash already names a block (this one, or another that computed
-        the same prefix first), the existing mapping stays and ``block_id`` stays unhashed (P3)."""
+        now carries the hash (and ``content``, if given, for matches of its first tokens). If the hash
+        already names a block (this one, or another that computed the same prefix first), the existing
+        mapping stays and ``block_id`` stays unhashed (P3)."""
         assert self._ref_counts[block_id] > 0, f"caching free block {block_id}"
         if block_hash in self._block_of:
             return False
         assert self._hash_of[block_id] is None, f"block {block_id} already carries another hash"
         self._hash_of[block_id] = block_hash
         self._block_of[block_hash] = block_id
+        if content is not None:
+            self._content[block_id] = content
+            self._children.setdefault(content.parent, {})[block_id] = None
         return True
 
     def uncache(self, block_id: int, block_hash: BlockHash) -> None:
@@ -121,9 +155,17 @@ class BlockPool:
         """Forget every hash, used blocks' too: nothing computed so far is found by a lookup again."""
         self._block_of.clear()
         self._hash_of = [None] * self.num_blocks
+        self._content.clear()
+        self._children.clear()
 
     def _drop_hash(self, block_id: int) -> None:
         block_hash = self._hash_of[block_id]
         if block_hash is not None:
             del self._block_of[block_hash]
             self._hash_of[block_id] = None
+        content = self._content.pop(block_id, None)
+        if content is not None:
+            siblings = self._children[content.parent]
+            del siblings[block_id]
+            if not siblings:
+                del self._children[content.parent]

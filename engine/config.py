@@ -5,6 +5,7 @@ once."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from wire.curve import CurveKeys
 from wire.ec_store import ECConfig
@@ -21,6 +22,7 @@ class SchedulerOptions:
     encoder_cache_tokens: int
     encoder_compute_budget_tokens: int
     enable_prefix_caching: bool
+    prefix_match: Literal["token", "block"]  # hits up to the first differing token, or whole blocks
     disable_chunked_mm_input: bool
     max_waiting_requests: int | None  # None: the queue is unbounded
     async_scheduling: bool  # the next step is scheduled and sent while the worker runs this one

@@ -24,22 +24,41 @@ A block is registered in the prefix cache in the step that computes its last tok
 must write a step's K/V of a layer before attention of that layer reads it. Registering at schedule
 time rather than when the step's output arrives is what lets that request share the block; the price is
 the rollback above.
+
+Hits are token-granular (``prefix_match="token"``; docs/architecture.md, "KV cache and prefix
+caching"): after its full blocks, a request's next block may match the first tokens of a block cached
+after the same parent (the same tokens and items there). Those K/V are copied into the request's own
+first new block, which it goes on filling: ``take_kv_copies()`` gives the step's copies, which the
+worker makes before the step's forward. A block registered in the step being planned is never copied
+from (its K/V is written by that step's forward, after the copies).
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import blake3
 
-from engine.block_pool import BlockHash, BlockPool
+from engine.block_pool import BlockContent, BlockHash, BlockPool, ParentKey
 from wire.protocol import MMFeature
 
 _HASH_DOMAIN = b"mmserve.kv_block.v1"
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
+PARTIAL_CANDIDATES = 64  # blocks after one parent compared for a partial hit, the newest first
+PrefixMatch = Literal["token", "block"]
+
+
+@dataclass(frozen=True)
+class PartialHit:
+    """The first ``num_tokens`` tokens of a request's next block are those of cached block ``block_id``."""
+
+    block_id: int
+    block_hash: BlockHash  # it still carries it when the request is allocated (nothing took it since)
+    num_tokens: int
 
 
 def hash_block(
@@ -109,11 +128,23 @@ class KVCacheManager:
     #       cache; unless reset_prefix_cache ran since, each such block's hash names a block (this one,
     #       or another that holds the same K/V)
     #   K4  prefix caching disabled: no hash is ever computed or registered
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    #   K5  a partial hit is pending only for a request without a table (a head of line that waits
+    #       keeps it until its next lookup); its block still carries its hash when it is allocated
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        prefix_match: PrefixMatch = "token",
+    ) -> None:
         assert block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_match = prefix_match
+        self._partial_hits: dict[str, PartialHit] = {}  # found by get_computed_blocks, not yet allocated
+        # (source block, destination block, tokens) to copy before the step runs, since take_kv_copies()
+        self._kv_copies: list[tuple[int, int, int]] = []
         self._pool = BlockPool(num_blocks)
         self._tables: dict[str, list[int]] = {}
         self._block_hashes: dict[str, list[BlockHash]] = {}
@@ -139,9 +170,11 @@ class KVCacheManager:
     def get_computed_blocks(self, req: KVRequest) -> tuple[list[int], int]:
         """Called when a waiting request (new or resumed after preemption) is about to be scheduled:
         the longest run of the request's full blocks, from block 0, whose hashes are cached, and the
-        number of tokens they hold. At least one token is left to compute (its logits are needed).
-        Takes no references: call ``allocate_slots`` with these ids before any other allocation."""
+        number of tokens hit: theirs, plus a partial hit's in the next block (token-granular matches).
+        At least one token is left to compute (its logits are needed). Takes no references: call
+        ``allocate_slots`` with these ids before any other allocation."""
         assert req.req_id not in self._tables, f"{req.req_id} already holds blocks"
+        self._partial_hits.pop(req.req_id, None)
         if not self.enable_prefix_caching:
             return [], 0
         max_hit_blocks = max(0, req.num_tokens - 1) // self.block_size
@@ -152,7 +185,12 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
-        return block_ids, len(block_ids) * self.block_size
+        num_hit = len(block_ids) * self.block_size
+        partial = self._partial_hit(req, hashes, len(block_ids)) if self.prefix_match == "token" else None
+        if partial is None:
+            return block_ids, num_hit
+        self._partial_hits[req.req_id] = partial
+        return block_ids, num_hit + partial.num_tokens
 
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Called once per admission with the prompt length and the tokens ``get_computed_blocks`` hit."""
@@ -186,16 +224,26 @@ class KVCacheManager:
         req_id = req.req_id
         table = self._tables.get(req_id)
         appended = list(computed_block_ids)
+        partial = None
         if table is None:
             if appended:  # still the blocks get_computed_blocks found: no allocation ran in between
                 hashes = self._hashes(req, len(appended))
                 assert all(self._pool.hash_of(b) == h for b, h in zip(appended, hashes, strict=False)), (
                     "computed blocks were evicted since get_computed_blocks"
                 )
+            partial = self._partial_hits.pop(req_id, None)
+            assert partial is None or self._pool.hash_of(partial.block_id) == partial.block_hash, (
+                "the partial hit's block was evicted since get_computed_blocks"
+            )
             self._pool.acquire(appended)
             table = self._tables[req_id] = []
             self._num_cached_blocks[req_id] = len(appended)  # they carry their hashes already
-        appended += self._pool.take(num_new_blocks)
+        new_blocks = self._pool.take(num_new_blocks)
+        # (the source may be taken here, even as the destination itself: the copy runs before the step
+        # writes any block, and a block copied onto itself keeps its K/V)
+        if partial is not None and new_blocks[0] != partial.block_id:
+            self._kv_copies.append((partial.block_id, new_blocks[0], partial.num_tokens))
+        appended += new_blocks
         table += appended
         if self.enable_prefix_caching:
             num_tokens = min(req.num_computed_tokens + num_new_tokens, req.num_tokens)
@@ -209,6 +257,7 @@ class KVCacheManager:
         drops the request's block hashes (a resumed request recomputes them). Idempotent; call it for
         every request ``get_computed_blocks`` saw, even one that never got blocks."""
         table = self._tables.pop(req_id, [])
+        self._partial_hits.pop(req_id, None)
         self._block_hashes.pop(req_id, None)
         self._num_cached_blocks.pop(req_id, None)
         self._pool.release(reversed(table))
@@ -218,6 +267,13 @@ class KVCacheManager:
         once per step by ``schedule()``."""
         newly_cached, self._newly_cached = self._newly_cached, []
         return newly_cached
+
+    def take_kv_copies(self) -> list[tuple[int, int, int]]:
+        """The (source block, destination block, tokens) copies of the partial hits allocated since the
+        previous call; called once per step by ``schedule()``. The worker copies the K/V of the
+        source's first tokens into the destination's, every layer, before the step's forward."""
+        copies, self._kv_copies = self._kv_copies, []
+        return copies
 
     def uncache(self, cached_blocks: Sequence[tuple[int, BlockHash]]) -> None:
         """The step that registered ``cached_blocks`` (``take_newly_cached``) failed: no later request
@@ -244,8 +300,11 @@ class KVCacheManager:
         and leave the free queue when acquired)."""
         table = self._tables.get(req.req_id)
         if table is None:
-            assert req.num_computed_tokens == len(computed_block_ids) * self.block_size, (
-                "on the first allocation num_computed_tokens counts exactly the computed blocks"
+            partial = self._partial_hits.get(req.req_id)
+            num_partial = partial.num_tokens if partial is not None else 0
+            assert req.num_computed_tokens == len(computed_block_ids) * self.block_size + num_partial, (
+                "on the first allocation num_computed_tokens counts exactly the computed blocks and the "
+                "partial hit"
             )
             num_held = len(computed_block_ids)
             num_revived = self._pool.num_free_among(computed_block_ids)
@@ -278,7 +337,68 @@ class KVCacheManager:
         if num_full_blocks <= num_cached:
             return
         hashes = self._hashes(req, num_full_blocks)
+        size = self.block_size
+        token_ids = req.all_token_ids
         for i in range(num_cached, num_full_blocks):
-            if self._pool.cache(table[i], hashes[i]):
+            content = None
+            if self.prefix_match == "token":
+                start = i * size
+                items = _items(req, start, start + size)
+                content = BlockContent(_parent(req, hashes, i), tuple(token_ids[start : start + size]), items)
+            if self._pool.cache(table[i], hashes[i], content):
                 self._newly_cached.append((table[i], hashes[i]))
         self._num_cached_blocks[req.req_id] = num_full_blocks
+
+    def _partial_hit(self, req: KVRequest, hashes: list[BlockHash], num_blocks: int) -> PartialHit | None:
+        """The cached block after the request's ``num_blocks`` hit ones whose first tokens (and items
+        among them) are most of the request's next ones, short of its last token; None if none is."""
+        start = num_blocks * self.block_size
+        limit = min(self.block_size - 1, req.num_tokens - 1 - start)
+        if limit <= 0:
+            return None
+        wanted = req.all_token_ids[start : start + limit]
+        items = _items(req, start, start + self.block_size)
+        written_this_step = {b for b, _ in self._newly_cached}
+        best: PartialHit | None = None
+        for block_id, content in self._pool.children(_parent(req, hashes, num_blocks), PARTIAL_CANDIDATES):
+            if block_id in written_this_step:
+                continue
+            num_tokens = _match_length(wanted, items, content)
+            if num_tokens and (best is None or num_tokens > best.num_tokens):
+                block_hash = self._pool.hash_of(block_id)
+                assert block_hash is not None  # (P7)
+                best = PartialHit(block_id, block_hash, num_tokens)
+        return best
+
+
+def _parent(req: KVRequest, hashes: Sequence[BlockHash], index: int) -> ParentKey:
+    """What block ``index`` of the request follows: the previous block's hash, or its cache salt."""
+    return hashes[index - 1] if index else ("root", req.cache_salt)
+
+
+def _items(req: KVRequest, start: int, end: int) -> tuple[tuple[str, int, int], ...]:
+    """(mm_hash, offset, end) of the request's items overlapping ``[start, end)``, relative to ``start``."""
+    return tuple(
+        (f.mm_hash, f.offset - start, f.end - start)
+        for f in req.mm_features
+        if f.offset < end and f.end > start
+    )
+
+
+def _match_length(
+    wanted: Sequence[int], items: tuple[tuple[str, int, int], ...], content: BlockContent
+) -> int:
+    """How many of a block's first tokens ``content`` shares with ``wanted`` (a request's next tokens,
+    whose block has ``items``): equal token ids, and the same items over them (a different image behind
+    the same placeholders, or one placed elsewhere, ends the match where it starts)."""
+    num_tokens = 0
+    for mine, theirs in zip(wanted, content.token_ids, strict=False):
+        if mine != theirs:
+            break
+        num_tokens += 1
+    while num_tokens:
+        differing = {i for i in items if i[1] < num_tokens} ^ {i for i in content.items if i[1] < num_tokens}
+        if not differing:
+            break
+        num_tokens = max(0, min(offset for _, offset, _ in differing))
+    return num_tokens

@@ -38,7 +38,9 @@ class Scheduler:
         self.config = config
         self.connector = connector if connector is not None and connector.role.loads else None
         self.encoder_cache = EncoderCacheManager(config.encoder_cache_tokens)
-        self.kv_cache = KVCacheManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(
+            config.num_kv_blocks, config.block_size, config.enable_prefix_caching, config.prefix_match
+        )
         self.admission = EncoderAdmission(
             self.encoder_cache,
             self.connector,
@@ -246,6 +248,7 @@ class Scheduler:
             new_block_ids=new_block_ids,
             preempted_req_ids=preempted,
             cached_blocks=self.kv_cache.take_newly_cached(),
+            kv_copies=self.kv_cache.take_kv_copies(),
             ec_meta=self.connector.build_connector_meta() if self.connector is not None else None,
             unavailable=unavailable,
             forced_tokens=forced,  # a request's entry goes when it finishes (_finish)

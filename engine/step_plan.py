@@ -57,6 +57,8 @@ class StepPlan:
     forced_tokens: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
     # the requests whose last known token the step computes: the worker samples one token for each
     sampling_req_ids: list[str] = field(default_factory=list)
+    # (source block, destination block, tokens): partial prefix-cache hits, copied before the forward
+    kv_copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def load_mm_hashes(self) -> list[str]:

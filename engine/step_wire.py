@@ -98,6 +98,7 @@ def to_scheduler_output(
         ec_meta=plan.ec_meta,
         grammar_bitmask=_bitmask(grammars, frames),
         forced_tokens=plan.forced_tokens,
+        kv_copies=plan.kv_copies,
     )
     return sched, frames
 

@@ -345,7 +345,9 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
     ``finished_req_ids`` (all state) and ``preempted_req_ids`` (block tables only: token lists and
     sampling state stay for the resume), appends ``forced_tokens`` to their requests' token lists, then
     applies ``resumed_requests``, ``new_requests`` and ``new_block_ids`` (blocks appended to running
-    requests' tables)."""
+    requests' tables), and makes ``kv_copies``: each (source block, destination block, n) copies the
+    K/V of the source's first n slots, every layer, into the destination's (a prefix-cache hit of a
+    block's first tokens; the destination is a table's block that the step goes on filling)."""
 
     step_id: int
     new_requests: list[NewRequestData]
@@ -362,6 +364,7 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
     # req_id -> (the request's number of tokens before them, the tokens). Applied once: an entry the
     # worker's list already holds there (a resend after a failed step) changes nothing.
     forced_tokens: dict[str, tuple[int, list[TokenId]]] = {}
+    kv_copies: list[tuple[NonNegInt, NonNegInt, PosInt]] = []
 
 
 class WorkerShutdown(msgspec.Struct, frozen=True, tag="wshutdown"):

@@ -66,6 +66,12 @@ class KVPool:
         self.rows(layer, 0).index_copy_(0, slots, k.reshape(len(slots), -1))
         self.rows(layer, 1).index_copy_(0, slots, v.reshape(len(slots), -1))
 
+    def copy_slots(self, source: int, destination: int, num_slots: int) -> None:
+        """K/V of block ``source``'s first ``num_slots`` slots, every layer, into block ``destination``'s
+        (a prefix-cache hit of a block's first tokens, before the step that fills the rest)."""
+        src, dst = source * self.block_size, destination * self.block_size
+        self.kv[:, :, dst : dst + num_slots] = self.kv[:, :, src : src + num_slots]
+
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of ``layer`` at ``slots``, in order: two [len(slots), num_kv_heads, head_dim] tensors."""
         shape = (len(slots), *self.kv.shape[3:])

@@ -347,6 +347,8 @@ class ModelRunner:
             table = self.requests[req_id].block_ids
             assert table is not None  # checked
             table.extend(block_ids)
+        for source, destination, num_tokens in sched.kv_copies:
+            self.kv_pool.copy_slots(source, destination, num_tokens)
 
     def _forward(
         self, step: LaunchedStep, num_scheduled_tokens: dict[str, int], allowed: dict[str, torch.Tensor]

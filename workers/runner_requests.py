@@ -88,7 +88,9 @@ def check_additions(
     """Raises StepError before any state changes; returns the new requests' layouts (positions built
     from their placements, which checks them too)."""
     layouts: dict[str, Layout] = {}
-    if pool.num_blocks is None and (sched.new_requests or sched.resumed_requests or sched.new_block_ids):
+    if pool.num_blocks is None and (
+        sched.new_requests or sched.resumed_requests or sched.new_block_ids or sched.kv_copies
+    ):
         raise StepError("requests sent to an encoder-only worker (it has no language model)")
     for resumed in sched.resumed_requests:
         req = requests.get(resumed.req_id)
@@ -122,6 +124,10 @@ def check_additions(
             state = "unknown" if req is None else "preempted"
             raise StepError(f"request {req_id!r} gets new blocks but is {state} on this worker")
         _check_blocks(req_id, block_ids, pool)
+    for source, destination, num_tokens in sched.kv_copies:
+        _check_blocks("(a prefix copy)", [source, destination], pool)
+        if source == destination or num_tokens >= pool.block_size:
+            raise StepError(f"a prefix copy of {num_tokens} tokens from block {source} to {destination}")
     return layouts
 
 

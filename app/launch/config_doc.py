@@ -69,6 +69,7 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("max_num_seqs", "engine"),
         ("max_num_batched_tokens", "engine"),
         ("enable_prefix_caching", "engine"),
+        ("prefix_match", "engine"),
         ("disable_chunked_mm_input", "engine"),
         ("max_waiting_requests", "engine"),
         ("async_scheduling", "engine"),

@@ -33,6 +33,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         encoder_cache_tokens=cache_tokens,
         encoder_compute_budget_tokens=compute_tokens,
         enable_prefix_caching=settings.enable_prefix_caching,
+        prefix_match=settings.prefix_match,
         disable_chunked_mm_input=settings.disable_chunked_mm_input,
         max_waiting_requests=settings.max_waiting_requests,
         async_scheduling=settings.async_scheduling,

@@ -58,10 +58,13 @@ def test_four_choices_prepare_encode_and_prefill_the_prompt_once(server: Server)
     assert usage["completion_tokens"] == 4 * 12 and usage["total_tokens"] == num_prompt + 48
     assert delta(before, after, PROCESSOR_RUNS) == 1
     assert delta(before, after, "mmserve_encoder_runs_total") == 1
-    # Choices 1-3 each look the prompt up and find every full block but the one holding its last token.
+    # Choices 1-3 each look the prompt up and find at least every full block but the one holding its last
+    # token (at most every token but the last); choice 0 at most the chat template's first tokens, from
+    # earlier requests.
     assert delta(before, after, "mmserve_prefix_cache_queries_total") == 4 * num_prompt
     hit_per_choice = (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert delta(before, after, "mmserve_prefix_cache_hits_total") == 3 * hit_per_choice
+    hits = delta(before, after, "mmserve_prefix_cache_hits_total")
+    assert 3 * hit_per_choice <= hits < 3 * (num_prompt - 1) + BLOCK_SIZE
     assert num_prompt - hit_per_choice <= BLOCK_SIZE  # so the prompt was computed once, and 3 tails
 
 

@@ -85,7 +85,6 @@ def test_chunked_prefill_through_images_equals_generate(chunked_server: Server, 
 def test_prefix_cache_hit_equals_generate_and_skips_the_encoder(
     chunked_server: Server, oracle: Oracle
 ) -> None:
-    # enough text after the image that the cached prefix (all full blocks) covers the whole image
     text = "Again, please: describe the picture in detail, with its colours, its shapes and the light."
     images = [make_image(703)]
     first = greedy_request(chunked_server, text, images)
@@ -93,8 +92,8 @@ def test_prefix_cache_hit_equals_generate_and_skips_the_encoder(
     second = greedy_request(chunked_server, text, images)
     after = chunked_server.metrics()
     prompt_tokens = second["usage"]["prompt_tokens"]
-    assert cached_tokens(first) == 0
-    assert cached_tokens(second) == (prompt_tokens - 1) // BLOCK * BLOCK  # all full blocks but the last token
+    assert cached_tokens(first) < BLOCK  # at most the chat template's first tokens, never the image
+    assert cached_tokens(second) == prompt_tokens - 1  # every token but the last (its logits are needed)
     assert delta(before, after, "mmserve_prefix_cache_hits_total") == cached_tokens(second)
     assert delta(before, after, "mmserve_encoder_cache_queries_total") == 0  # the image was never needed
     assert delta(before, after, "mmserve_encoder_runs_total") == 0
@@ -105,8 +104,8 @@ def test_same_placeholders_different_image_never_hit(chunked_server: Server, ora
     text = "Same words, other picture."
     greedy_request(chunked_server, text, [make_image(704)])
     other = greedy_request(chunked_server, text, [make_image(705)])
-    # Only the few text tokens before the image could match, and they fill no whole block.
-    assert cached_tokens(other) == 0
+    # Only the few text tokens before the image match (a block's first tokens): the image ends the hit.
+    assert 0 < cached_tokens(other) < BLOCK
     assert_matches_oracle(other, oracle, text, [make_image(705)])
 
 
@@ -125,7 +124,8 @@ def test_two_turn_conversation_reuses_kv_and_skips_the_encoder(chunked_server: S
     after = chunked_server.metrics()
     assert second.status_code == 200, second.text
     first_prompt = first.json()["usage"]["prompt_tokens"]
-    assert cached_tokens(second.json()) >= first_prompt // BLOCK * BLOCK
+    # the whole first prompt: its last block's first tokens too (the answer's differ, re-rendered)
+    assert cached_tokens(second.json()) >= first_prompt
     assert delta(before, after, "mmserve_encoder_runs_total") == 0
 
 

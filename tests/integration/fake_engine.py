@@ -92,12 +92,19 @@ class FakeEngine:
         self.done: set[str] = set()
         self.to_free: list[str] = []
         self.history: list[tuple[dict[str, int], RunnerOutput]] = []
+        self.copies: list[tuple[int, int, int]] = []  # partial prefix hits, made by the next step
 
     def add(
-        self, req_id: str, prompt: Prompt, sampling: SamplingParams, prefix: tuple[str, int] | None = None
+        self,
+        req_id: str,
+        prompt: Prompt,
+        sampling: SamplingParams,
+        prefix: tuple[str, int] | None = None,
+        num_copied: int = 0,
     ) -> None:
         """``prefix=(other_req_id, num_blocks)``: the first num_blocks of the other request's table
-        hold this prompt's first tokens (the caller makes sure they do)."""
+        hold this prompt's first tokens (the caller makes sure they do); with ``num_copied``, so do the
+        first tokens of its next block, which the first step copies into a block of this request's."""
         self.prompts[req_id], self.sampling[req_id] = prompt, sampling
         self.outputs[req_id], self.logprobs[req_id] = [], []
         self.tables[req_id], self.num_computed[req_id] = [], 0
@@ -105,6 +112,11 @@ class FakeEngine:
             other, num_blocks = prefix
             self.tables[req_id] = self.allocator.share(self.tables[other][:num_blocks])
             self.num_computed[req_id] = num_blocks * self.block_size
+            if num_copied:
+                [destination] = self.allocator.allocate(1)
+                self.copies.append((self.tables[other][num_blocks], destination, num_copied))
+                self.tables[req_id].append(destination)
+                self.num_computed[req_id] += num_copied
         self.unsent.add(req_id)
 
     def free(self, mm_hashes: list[str]) -> None:
@@ -172,10 +184,12 @@ class FakeEngine:
             resumed_requests=resumed,
             new_block_ids=new_block_ids,
             preempted_req_ids=self.preempted,
+            kv_copies=self.copies,
         )
         out = self.runner.execute(sched, frames)
         self.history.append((scheduled, out))
         self.step_id, self.to_free, self.finished, self.preempted = self.step_id + 1, [], [], []
+        self.copies = []
         self.unsent -= set(scheduled)
         self.resuming -= set(scheduled)
         for req_id, num_tokens in scheduled.items():

@@ -74,11 +74,14 @@ def test_shuffled_block_tables_give_identical_outputs(runner, hf_model, prompts)
     assert_matches_generate(engine, "two", prompts["two"])  # the shuffled run
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_prefix_hit_reuses_another_requestsblocks(tiny_model_dir, runner, hf_model, prompts, block_size):
+@pytest.mark.parametrize(("block_size", "partial"), [(4, False), (16, False), (16, True)])
+def test_prefix_hit_reuses_another_requestsblocks(
+    tiny_model_dir, runner, hf_model, prompts, block_size, partial
+):
     """ "two" starts like "one" (chat header, the same cat image, one more token): its first blocks may
     be "one"'s. With 4-token blocks the cat lies entirely in the shared prefix (never encoded again);
-    with 16-token blocks the prefix ends 4 tokens before the cat does (encoded whole, sliced)."""
+    with 16-token blocks the shared blocks end 4 tokens before the cat does (encoded whole, sliced),
+    unless the first tokens of the next block are a hit too (``partial``: copied into "two"'s own)."""
     one, two = prompts["one"], prompts["two"]
     cat = two.features[0]
     num_common_tokens = cat.offset + cat.num_tokens + 1
@@ -89,8 +92,9 @@ def test_prefix_hit_reuses_another_requestsblocks(tiny_model_dir, runner, hf_mod
             str(tiny_model_dir), "cpu", block_size=block_size, kv_cache_tokens=KV_CACHE_TOKENS
         )
     num_shared_blocks = num_common_tokens // block_size
-    cat_skipped = num_shared_blocks * block_size >= cat.offset + cat.num_tokens
-    assert cat_skipped == (block_size == 4)
+    num_copied = num_common_tokens % block_size if partial else 0
+    cat_skipped = num_shared_blocks * block_size + num_copied >= cat.offset + cat.num_tokens
+    assert cat_skipped == (block_size == 4 or partial)
 
     engine = FakeEngine(runner, chunk_tokens=256)
     engine.add("first", one, greedy(hf_model))
@@ -98,8 +102,8 @@ def test_prefix_hit_reuses_another_requestsblocks(tiny_model_dir, runner, hf_mod
         engine.step()
     engine.free([cat.mm_hash])  # "first" is past its image: only a re-encode could bring it back
     num_steps_before = len(engine.history)
-    engine.add("second", two, greedy(hf_model), prefix=("first", num_shared_blocks))
-    assert engine.tables["second"] == engine.tables["first"][:num_shared_blocks]
+    engine.add("second", two, greedy(hf_model), prefix=("first", num_shared_blocks), num_copied=num_copied)
+    assert engine.tables["second"][:num_shared_blocks] == engine.tables["first"][:num_shared_blocks]
     engine.run()
     assert_matches_generate(engine, "first", one)
     assert_matches_generate(engine, "second", two)
@@ -171,6 +175,10 @@ def test_contradicting_block_tables_fail_the_step(runner, hf_model, prompts):
         ),
         SchedulerOutput(0, [], {}, [], [], [], resumed_requests=[ResumedRequestData("nope", [0], 0)]),
         SchedulerOutput(0, [], {}, [], [], [], new_block_ids={"nope": [0]}),
+        # prefix copies: a block outside the pool, a block onto itself, a whole block (never a hit)
+        SchedulerOutput(0, [], {}, [], [], [], kv_copies=[(0, runner.num_kv_blocks, 1)]),
+        SchedulerOutput(0, [], {}, [], [], [], kv_copies=[(3, 3, 1)]),
+        SchedulerOutput(0, [], {}, [], [], [], kv_copies=[(0, 1, runner.block_size)]),
     ]
     for sched in bad_steps:
         with pytest.raises(StepError):

@@ -15,16 +15,17 @@ PIXELS = {"pixel_values": TensorRef("float32", (1, 3, 4, 4), 1)}
 NUM_PIXEL_BYTES = 1 * 3 * 4 * 4 * 4  # 192
 
 
-def scheduler_config(ready: WorkerReady, **overrides: int | bool | None) -> SchedulerConfig:
+def scheduler_config(ready: WorkerReady, **overrides: int | bool | str | None) -> SchedulerConfig:
     """Small test budgets plus what the worker announced (its KV pool, whether it can encode), as the
     engine builds it for each worker."""
-    values: dict[str, int | bool | None] = {
+    values: dict[str, int | bool | str | None] = {
         "max_num_seqs": 8,
         "max_num_batched_tokens": 256,
         "max_model_len": 512,
         "encoder_cache_tokens": 1024,
         "encoder_compute_budget_tokens": 512,
         "enable_prefix_caching": False,
+        "prefix_match": "token",
         "disable_chunked_mm_input": False,
         "max_waiting_requests": None,
         "async_scheduling": True,

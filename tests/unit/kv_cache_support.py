@@ -53,6 +53,11 @@ def check(m: KVCacheManager) -> None:
         assert n <= len(table)  # K3
         if m.enable_prefix_caching:
             assert n <= len(m._block_hashes[req_id])
+    for b, content in pool._content.items():  # P7
+        assert pool._hash_of[b] is not None and b in pool._children[content.parent]
+    assert sum(map(len, pool._children.values())) == len(pool._content)
+    for req_id, partial in m._partial_hits.items():  # K5 (allocate_slots checks the block still has it)
+        assert req_id not in m._tables and 0 < partial.num_tokens < m.block_size
     if not m.enable_prefix_caching:  # K4
         assert not pool._block_of and not any(m._block_hashes.values())
 

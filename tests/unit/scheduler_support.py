@@ -20,8 +20,8 @@ PROMPT_TOKEN = 5  # every prompt token; the stand-in then samples 6, 7, 8, ...
 PIXEL_BYTES = memoryview(bytes(4))  # an item's "pixel_values": 4 uint8
 
 
-def config(**overrides: int | bool | None) -> SchedulerConfig:
-    values: dict[str, int | bool | None] = {
+def config(**overrides: int | bool | str | None) -> SchedulerConfig:
+    values: dict[str, int | bool | str | None] = {
         "max_num_seqs": 8,
         "max_num_batched_tokens": 2048,
         "max_model_len": 4096,
@@ -32,6 +32,7 @@ def config(**overrides: int | bool | None) -> SchedulerConfig:
         "num_kv_blocks": 4096,
         "block_size": 16,
         "enable_prefix_caching": False,
+        "prefix_match": "token",
         "disable_chunked_mm_input": False,
         "max_waiting_requests": None,
         "async_scheduling": True,

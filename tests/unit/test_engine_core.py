@@ -318,7 +318,10 @@ def test_failed_step_fails_its_requests_and_a_retry_recomputes_everything() -> N
     core.add_request(b"a", add("r3", "X", with_tensors=False), key_only_frames())
     run_until_idle(core)
     sched = [s for s, _ in worker.steps if "r3" in s.num_scheduled_tokens][0]
-    assert sched.new_requests[0].num_computed_tokens == 16  # r2's blocks do hit (4 full of 20 tokens)
+    # r2's blocks do hit: its 4 full ones and 3 tokens of its 5th, copied (the last token is computed)
+    assert sched.new_requests[0].num_computed_tokens == 19
+    [(source, destination, num_copied)] = sched.kv_copies
+    assert num_copied == 3 and source != destination and destination == sched.new_requests[0].block_ids[4]
     assert sched.encoder_inputs == []
 
 

@@ -41,6 +41,7 @@ def engine(tmp_path: Path) -> Iterator[tuple[Api, str]]:
         encoder_cache_tokens=1024,
         encoder_compute_budget_tokens=512,
         enable_prefix_caching=True,
+        prefix_match="token",
         disable_chunked_mm_input=False,
         max_waiting_requests=None,
         async_scheduling=True,

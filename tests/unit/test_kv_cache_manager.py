@@ -214,6 +214,55 @@ def test_no_journal_without_prefix_caching_or_after_reset() -> None:
     assert m.take_newly_cached() == []
 
 
+def test_a_partial_hit_copies_a_blocks_first_tokens_into_the_requests_own() -> None:
+    m = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = Req("a", list(range(12)))
+    admit(m, a)  # blocks 0, 1 (hashed), 2 (not full: 12 tokens, the last one computed by the step)
+    m.take_newly_cached()  # the next step
+    b = Req("b", [0, 1, 2, 3, 4, 5, 50, 51, 52])  # block 1 differs from its third token
+    assert m.get_computed_blocks(b) == ([0], 6)
+    b.num_computed_tokens = 6
+    assert m.allocate_slots(b, 3, [0]) == [0, 3, 4]
+    assert m.take_kv_copies() == [(1, 3, 2)] and m.take_kv_copies() == []
+    check(m)
+    # a block's first tokens behind another parent, or with another image over them, are no hit
+    assert m.get_computed_blocks(Req("c", [9, 1, 2, 3, 4, 5, 50])) == ([], 0)
+    d = Req("d", [0, 1, 2, 3, 4, IMG, 60, 61], [image("img-x", 5, 1)])
+    assert m.get_computed_blocks(d) == ([0], 5)  # up to the image, which a's block 1 does not hold
+    m.free("d")
+    assert m.get_computed_blocks(Req("e", [0, 1, 2, 3, 4, 5, 50], cache_salt="s")) == ([], 0)
+    block_only = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True, prefix_match="block")
+    admit(block_only, Req("a", list(range(12))))
+    assert block_only.get_computed_blocks(Req("b", [0, 1, 2, 3, 4, 5, 50])) == ([0], 4)
+
+
+def test_a_block_registered_in_the_step_being_planned_is_no_partial_hit() -> None:
+    """Its K/V is written by that step's forward, after the step's copies."""
+    m = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    admit(m, Req("a", list(range(9))))  # blocks 0 and 1 registered in this step
+    b = Req("b", [0, 1, 2, 3, 4, 5, 50])
+    assert m.get_computed_blocks(b) == ([0], 4)  # block 0 is shared (written before attention reads)
+    m.free("b")
+    m.take_newly_cached()  # the next step
+    assert m.get_computed_blocks(b) == ([0], 6)
+
+
+def test_a_partial_hit_whose_block_is_taken_as_its_own_needs_no_copy() -> None:
+    m = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=True)
+    a = Req("a", list(range(9)))
+    admit(m, a)
+    m.take_newly_cached()
+    m.free("a")  # free queue: 2, 1, 0 (a's blocks tail-first)
+    b = Req("b", [0, 1, 2, 3, 4, 5, 50])
+    admit(m, b)  # block 0 hit, block 1's first 2 tokens; takes block 2, then ...
+    assert m.block_ids("b") == [0, 2] and m.take_kv_copies() == [(1, 2, 2)]
+    m.free("b")
+    m.take_newly_cached()
+    c = Req("c", [0, 1, 2, 3, 4, 5, 60])  # free queue: 1, then b's 2 and 0; block 1 goes first
+    admit(m, c)
+    assert m.block_ids("c") == [0, 1] and m.take_kv_copies() == []  # block 1 keeps its K/V
+
+
 # ---------------------------------------------------------------- eviction
 
 
@@ -321,12 +370,14 @@ def test_soak_random_requests_never_leak_and_every_hit_holds_the_right_kv(failur
         max_outputs[f"r{i}"] = rng.randint(1, 10)
     waiting.reverse()  # pop() serves in arrival order
     running: list[Req] = []
-    num_hits = num_failures = 0
+    num_hits = num_failures = num_partial_hits = 0
 
     def compute(req: Req, n: int) -> None:
         desc = tuple(describe(req))
         start = req.num_computed_tokens
         table = m.block_ids(req.req_id)
+        if start % bs:  # the block it goes on filling holds the right K/V so far (a partial hit's copy)
+            assert content[table[start // bs]][:start] == desc[:start], "a partial hit on the wrong K/V"
         for i in range(start // bs, -(-(start + n) // bs)):
             content[table[i]] = desc[: min((i + 1) * bs, start + n)]
         req.num_computed_tokens += n
@@ -364,6 +415,8 @@ def test_soak_random_requests_never_leak_and_every_hit_holds_the_right_kv(failur
             desc = tuple(describe(req))
             for i, b in enumerate(computed):
                 assert content.get(b) == desc[: (i + 1) * bs], "a prefix hit on the wrong K/V"
+            num_partial = num_hit - len(computed) * bs
+            num_partial_hits += num_partial > 0
             num_hits += num_hit
             req.num_computed_tokens = num_hit
             n = rng.randint(1, req.num_tokens - num_hit)
@@ -377,6 +430,9 @@ def test_soak_random_requests_never_leak_and_every_hit_holds_the_right_kv(failur
                 if running:
                     preempt(rng.choice(running))
             else:
+                for source, destination, num_copied in m.take_kv_copies():  # before the step's forward
+                    assert num_copied == num_partial and destination == m.block_ids(req.req_id)[len(computed)]
+                    content[destination] = content[source][: len(computed) * bs + num_copied]
                 waiting.pop()
                 running.append(req)
                 compute_or_fail(req, n)
@@ -399,4 +455,5 @@ def test_soak_random_requests_never_leak_and_every_hit_holds_the_right_kv(failur
     assert m.num_free_blocks == m.num_blocks and m.usage == 0.0
     assert not m._tables and not m._block_hashes and not m._num_cached_blocks
     assert num_hits > 1000  # the shared prefixes were actually reused
+    assert num_partial_hits > 100  # and the first tokens of blocks
     assert (num_failures > 100) == (failure_rate > 0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler
 from tests.unit.scheduler_support import config, encoded, make_request, run_step
@@ -13,7 +15,7 @@ from wire.protocol import FinishReason
 BLOCK = 16
 
 
-def kv_config(**overrides: int | bool) -> object:
+def kv_config(**overrides: int | bool | str) -> object:
     return config(**{"block_size": BLOCK, "enable_prefix_caching": True, **overrides})
 
 
@@ -89,6 +91,33 @@ def test_prefix_cache_covering_an_image_skips_its_encoder_run() -> None:
     assert s.encoder_cache.num_queries == queries  # the image was not even looked up
 
 
+@pytest.mark.parametrize("prefix_match", ["token", "block"])
+def test_a_next_turn_whose_hit_ends_just_past_an_image_does_not_encode_it(prefix_match: str) -> None:
+    """A conversation's next turn: the last prompt (its image ends 1 token into block 6) and a
+    re-rendered answer that differs from the sampled one from its first token. Whole blocks stop at 96,
+    before the image's last placeholder, which needs the image encoded again; the hit of block 6's
+    first 4 tokens (copied) holds the image whole."""
+    s = Scheduler(kv_config(num_kv_blocks=64, prefix_match=prefix_match))
+    s.add_request(make_request("a", 100, images=[("img", 60, 37)], max_tokens=16))  # outputs 6, 7, ...
+    run_step(s)
+    a_table = s.kv_cache.block_ids("a")
+    while s.has_work:
+        run_step(s)
+    s.encoder_cache.reset()  # (as under load: the image's entry is gone by the next turn)
+    follow_up = make_request("b", 120, images=[("img", 60, 37)], max_tokens=1)
+    follow_up.prompt_token_ids[100:] = [99] * 20
+    s.add_request(follow_up)
+    plan, _ = run_step(s)
+    if prefix_match == "block":
+        assert plan.new_requests[0].num_cached_tokens == 96 and encoded(plan) == ["img"]
+        assert plan.kv_copies == []
+        return
+    assert plan.new_requests[0].num_cached_tokens == 100 and encoded(plan) == []
+    [(source, destination, num_copied)] = plan.kv_copies
+    assert source == a_table[6] and destination not in a_table and num_copied == 4
+    assert follow_up.finish_reason is FinishReason.LENGTH
+
+
 def test_different_image_same_tokens_misses_from_the_image_block_on() -> None:
     s = Scheduler(kv_config(num_kv_blocks=64))
     s.add_request(make_request("a", 100, images=[("img-a", 40, 30)], max_tokens=1))
@@ -96,7 +125,8 @@ def test_different_image_same_tokens_misses_from_the_image_block_on() -> None:
         run_step(s)
     s.add_request(make_request("b", 100, images=[("img-b", 40, 30)], max_tokens=1))
     plan, _ = run_step(s)
-    assert plan.new_requests[0].num_cached_tokens == 32  # blocks 0-1 are text only; block 2 has the image
+    # blocks 0-1 and block 2's first 8 tokens are text; the image at 40 ends the match
+    assert plan.new_requests[0].num_cached_tokens == 40 and encoded(plan) == ["img-b"]
 
 
 def test_disabled_chunked_mm_input_stops_before_an_image_it_cannot_cover() -> None:
