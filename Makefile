@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video bench-media-ids bench-structured bench-sampling bench-agents bench-ray dashboard-image
+.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video bench-media-ids bench-structured bench-sampling bench-agents bench-prefix-match bench-ray dashboard-image
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -110,6 +110,11 @@ bench-media-ids: setup model
 # ~3 min: 16 agents, five turns each with a new 1024x1024 screenshot, full history resent vs previous_response_id
 bench-agents: setup model
 	$(PY) bench/bench_agents.py --model $(MODEL)
+
+# ~3 min: prefix-cache hits of whole blocks vs up to the first new token (--prefix-match block, token), one
+# server each, bench-agents' chained load: encoder runs, turns/s, TTFT by turn; draws docs/img/prefix_match.png
+bench-prefix-match: setup model
+	$(PY) bench/bench_prefix_match.py --model $(MODEL)
 
 # ~8 min: mmserve ray serve, two replicas, the media-affinity router vs Ray Serve's default and prefix-cache
 # routers: 32 users x 6 turns, history resent, 80 % repeated 1024x1024 JPEGs, three pause lengths between
