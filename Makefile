@@ -107,7 +107,8 @@ bench-video: setup
 bench-media-ids: setup model
 	$(PY) bench/bench_media_ids.py --model $(MODEL)
 
-# ~3 min: 16 agents, five turns each with a new 1024x1024 screenshot, full history resent vs previous_response_id
+# ~5 min: 16 agents in a steady state, five-turn conversations with a new 1024x1024 screenshot a turn: full
+# history resent vs previous_response_id vs no history (the control); draws docs/img/agents.png
 bench-agents: setup model
 	$(PY) bench/bench_agents.py --model $(MODEL)
 

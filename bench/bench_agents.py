@@ -1,21 +1,24 @@
 """An agent loop on ``/v1/responses`` (tiny LLaVA, real ``mmserve`` processes): 16 agents at once, each
-five turns, each turn a new 1024x1024 JPEG screenshot and a question, as a computer-use agent sends
-them. Two ways to send the history, side by side in one run on one server:
+conversation five turns, each turn a new 1024x1024 JPEG screenshot and a question, as a computer-use
+agent sends them. Two ways to send the history, side by side in one run on one server, beside a control:
 
 - **full history**: every turn resends the whole conversation (earlier screenshots and answers), with
   ``store`` false, as a client of a server without stored responses must;
 - **previous_response_id**: every turn sends only its new screenshot and question, chained on the
-  previous turn's stored response.
+  previous turn's stored response;
+- **no history** (the control): every turn sends its new screenshot and question as a new
+  conversation: the same arrivals and new work, without the history.
 
     python bench/bench_agents.py [--model models/tiny-llava] [--agents 16] [--turns 5] [--rounds 3]
 
-Per turn (median over agents and rounds): the request body's size and TTFT (the first
-``response.output_text.delta`` event of the stream); per load: turns per second. Agents start 0.1 s
-apart, so their turns interleave as independent agents' would. Then the same loop for one agent alone,
-``NUM_ALONE`` agents one after another: TTFT by turn without queueing, the history's own cost. Every turn's
-screenshot is new to the server (each round and each load has its own), so each turn runs the processor
-and the encoder for one image, and the history's images are what the caches (and the store) hold. The
-loads alternate within each round. Draws ``--chart``.
+The agents run in a steady state (``run_steady``): they start 0.1 s apart, and each runs a warm-up
+conversation of its own length, ``MEASURED`` measured conversations and a cool-down, so that every turn
+runs beside the same mix of short and long contexts. Per turn (median over the measured conversations
+and rounds): the request body's size and TTFT (the first ``response.output_text.delta`` event of the
+stream); per load: turns per second. Then the same loop for one agent alone, ``NUM_ALONE`` agents one
+after another: TTFT by turn without queueing, the history's own cost. Every turn's screenshot is new to
+the server, so each turn runs the processor and the encoder for one image, and the history's images are
+what the caches (and the store) hold. The loads' order turns round each round. Draws ``--chart``.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import date
 from pathlib import Path
@@ -40,10 +44,11 @@ from images import jpeg_data_url
 MAX_TOKENS = 16
 STAGGER_S = 0.1  # about a turn's length (1.6 s here) over 16 agents
 NUM_ALONE = 4  # agents run one after another, per load and round: the history's cost without queueing
-LOADS = ("full history", "previous_response_id")
 # a control for loads of agents: each turn its new input alone, as a new conversation (the same arrivals
 # and new work, no history), so that what the history costs under load reads apart from queueing
 NO_HISTORY = "no history"
+LOADS = ("full history", "previous_response_id")
+MEASURED = 2  # conversations of each agent at once, between its warm-up and its cool-down
 
 
 def user_turn(screenshot: str, turn: int) -> dict[str, Any]:
@@ -140,6 +145,13 @@ async def agent(
 ) -> list[tuple[int, float]]:
     """One agent's turns, the first after ``delay_s``: (request bytes, TTFT s) for each."""
     await asyncio.sleep(delay_s)
+    return await conversation(client, url, model, load, screenshots)
+
+
+async def conversation(
+    client: httpx.AsyncClient, url: str, model: str, load: str, screenshots: list[str]
+) -> list[tuple[int, float]]:
+    """One conversation's turns, a screenshot each: (request bytes, TTFT s) for each."""
     history: list[dict[str, Any]] = []
     previous: str | None = None
     figures = []
@@ -181,6 +193,53 @@ def run_load(
     }
 
 
+def run_steady(
+    base_url: str, model: str, load: str, conversations: list[list[list[str]]], stagger_s: float = STAGGER_S
+) -> dict[str, Any]:
+    """Agents at once in a steady state: agent i runs ``conversations[i]`` one after another, starting
+    ``i * stagger_s`` after the first. Its first and last conversations are a warm-up and a cool-down
+    of complementary lengths (``steady_conversations``), so that the agents are at every turn in even
+    shares through the conversations between, which are measured: turn 1 runs beside as many long
+    contexts as turn 5 does, where agents that all start together run their first turns on an emptier
+    server (and those that end together, their last). Figures as ``run_load``'s."""
+
+    async def all_agents() -> tuple[float, list[list[list[tuple[int, float]]]]]:
+        limits = httpx.Limits(max_connections=len(conversations))
+        async with httpx.AsyncClient(timeout=600.0, limits=limits) as client:
+            url = f"{base_url}/v1/responses"
+
+            async def one_agent(index: int) -> list[list[tuple[int, float]]]:
+                await asyncio.sleep(index * stagger_s)
+                return [await conversation(client, url, model, load, shots) for shots in conversations[index]]
+
+            start = time.perf_counter()
+            runs = await asyncio.gather(*(one_agent(i) for i in range(len(conversations))))
+            return time.perf_counter() - start, runs
+
+    wall_s, runs = asyncio.run(all_agents())
+    measured = [figures for agent_runs in runs for figures in agent_runs[1:-1]]
+    num_turns = len(measured[0])
+    return {
+        "turns/s": sum(len(c) for agent_convs in conversations for c in agent_convs) / wall_s,
+        "bytes": [statistics.median(run[t][0] for run in measured) for t in range(num_turns)],
+        "ttft": [[run[t][1] for run in measured] for t in range(num_turns)],
+    }
+
+
+def steady_conversations(
+    num_agents: int, num_turns: int, num_measured: int, screenshot: Callable[[], str]
+) -> list[list[list[str]]]:
+    """Each agent's screenshots for ``run_steady``: agent i's warm-up conversation of ``num_turns - i %
+    num_turns`` turns (its phase), ``num_measured`` of ``num_turns``, and a cool-down of ``i % num_turns``
+    (maybe none): every agent runs as many turns."""
+    return [
+        [[screenshot() for _ in range(num_turns - i % num_turns)]]
+        + [[screenshot() for _ in range(num_turns)] for _ in range(num_measured)]
+        + [[screenshot() for _ in range(i % num_turns)]]
+        for i in range(num_agents)
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -195,10 +254,14 @@ def main() -> None:
     model = args.model.name
     seeds = iter(range(10**6))
 
-    def screenshots() -> list[list[str]]:
-        return [[jpeg_data_url(1024, next(seeds)) for _ in range(args.turns)] for _ in range(args.agents)]
+    def screenshot() -> str:
+        return jpeg_data_url(1024, next(seeds))
 
-    results: dict[str, list[dict[str, Any]]] = {load: [] for load in LOADS}
+    def screenshots() -> list[list[str]]:
+        return [[screenshot() for _ in range(args.turns)] for _ in range(args.agents)]
+
+    at_once = (*LOADS, NO_HISTORY)
+    results: dict[str, list[dict[str, Any]]] = {load: [] for load in at_once}
     alone: dict[str, list[list[dict[str, float]]]] = {load: [[] for _ in range(args.turns)] for load in LOADS}
     with ExitStack() as stack:
         port = free_port()
@@ -206,14 +269,17 @@ def main() -> None:
         stack.callback(server.stop)
         base_url = f"http://127.0.0.1:{port}"
         wait_healthy(base_url, [server])
-        for load in LOADS:  # warm-up: every code path once, discarded
+        for load in at_once:  # warm-up: every code path once, discarded
             run_load(base_url, model, load, screenshots()[:4])
         for round_index in range(args.rounds):
-            for load in LOADS if round_index % 2 == 0 else reversed(LOADS):
-                result = run_load(base_url, model, load, screenshots())
+            for load in at_once if round_index % 2 == 0 else reversed(at_once):
+                conversations = steady_conversations(args.agents, args.turns, MEASURED, screenshot)
+                result = run_steady(base_url, model, load, conversations)
                 results[load].append(result)
                 ttft = [round(1e3 * statistics.median(t)) for t in result["ttft"]]
                 print(f"round {round_index + 1} {load}: {result['turns/s']:.2f} turns/s, TTFT ms {ttft}")
+                if load == NO_HISTORY:
+                    continue
                 for shots in screenshots()[:NUM_ALONE]:
                     for turn, figures in enumerate(agent_alone(base_url, model, load, shots)):
                         alone[load][turn].append(figures)
@@ -228,8 +294,9 @@ def main() -> None:
     }
     revision = git("rev-parse", "--short", "HEAD").strip()
     print(f"\n{machine()}, revision {revision}, {date.today()}")
-    print(f"\n{args.agents} agents at once, {args.turns} turns each, {MAX_TOKENS} tokens a turn, "
-          f"median over agents and {args.rounds} rounds:")  # fmt: skip
+    print(f"\n{args.agents} agents at once in a steady state, {args.turns} turns a conversation, "
+          f"{MAX_TOKENS} tokens a turn, median over {MEASURED} conversations an agent and {args.rounds} "
+          "rounds:")  # fmt: skip
     print("| history sent as | " + " | ".join(f"turn {t + 1}" for t in turns) + " | turns/s |")
     print("|---|" + "---|" * (args.turns + 1))
     for load, row in table.items():
@@ -258,6 +325,10 @@ def main() -> None:
     full_ttft, full_bytes = full["ttft_ms"][last] / full["ttft_ms"][0], full["bytes"][last] / full["bytes"][0]
     print(f"full history, turn {args.turns} / turn 1: TTFT {full_ttft:.2f}x, request bytes {full_bytes:.2f}x")
     print(f"turns/s, previous_response_id / full history: {chained['turns/s'] / full['turns/s']:.2f}x")
+    control = table[NO_HISTORY]
+    over = ", ".join(f"{a / b:.2f}x" for a, b in zip(chained["ttft_ms"], control["ttft_ms"], strict=True))
+    print(f"previous_response_id over no history: TTFT by turn {over}; "
+          f"turns/s {chained['turns/s'] / control['turns/s']:.2f}x")  # fmt: skip
     solo = alone_ms["previous_response_id"]
     print(
         f"one agent alone, previous_response_id, turn {args.turns} / turn 1: TTFT {solo[last] / solo[0]:.2f}x"
@@ -269,7 +340,7 @@ def main() -> None:
             Panel(
                 "TTFT p50 by turn",
                 "ms",
-                {f"turn {t + 1}": {load: table[load]["ttft_ms"][t] for load in LOADS} for t in turns},
+                {f"turn {t + 1}": {load: table[load]["ttft_ms"][t] for load in at_once} for t in turns},
             ),
             Panel(
                 "Request body by turn",
@@ -279,7 +350,7 @@ def main() -> None:
             Panel(
                 "Turns per second",
                 "turns/s",
-                {load: {"turns/s": table[load]["turns/s"]} for load in LOADS},
+                {load: {"turns/s": table[load]["turns/s"]} for load in at_once},
                 fmt="{:.2f}",
             ),  # fmt: skip
         ],

@@ -10,11 +10,12 @@
   p50, output tokens/s, and encoder ms per image (the worker's encoder time over its encoder runs);
 - **agent loop**: one agent alone, five turns on ``/v1/responses`` chained by ``previous_response_id``,
   each a new image (bench/bench_agents.py's loop): TTFT per turn, turn 5's over turn 1's (the history's
-  cost; docs/benchmarks.md, "Agent loops"); then 16 agents at once, as bench/bench_agents.py's load
-  (agents 0.1 s apart): TTFT p50 per turn, turn 5's over turn 1's under load; and the same load with no
-  history (each turn its new input alone), whose TTFT by turn is what the arrivals alone give: each
-  turn's TTFT with the history over it is the history's cost under load (a warm-up round of both,
-  then two rounds alternating them);
+  cost; docs/benchmarks.md, "Agent loops"); then 16 agents at once in a steady state
+  (bench/bench_agents.py's ``run_steady``: agents 0.1 s apart, each a warm-up conversation of its own
+  length, two measured ones and a cool-down, so every turn runs beside the same mix of contexts): TTFT
+  p50 per turn, turn 5's over turn 1's under load; and the same load with no history (each turn its new
+  input alone), whose TTFT is what the arrivals alone give: the chained load's over it is what the
+  history costs every turn under load;
 - **decode**: 1, 16 and 64 text requests at once (~280-token prompts, 128 tokens), their prompts sent
   once before (one output token) so that they come from the prefix cache: time per output token (client
   p50) and the worker's mean forward time per step.
@@ -31,10 +32,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
+import itertools
 import json
 import random
 import statistics
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +46,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from bench_agents import NO_HISTORY, agent_alone, run_load  # noqa: E402
+from bench_agents import NO_HISTORY, agent_alone, run_steady, steady_conversations  # noqa: E402
 from bench_input_scale import scrape  # noqa: E402
 from bench_throughput import Proc, chat_body, free_port, wait_healthy  # noqa: E402
 from charts import Panel, draw  # noqa: E402
@@ -53,7 +57,6 @@ HBM_BYTES_PER_S = 3.35e12  # H100 SXM's datasheet (an H200: 4.8e12)
 BF16_FLOPS = 800e12  # an 8192^3 bf16 matmul here: 769-798 TFLOP/s on the H100 and H200
 POOL = 8
 AGENT_TURNS, NUM_AGENTS = 5, 3
-AGENT_ROUNDS = 2  # of the agents-at-once loads, after a warm-up round
 LOADS = ("images", "decode", "agent", "agents")
 AGENT_COUNTERS = (
     "encoder_runs_total",
@@ -78,10 +81,11 @@ class Sizes:
     decode_batches: tuple[int, ...]
     prompt_words: int
     agents: int  # at once, in the agent load
+    agent_conversations: int  # each agent's measured conversations, at once
 
 
-FULL = Sizes(64, 128, 128, 1024, (1, 16, 64), 240, 16)
-DRY = Sizes(3, 6, 8, 448, (1, 3), 40, 3)
+FULL = Sizes(64, 128, 128, 1024, (1, 16, 64), 240, 16, 2)
+DRY = Sizes(3, 6, 8, 448, (1, 3), 40, 3, 1)
 
 
 def measure_images(base_url: str, model: str, sizes: Sizes, figures: dict[str, Any]) -> None:
@@ -203,46 +207,39 @@ def agent_turns(base_url: str, model: str, sizes: Sizes) -> dict[str, Any]:
 
 
 def agents_at_once(base_url: str, model: str, sizes: Sizes) -> dict[str, Any]:
-    """``sizes.agents`` agents at once, chained by ``previous_response_id``, every turn a new image, beside
-    the same load with no history (each turn its new input alone), whose TTFT per turn is what the
-    arrivals alone give: the chained load's TTFT over it, turn by turn, is the history's cost under load.
-    A warm-up round of both loads first (what the server does once, such as its first decode graphs for
-    long contexts, falls there), then ``AGENT_ROUNDS`` rounds alternating the two; TTFT p50 per turn over
-    every round's agents, and each load's server counters summed over its rounds."""
+    """``sizes.agents`` agents at once in a steady state (``run_steady``), chained by
+    ``previous_response_id``, every turn a new image, beside the same load with no history (each turn
+    its new input alone), whose TTFT is what the arrivals alone give: the chained load's TTFT over it,
+    turn by turn, is the history's cost under load. The control runs first (the server's first long
+    contexts then fall in the chained load's warm-up conversations). TTFT p50 per turn over the measured
+    conversations, turns/s over the whole load, and each load's server counters."""
     loads = (("no_history_", NO_HISTORY), ("", "previous_response_id"))
-    ttft: dict[str, list[list[float]]] = {key: [[] for _ in range(AGENT_TURNS)] for key, _ in loads}
-    wall: dict[str, list[float]] = {key: [] for key, _ in loads}
-    counters = {key: dict.fromkeys(AGENT_COUNTERS, 0.0) for key, _ in loads}
-    for round_ in range(AGENT_ROUNDS + 1):
-        for index, (key, load) in enumerate(loads):
-            seed = 7000 + 1000 * (2 * round_ + index)  # every image new to the server
-            screenshots = [
-                [jpeg_data_url(sizes.image_px, seed + 10 * agent + turn) for turn in range(AGENT_TURNS)]
-                for agent in range(sizes.agents)
-            ]
-            before = scrape(base_url)
-            result = run_load(base_url, model, load, screenshots)
-            after = scrape(base_url)
-            if round_ == 0:
-                continue  # the warm-up
-            for turn, values in enumerate(result["ttft"]):
-                ttft[key][turn] += values
-            wall[key].append(sizes.agents * AGENT_TURNS / result["turns/s"])
-            # where the load's time went: encoder runs (a history image is encoded again when a chunk
-            # covers its last tokens and the encoder cache no longer holds it), the worker's busy time
-            for name in AGENT_COUNTERS:
-                counters[key][name] += after.get(f"mmserve_{name}", 0.0) - before.get(f"mmserve_{name}", 0.0)
-            print(f"agents_at_once round {round_} {load}", json.dumps(result["ttft"]), flush=True)
-    figures: dict[str, Any] = {"agents": sizes.agents, "rounds": AGENT_ROUNDS}
-    for key, _ in loads:
-        figures[f"{key}ttft_ms_p50"] = [1e3 * statistics.median(turn) for turn in ttft[key]]
-        figures[f"{key}turns_per_s"] = sizes.agents * AGENT_TURNS * AGENT_ROUNDS / sum(wall[key])
-        figures[f"{key}server"] = counters[key]
+    figures: dict[str, Any] = {"agents": sizes.agents, "conversations": sizes.agent_conversations}
+    for index, (key, load) in enumerate(loads):
+        seeds = itertools.count(7000 + 100_000 * index)  # every image new to the server
+        screenshot = functools.partial(_new_image, sizes.image_px, seeds)
+        conversations = steady_conversations(sizes.agents, AGENT_TURNS, sizes.agent_conversations, screenshot)
+        before = scrape(base_url)
+        result = run_steady(base_url, model, load, conversations)
+        after = scrape(base_url)
+        figures[f"{key}ttft_ms_p50"] = [1e3 * statistics.median(turn) for turn in result["ttft"]]
+        figures[f"{key}turns_per_s"] = result["turns/s"]
+        # where the load's time went: encoder runs (a history image is encoded again when a chunk covers
+        # its last tokens and the encoder cache no longer holds it), the worker's busy time
+        figures[f"{key}server"] = {
+            name: after.get(f"mmserve_{name}", 0.0) - before.get(f"mmserve_{name}", 0.0)
+            for name in AGENT_COUNTERS
+        }
+        print(f"agents_at_once {load}", json.dumps(result["ttft"]), flush=True)
     figures["last_over_first"] = figures["ttft_ms_p50"][-1] / figures["ttft_ms_p50"][0]
     figures["history_over_none"] = [
         a / b for a, b in zip(figures["ttft_ms_p50"], figures["no_history_ttft_ms_p50"], strict=True)
     ]
     return figures
+
+
+def _new_image(image_px: int, seeds: Iterator[int]) -> str:
+    return jpeg_data_url(image_px, next(seeds))
 
 
 def rooflines(
@@ -418,7 +415,8 @@ def print_table(figures: dict[str, Any]) -> None:
         print(_turns_line("agent loop alone, TTFT", agent["ttft_ms"], detail, agent["last_over_first"]))
     crowd = figures.get("agents_at_once")
     if crowd is not None:
-        label = f"{crowd['agents']} agents at once ({crowd['rounds']} rounds), TTFT p50"
+        label = f"{crowd['agents']} agents at once (steady, {crowd['conversations']} conversations each)"
+        label += ", TTFT p50"
         detail = f", {crowd['turns_per_s']:.2f} turns/s"
         print(_turns_line(label, crowd["ttft_ms_p50"], detail, crowd["last_over_first"]))
         none = crowd["no_history_ttft_ms_p50"]

@@ -45,8 +45,9 @@ def test_the_kit_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     assert len(agent["ttft_ms"]) == 5 and all(t > 0 for t in agent["ttft_ms"])
     assert all(a < b for a, b in zip(agent["prompt_tokens"], agent["prompt_tokens"][1:], strict=False))
     assert all(c > 0 for c in agent["cached_tokens"][1:])
-    crowd = figures["agents_at_once"]  # three agents at once, five turns each
-    assert crowd["agents"] == 3 and len(crowd["ttft_ms_p50"]) == 5 and crowd["turns_per_s"] > 0
+    crowd = figures["agents_at_once"]  # three agents at once, a measured conversation of five turns each
+    assert crowd["agents"] == 3 and crowd["conversations"] == 1
+    assert len(crowd["ttft_ms_p50"]) == 5 and crowd["turns_per_s"] > 0
     # the same load with no history: the control that the history's cost under load is read against
     assert len(crowd["no_history_ttft_ms_p50"]) == 5 and len(crowd["history_over_none"]) == 5
     # each load's server counters: 15 turns, a new image each, and the history cached in the chained one
