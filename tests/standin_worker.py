@@ -7,13 +7,14 @@
                  serve() (tests/standin_worker_process.py) runs in a thread (``serving``) or as a process
 
 A step runs as in ``ModelRunner.execute`` (workers/model_runner.py), in its order, bytes for tensors:
-drops (unknown ids ignored); forced tokens appended (a resend ignored), checked first; additions, checked
-first; ``ec_meta`` loads from ``ec_store``; "encoding"
-(``pixel_values`` in a valid frame or shm chunk; output ``b"output of " + mm_hash``); a producer's
-saves; each scheduled chunk checked (request known and not preempted, tokens uncomputed, KV slots in its
-blocks, the encoder outputs its placeholders need held), then advanced, sampling where the step computed
-the last known token. A contradiction raises ``StepError``, as in the worker; stricter than the worker
-(the engine must never ask it): encoding or loading an item already held, saving one not held.
+drops (unknown ids ignored); forced tokens appended (a resend ignored), checked first; additions and
+prefix copies (into the block a new or resumed request starts in, as many slots as it has computed
+there), checked first; ``ec_meta`` loads from ``ec_store``; "encoding" (``pixel_values`` in a valid frame
+or shm chunk; output ``b"output of " + mm_hash``); a producer's saves; each scheduled chunk checked
+(request known and not preempted, tokens uncomputed, KV slots in its blocks, the encoder outputs its
+placeholders need held), then advanced, sampling where the step computed the last known token. A
+contradiction raises ``StepError``, as in the worker; stricter than the worker (the engine must never ask
+it): encoding or loading an item already held, saving one not held, a prefix copy into any other block.
 
 Tokens: ``next_token(req_id, token_ids)``, by default the last token + 1 modulo ``vocab_size`` (a prompt
 ending in 19 goes on 20, 21, ... whatever the batch, step or preemption); no min_tokens masking (the
@@ -312,7 +313,7 @@ class StandinWorker:
 
     def _check_additions(self, sched: SchedulerOutput) -> None:
         if not self.ready.has_language_model and (
-            sched.new_requests or sched.resumed_requests or sched.new_block_ids
+            sched.new_requests or sched.resumed_requests or sched.new_block_ids or sched.kv_copies
         ):
             raise StepError("requests sent to an encoder-only worker (it has no language model)")
         for resumed in sched.resumed_requests:
@@ -341,6 +342,20 @@ class StandinWorker:
                 state = "unknown" if req is None else "preempted"
                 raise StepError(f"request {req_id!r} gets new blocks but is {state} on this worker")
             self._check_blocks(req_id, block_ids)
+        # a prefix copy fills the first slots of the block a new or resumed request starts in, no more
+        starts = {
+            data.block_ids[data.num_computed_tokens // self.ready.block_size]: data.num_computed_tokens
+            % self.ready.block_size
+            for data in (*sched.new_requests, *sched.resumed_requests)
+            if data.num_computed_tokens % self.ready.block_size
+        }
+        for source, destination, num_tokens in sched.kv_copies:
+            self._check_blocks("(a prefix copy)", [source, destination])
+            if source == destination or starts.get(destination) != num_tokens:
+                raise StepError(
+                    f"a prefix copy of {num_tokens} tokens from block {source} into block {destination}, "
+                    "where no request of the step starts after as many"
+                )
 
     def _check_blocks(self, req_id: str, block_ids: Sequence[int]) -> None:
         if bad := [b for b in block_ids if not 0 <= b < self.ready.num_kv_blocks]:

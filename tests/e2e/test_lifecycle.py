@@ -99,7 +99,7 @@ def test_compose_topology_as_processes(tiny_model_dir: Path, tmp_path: Path) -> 
         assert answers[0] == answers[1]
         metrics = httpx.get(f"{base_url}/metrics").text
         assert "mmserve_mm_ipc_cache_hits_total 1.0" in metrics
-        assert "mmserve_encoder_cache_hits_total 1.0" in metrics
+        assert "mmserve_encoder_runs_total 1.0" in metrics  # the second: the image in its prefix-cache hit
         # each request's wait in the engine's queue and its prefill, observed once each
         assert "mmserve_request_queue_time_seconds_count 2.0" in metrics
         assert "mmserve_request_prefill_time_seconds_count 2.0" in metrics
