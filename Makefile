@@ -112,8 +112,8 @@ bench-media-ids: setup model
 bench-agents: setup model
 	$(PY) bench/bench_agents.py --model $(MODEL)
 
-# ~3 min: prefix-cache hits of whole blocks vs up to the first new token (--prefix-match block, token), one
-# server each, bench-agents' chained load: encoder runs, turns/s, TTFT by turn; draws docs/img/prefix_match.png
+# ~4 min: prefix-cache hits of whole blocks vs up to the first new token (--prefix-match block, token), one
+# server each, bench-agents' chained steady load: encoder runs, turns/s, TTFT by turn; draws docs/img/prefix_match.png
 bench-prefix-match: setup model
 	$(PY) bench/bench_prefix_match.py --model $(MODEL)
 

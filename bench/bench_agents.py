@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import tempfile
@@ -240,22 +241,29 @@ def steady_conversations(
     ]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def agents_arguments(doc: str | None, chart: str) -> argparse.Namespace:
+    """The command line of a benchmark of agents at once: ``--model``, ``--agents``, ``--turns``,
+    ``--rounds`` and ``--chart`` (default ``docs/img/<chart>``)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=REPO / "models/tiny-llava")
     parser.add_argument("--agents", type=int, default=16)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--chart", type=Path, default=REPO / "docs/img/agents.png")
-    args = parser.parse_args()
+    parser.add_argument("--chart", type=Path, default=REPO / "docs/img" / chart)
+    return parser.parse_args()
+
+
+def screenshot_source(image_px: int = 1024, first_seed: int = 0) -> Callable[[], str]:
+    """Each call a new image_px x image_px JPEG data URL (seeds from ``first_seed`` on)."""
+    seeds = itertools.count(first_seed)
+    return lambda: jpeg_data_url(image_px, next(seeds))
+
+
+def main() -> None:
+    args = agents_arguments(__doc__, "agents.png")
     folder = Path(tempfile.mkdtemp(prefix="mmserve-bench-agents-"))
     model = args.model.name
-    seeds = iter(range(10**6))
-
-    def screenshot() -> str:
-        return jpeg_data_url(1024, next(seeds))
+    screenshot = screenshot_source()
 
     def screenshots() -> list[list[str]]:
         return [[screenshot() for _ in range(args.turns)] for _ in range(args.agents)]

@@ -4,20 +4,20 @@ the whole run, the same agent load on each in turn.
 
     python bench/bench_prefix_match.py [--model models/tiny-llava] [--agents 16] [--turns 5] [--rounds 3]
 
-The load is bench/bench_agents.py's: 16 agents at once (0.1 s apart), each five streamed turns on
-``/v1/responses`` chained by ``previous_response_id``, each turn a new 1024x1024 JPEG screenshot after its
-question, so the screenshot ends a few tokens before the assistant's answer. A next turn re-renders that
+The load is bench/bench_agents.py's: 16 agents at once in a steady state (``run_steady``), conversations
+of five streamed turns on ``/v1/responses`` chained by ``previous_response_id``, each turn a new
+1024x1024 JPEG screenshot after its question, so the screenshot ends a few tokens before the assistant's
+answer. A next turn re-renders that
 answer, which differs from the sampled tokens (random weights), so its whole-block hit stops at the
 last block boundary before it: where that falls inside the screenshot's placeholders, the screenshot is
 encoded again for its last few. Per server and round: turns per second, TTFT p50 by turn, and from
 ``/metrics`` the encoder runs, the encoder-cache hits, the prompt tokens served from the prefix cache and
-the worker's busy seconds. Medians over ``--rounds`` rounds, the servers' order alternating. Draws
-``--chart``.
+the worker's busy seconds, over the whole load (warm-up and cool-down conversations included). Medians
+over ``--rounds`` rounds, the servers' order alternating. Draws ``--chart``.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 from contextlib import ExitStack
@@ -25,11 +25,17 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from bench_agents import run_load
+from bench_agents import (
+    MEASURED,
+    agents_arguments,
+    run_load,
+    run_steady,
+    screenshot_source,
+    steady_conversations,
+)
 from bench_input_scale import machine, scrape
 from bench_throughput import REPO, Proc, free_port, git, wait_healthy
 from charts import Panel, draw
-from images import jpeg_data_url
 
 MODES = ("block", "token")
 COUNTERS = {  # figure -> the server's counter
@@ -40,30 +46,19 @@ COUNTERS = {  # figure -> the server's counter
 }
 
 
-def measure(base_url: str, model: str, screenshots: list[list[str]]) -> dict[str, Any]:
+def measure(base_url: str, model: str, conversations: list[list[list[str]]]) -> dict[str, Any]:
     before = scrape(base_url)
-    result = run_load(base_url, model, "previous_response_id", screenshots)
+    result = run_steady(base_url, model, "previous_response_id", conversations)
     after = scrape(base_url)
     counters = {figure: after.get(name, 0.0) - before.get(name, 0.0) for figure, name in COUNTERS.items()}
     return {"turns/s": result["turns/s"], "ttft": result["ttft"], **counters}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", type=Path, default=REPO / "models/tiny-llava")
-    parser.add_argument("--agents", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--chart", type=Path, default=REPO / "docs/img/prefix_match.png")
-    args = parser.parse_args()
+    args = agents_arguments(__doc__, "prefix_match.png")
     folder = Path(tempfile.mkdtemp(prefix="mmserve-bench-prefix-match-"))
     model = args.model.name
-    seeds = iter(range(10**6))
-
-    def screenshots(num_agents: int) -> list[list[str]]:
-        return [[jpeg_data_url(1024, next(seeds)) for _ in range(args.turns)] for _ in range(num_agents)]
+    screenshot = screenshot_source()
 
     runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
     with ExitStack() as stack:
@@ -76,10 +71,12 @@ def main() -> None:
             urls[mode] = f"http://127.0.0.1:{port}"
             wait_healthy(urls[mode], [server])
         for mode in MODES:  # warm-up: every code path once, discarded
-            run_load(urls[mode], model, "previous_response_id", screenshots(4))
+            warm_up = [[screenshot() for _ in range(args.turns)] for _ in range(4)]
+            run_load(urls[mode], model, "previous_response_id", warm_up)
         for round_index in range(args.rounds):
             for mode in MODES if round_index % 2 == 0 else reversed(MODES):
-                run = measure(urls[mode], model, screenshots(args.agents))  # every screenshot new
+                conversations = steady_conversations(args.agents, args.turns, MEASURED, screenshot)
+                run = measure(urls[mode], model, conversations)  # every screenshot new
                 runs[mode].append(run)
                 ttft = [round(1e3 * statistics.median(t)) for t in run["ttft"]]
                 print(f"round {round_index + 1} {mode}: {run['turns/s']:.2f} turns/s, TTFT ms {ttft}, "
@@ -93,10 +90,11 @@ def main() -> None:
         for mode, rs in runs.items()
     }
     revision = git("rev-parse", "--short", "HEAD").strip()
-    num_turns = args.agents * args.turns
+    num_turns = args.agents * args.turns * (MEASURED + 1)  # a warm-up and a cool-down make one more
     print(f"\n{machine()}, revision {revision}, {date.today()}")
-    print(f"\n{args.agents} agents at once, {args.turns} chained turns each ({num_turns} turns, as many new "
-          f"screenshots), medians of {args.rounds} rounds:")  # fmt: skip
+    print(f"\n{args.agents} agents at once in a steady state, conversations of {args.turns} chained turns; "
+          f"TTFT p50 of the measured ones; counters over the load ({num_turns} turns, as many new "
+          f"screenshots); medians of {args.rounds} rounds:")  # fmt: skip
     print("| --prefix-match | " + " | ".join(f"turn {t + 1} TTFT" for t in turns) + " | turns/s | "
           + " | ".join(COUNTERS) + " |")  # fmt: skip
     print("|---|" + "---|" * (args.turns + 1 + len(COUNTERS)))

@@ -32,13 +32,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import functools
-import itertools
 import json
 import random
 import statistics
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +43,13 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from bench_agents import NO_HISTORY, agent_alone, run_steady, steady_conversations  # noqa: E402
+from bench_agents import (  # noqa: E402
+    NO_HISTORY,
+    agent_alone,
+    run_steady,
+    screenshot_source,
+    steady_conversations,
+)
 from bench_input_scale import scrape  # noqa: E402
 from bench_throughput import Proc, chat_body, free_port, wait_healthy  # noqa: E402
 from charts import Panel, draw  # noqa: E402
@@ -216,8 +219,7 @@ def agents_at_once(base_url: str, model: str, sizes: Sizes) -> dict[str, Any]:
     loads = (("no_history_", NO_HISTORY), ("", "previous_response_id"))
     figures: dict[str, Any] = {"agents": sizes.agents, "conversations": sizes.agent_conversations}
     for index, (key, load) in enumerate(loads):
-        seeds = itertools.count(7000 + 100_000 * index)  # every image new to the server
-        screenshot = functools.partial(_new_image, sizes.image_px, seeds)
+        screenshot = screenshot_source(sizes.image_px, 7000 + 100_000 * index)  # every image new
         conversations = steady_conversations(sizes.agents, AGENT_TURNS, sizes.agent_conversations, screenshot)
         before = scrape(base_url)
         result = run_steady(base_url, model, load, conversations)
@@ -236,10 +238,6 @@ def agents_at_once(base_url: str, model: str, sizes: Sizes) -> dict[str, Any]:
         a / b for a, b in zip(figures["ttft_ms_p50"], figures["no_history_ttft_ms_p50"], strict=True)
     ]
     return figures
-
-
-def _new_image(image_px: int, seeds: Iterator[int]) -> str:
-    return jpeg_data_url(image_px, next(seeds))
 
 
 def rooflines(
