@@ -202,7 +202,8 @@ def write_summary(out: Path, steps: Steps) -> None:
     profile = out / "profile.txt"
     if profile.exists():
         text = profile.read_text().splitlines()
-        lines += ["", "## profile", "", *text[:14], *(line for line in text if line.startswith("encoder: "))]
+        encoder = (line for line in text if line.startswith(("encoder: ", "patch embedding: ")))
+        lines += ["", "## profile", "", *text[:14], *encoder]
     bench = out / "gpu_bench.json"
     if bench.exists():
         lines += ["", f"gpu_bench.json: {len(json.loads(bench.read_text()))} sections"]

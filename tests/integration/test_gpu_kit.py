@@ -60,4 +60,5 @@ def test_the_kit_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     profile = (out / "profile.txt").read_text()
     assert "| 3 | graphs |" in profile and "| 3 | eager |" in profile, profile
     assert "encoder: one 224x224 image" in profile and "encoder: one 224x224 image" in summary, profile
+    assert "patch embedding: " in profile and "patch embedding: " in summary, profile
     assert len(list(out.iterdir())) <= 8  # what the device tool brings back

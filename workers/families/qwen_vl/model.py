@@ -19,6 +19,7 @@ from transformers import (
 from wire.protocol import MMFeature
 from workers.families.model import FamilyModel, RequestPositions
 from workers.packed_attention import use_packed_attention
+from workers.patch_embed import use_linear_patch_embed
 
 
 class QwenVLModel(FamilyModel):
@@ -32,6 +33,9 @@ class QwenVLModel(FamilyModel):
         super().__init__(*args, **kwargs)
         # the vision tower's spans (windows, images) in one attention call per layer
         use_packed_attention(self.hf_model.model.visual.config)
+        if self.device.type == "cuda":  # its patch embedding as one matrix product (workers/patch_embed.py)
+            linear = use_linear_patch_embed(self.hf_model.model.visual.patch_embed)
+            assert linear, "every Qwen family's patch embedding is a non-overlapping Conv3d"
 
     @property
     def merge_size(self) -> int:
