@@ -33,12 +33,12 @@ ParentKey = BlockHash | tuple[str, str | None]
 @dataclass(frozen=True)
 class BlockContent:
     """A full block's content, for matching its first tokens: what it follows, its token ids and the
-    multimodal items overlapping it as (mm_hash, offset, end), both relative to the block's start (an
-    item that began in an earlier block has a negative offset)."""
+    multimodal items overlapping it as its hash covers them, (mm_hash, offset from the block's start)
+    (``block_extra_keys``: an item that began in an earlier block has a negative offset)."""
 
     parent: ParentKey
     token_ids: tuple[int, ...]
-    items: tuple[tuple[str, int, int], ...]
+    items: tuple[tuple[str, int], ...]
 
 
 class BlockPool:

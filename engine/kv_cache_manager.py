@@ -343,7 +343,7 @@ class KVCacheManager:
             content = None
             if self.prefix_match == "token":
                 start = i * size
-                items = _items(req, start, start + size)
+                items = block_extra_keys(req.mm_features, start, start + size)
                 content = BlockContent(_parent(req, hashes, i), tuple(token_ids[start : start + size]), items)
             if self._pool.cache(table[i], hashes[i], content):
                 self._newly_cached.append((table[i], hashes[i]))
@@ -357,7 +357,7 @@ class KVCacheManager:
         if limit <= 0:
             return None
         wanted = req.all_token_ids[start : start + limit]
-        items = _items(req, start, start + self.block_size)
+        items = block_extra_keys(req.mm_features, start, start + self.block_size)
         written_this_step = {b for b, _ in self._newly_cached}
         best: PartialHit | None = None
         for block_id, content in self._pool.children(_parent(req, hashes, num_blocks), PARTIAL_CANDIDATES):
@@ -376,21 +376,11 @@ def _parent(req: KVRequest, hashes: Sequence[BlockHash], index: int) -> ParentKe
     return hashes[index - 1] if index else ("root", req.cache_salt)
 
 
-def _items(req: KVRequest, start: int, end: int) -> tuple[tuple[str, int, int], ...]:
-    """(mm_hash, offset, end) of the request's items overlapping ``[start, end)``, relative to ``start``."""
-    return tuple(
-        (f.mm_hash, f.offset - start, f.end - start)
-        for f in req.mm_features
-        if f.offset < end and f.end > start
-    )
-
-
-def _match_length(
-    wanted: Sequence[int], items: tuple[tuple[str, int, int], ...], content: BlockContent
-) -> int:
+def _match_length(wanted: Sequence[int], items: tuple[tuple[str, int], ...], content: BlockContent) -> int:
     """How many of a block's first tokens ``content`` shares with ``wanted`` (a request's next tokens,
-    whose block has ``items``): equal token ids, and the same items over them (a different image behind
-    the same placeholders, or one placed elsewhere, ends the match where it starts)."""
+    whose block's ``block_extra_keys`` are ``items``): equal token ids, and the same items over them (a
+    different image behind the same placeholders, or one placed elsewhere, ends the match where it
+    starts)."""
     num_tokens = 0
     for mine, theirs in zip(wanted, content.token_ids, strict=False):
         if mine != theirs:
@@ -400,5 +390,5 @@ def _match_length(
         differing = {i for i in items if i[1] < num_tokens} ^ {i for i in content.items if i[1] < num_tokens}
         if not differing:
             break
-        num_tokens = max(0, min(offset for _, offset, _ in differing))
+        num_tokens = max(0, min(offset for _, offset in differing))
     return num_tokens

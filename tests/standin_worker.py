@@ -48,12 +48,12 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 import msgspec
 
 from engine.executor import WorkerFailed, WorkerLost
+from tests.standin_books import RequestState, StepError, check_additions
 from wire.ec_store import ECRole, ECStore, ECStoreError
 from wire.protocol import (
     UNDECODABLE_STEP_ID,
@@ -61,9 +61,6 @@ from wire.protocol import (
     ECStepStats,
     EncoderInput,
     Logprob,
-    MMFeature,
-    NewRequestData,
-    ResumedRequestData,
     RunnerOutput,
     SamplingParams,
     SchedulerOutput,
@@ -80,22 +77,6 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64":
 
 NextToken = Callable[[str, Sequence[int]], int]
 Buffer = Any  # bytes, memoryview, zmq frame buffers
-
-
-class StepError(ValueError):
-    """The step contradicts the stand-in's books (as ``workers.model_runner.StepError``)."""
-
-
-@dataclass
-class RequestState:
-    """The worker's books for one request (``workers.model_runner.RequestState`` without tensors)."""
-
-    req_id: str
-    token_ids: list[int]  # prompt, then every token sampled for it
-    mm_features: list[MMFeature]
-    sampling: SamplingParams
-    block_ids: list[int] | None  # None while preempted
-    num_computed_tokens: int
 
 
 class Step(NamedTuple):
@@ -277,7 +258,7 @@ class StandinWorker:
             if (req := self.requests.get(req_id)) is not None:
                 req.block_ids, req.num_computed_tokens = None, 0
         self._append_forced(sched.forced_tokens)
-        self._check_additions(sched)
+        check_additions(sched, self.requests, self.ready)
         for resumed in sched.resumed_requests:
             req = self.requests[resumed.req_id]
             req.block_ids, req.num_computed_tokens = list(resumed.block_ids), resumed.num_computed_tokens
@@ -310,65 +291,6 @@ class StandinWorker:
         for req, num_before, tokens in entries:
             if req is not None and len(req.token_ids) == num_before:
                 req.token_ids.extend(tokens)
-
-    def _check_additions(self, sched: SchedulerOutput) -> None:
-        if not self.ready.has_language_model and (
-            sched.new_requests or sched.resumed_requests or sched.new_block_ids or sched.kv_copies
-        ):
-            raise StepError("requests sent to an encoder-only worker (it has no language model)")
-        for resumed in sched.resumed_requests:
-            req = self.requests.get(resumed.req_id)
-            if req is None or req.block_ids is not None:
-                state = "unknown" if req is None else "not preempted"
-                raise StepError(f"request {resumed.req_id!r} is resumed but {state} on this worker")
-            self._check_blocks(resumed.req_id, resumed.block_ids)
-            self._check_num_computed(resumed, len(req.token_ids))
-        new_ids: set[str] = set()
-        for new in sched.new_requests:
-            if new.req_id in self.requests or new.req_id in new_ids:
-                raise StepError(f"request {new.req_id!r} is already running on this worker")
-            new_ids.add(new.req_id)
-            for feat in new.mm_features:
-                if feat.offset < 0 or feat.end > len(new.prompt_token_ids):
-                    raise StepError(
-                        f"mm item {feat.mm_hash!r} at {feat.offset}+{feat.num_tokens} is outside the prompt"
-                    )
-            self._check_blocks(new.req_id, new.block_ids)
-            self._check_num_computed(new, len(new.prompt_token_ids))
-        added = new_ids | {r.req_id for r in sched.resumed_requests}
-        for req_id, block_ids in sched.new_block_ids.items():
-            req = self.requests.get(req_id)
-            if req_id not in added and (req is None or req.block_ids is None):
-                state = "unknown" if req is None else "preempted"
-                raise StepError(f"request {req_id!r} gets new blocks but is {state} on this worker")
-            self._check_blocks(req_id, block_ids)
-        # a prefix copy fills the first slots of the block a new or resumed request starts in, no more
-        starts = {
-            data.block_ids[data.num_computed_tokens // self.ready.block_size]: data.num_computed_tokens
-            % self.ready.block_size
-            for data in (*sched.new_requests, *sched.resumed_requests)
-            if data.num_computed_tokens % self.ready.block_size
-        }
-        for source, destination, num_tokens in sched.kv_copies:
-            self._check_blocks("(a prefix copy)", [source, destination])
-            if source == destination or starts.get(destination) != num_tokens:
-                raise StepError(
-                    f"a prefix copy of {num_tokens} tokens from block {source} into block {destination}, "
-                    "where no request of the step starts after as many"
-                )
-
-    def _check_blocks(self, req_id: str, block_ids: Sequence[int]) -> None:
-        if bad := [b for b in block_ids if not 0 <= b < self.ready.num_kv_blocks]:
-            raise StepError(
-                f"request {req_id!r}: block ids {bad} outside the pool of {self.ready.num_kv_blocks}"
-            )
-
-    def _check_num_computed(self, data: NewRequestData | ResumedRequestData, num_tokens: int) -> None:
-        num_computed, num_slots = data.num_computed_tokens, len(data.block_ids) * self.ready.block_size
-        if not 0 <= num_computed < num_tokens or num_computed > num_slots:
-            raise StepError(
-                f"request {data.req_id!r}: {num_computed} computed tokens of {num_tokens}, {num_slots} slots"
-            )
 
     def _load_and_encode(
         self, sched: SchedulerOutput, frames: Sequence[Buffer]
