@@ -1,10 +1,14 @@
 """Graceful drain of the API process on SIGTERM.
 
-``Drain`` counts the guarded HTTP requests in flight; once started (the first SIGTERM), new ones are
+``Drain`` keeps the guarded HTTP requests in flight; once started (the first SIGTERM), new ones are
 refused with 503 ``server_shutting_down`` while those in flight run on, and ``finished`` turns true when
 none is left or ``--shutdown-timeout`` has passed. ``DrainingServer`` is uvicorn's server with SIGTERM
 mapped to that drain (a second SIGTERM, or SIGINT, stops at once); it exits once the drain finished, and
-the lifespan then stops the engine as on any shutdown.
+the lifespan then stops the engine as on any shutdown. At the deadline, a request whose answer has not
+started (still uploading its body, or still waiting for its first token) is cancelled and answered 503
+``server_shutting_down``: its work is abandoned as when a client leaves (aborted in the engine), and its
+client gets the envelope instead of the plain-text 500 uvicorn sends for a task it cancels. An answer
+already streaming is cut off.
 
 With ``--api-server-count N`` the main ``serve`` process hooks its other API processes in: ``on_start``
 forwards the SIGTERM to them (they drain concurrently, each with its own deadline) and ``waits_for`` keeps
@@ -13,20 +17,32 @@ its own drain, and so the engine, running until they exited (or the deadline pas
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
-from app.api.asgi_types import ASGIApp, Receive, Scope, Send
+from app.api.asgi_types import ASGIApp, Message, Receive, Scope, Send
 from app.api.request_guards import GUARDED_PREFIXES, refuse
 from app.errors import EngineUnavailableError
 
 log = logging.getLogger("mmserve.api")
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """One guarded request: the task serving it, and whether its answer started or it was cut off."""
+
+    task: asyncio.Task[Any] | None
+    answering: bool = False
+    cut_off: bool = False
 
 
 class Drain:
@@ -42,10 +58,14 @@ class Drain:
         waits_for: Sequence[Callable[[], bool]] = (),
     ) -> None:
         self.timeout_s = timeout_s
-        self.in_flight = 0
+        self.requests: set[_InFlight] = set()
         self.deadline: float | None = None
         self.on_start = list(on_start)
         self.waits_for = list(waits_for)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.requests)
 
     @property
     def started(self) -> bool:
@@ -64,6 +84,16 @@ class Drain:
         idle = self.in_flight == 0 and not any(busy() for busy in self.waits_for)
         return idle or time.monotonic() >= self.deadline
 
+    def cut_off(self) -> int:
+        """Cancels every request in flight whose answer has not started, so that it is answered 503
+        (``DrainGuard``); returns how many. Called from the event loop, at the deadline."""
+        unanswered = [r for r in self.requests if not r.answering and not r.cut_off and r.task is not None]
+        for request in unanswered:
+            request.cut_off = True
+            assert request.task is not None
+            request.task.cancel()
+        return len(unanswered)
+
 
 class DrainGuard:
     """ASGI middleware: counts guarded requests in flight, refuses new ones once the drain started."""
@@ -80,11 +110,26 @@ class DrainGuard:
             error = EngineUnavailableError("The server is shutting down.", code="server_shutting_down")
             await refuse(error, scope, send)
             return
-        self.drain.in_flight += 1
+        request = _InFlight(asyncio.current_task())
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                request.answering = True
+            await send(message)
+
+        self.drain.requests.add(request)
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, sending)
+        except asyncio.CancelledError:
+            if not request.cut_off or request.answering or request.task is None:
+                raise
+            request.task.uncancel()  # cancelled by ``Drain.cut_off`` alone: answer it
+            timeout = f"--shutdown-timeout {self.drain.timeout_s:g} s"
+            message = f"The server shut down before answering this request ({timeout})."
+            error = EngineUnavailableError(message, code="server_shutting_down")
+            await refuse(error, scope, send, headers={"Connection": "close"})
         finally:
-            self.drain.in_flight -= 1
+            self.drain.requests.discard(request)
 
 
 class DrainingServer(uvicorn.Server):
@@ -126,6 +171,11 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.drain.finished and not self.should_exit:
             if self.drain.in_flight:
-                log.warning("shutdown timeout: %d request(s) in flight are cut off", self.drain.in_flight)
+                answered = self.drain.cut_off()  # answered 503 within uvicorn's grace after the drain
+                log.warning(
+                    "shutdown timeout: %d request(s) in flight are cut off (%d not yet answered get 503)",
+                    self.drain.in_flight,
+                    answered,
+                )
             self.should_exit = True
         return await super().on_tick(counter)

@@ -122,8 +122,10 @@ class RequestGuards:
         return counted
 
 
-async def refuse(error: MMServeError, scope: Scope, send: Send) -> None:
-    response = error_response(error)
+async def refuse(
+    error: MMServeError, scope: Scope, send: Send, headers: dict[str, str] | None = None
+) -> None:
+    response = error_response(error, headers)
     if isinstance(error, AuthenticationError):
         response.headers["WWW-Authenticate"] = "Bearer"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -165,11 +166,51 @@ def test_sigterm_drains_in_flight_requests(
     assert not leaked, f"leaked shared memory: {leaked}"
 
 
+def unanswered_post(server: Server, body: dict[str, Any]) -> tuple[threading.Thread, list[httpx.Response]]:
+    """A non-streamed request running in a thread; its response lands in the list."""
+    answers: list[httpx.Response] = []
+    url = f"{server.base_url}/v1/chat/completions"
+    thread = threading.Thread(
+        target=lambda: answers.append(httpx.post(url, json=body, timeout=60)), daemon=True
+    )
+    thread.start()
+    return thread, answers
+
+
+def stalled_upload(server: Server) -> socket.socket:
+    """A request whose body stops after its first bytes (its headers promise the rest)."""
+    body = json.dumps(greedy_body([user_message("Stalled.")], 4)).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(head.encode() + body[:10])
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, Any]]:
+    """The status and JSON body of the one response on ``sock`` (which the server then closes)."""
+    sock.settimeout(20)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, payload = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload)
+
+
 def test_sigterm_cuts_off_what_outlives_the_shutdown_timeout(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """At the deadline, answers already streaming are cut off; a request not yet answered, whether it
+    waits for its first token or its client stalled while uploading the body, gets 503
+    ``server_shutting_down`` in OpenAI's error shape (uvicorn would send a plain-text 500)."""
     hurried = start_serve(tiny_model_dir, tmp_path, "--shutdown-timeout", "0.3")
     assert hurried.process.proc is not None
     proc = hurried.process.proc
     children = descendants(proc.pid)
+    waiting, answers = unanswered_post(
+        hurried, greedy_body([user_message("Never stop.", make_image(75))], 1400)
+    )
+    stalled = stalled_upload(hurried)
     streams = [
         started_stream(hurried, greedy_body([user_message(f"Never stop {i}.", make_image(74))], 1400))
         for i in range(3)
@@ -177,12 +218,22 @@ def test_sigterm_cuts_off_what_outlives_the_shutdown_timeout(tiny_model_dir: Pat
 
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
+    status, refusal = read_response(stalled)
+    assert (status, refusal["error"]["code"]) == (503, "server_shutting_down"), refusal
     assert proc.wait(30) == 0, hurried.process.log()[-3000:]
     assert time.monotonic() - start < 20  # with the stops of every process; the default would be 30 s
     assert "request(s) in flight are cut off" in hurried.process.log()
     for thread, _ in streams:
         thread.join(10)
     assert "cut off" in [events[-1] for _, events in streams]
+    waiting.join(10)
+    assert answers[0].status_code == 503, answers[0].text
+    assert answers[0].json()["error"] == {
+        "message": "The server shut down before answering this request (--shutdown-timeout 0.3 s).",
+        "type": "server_error",
+        "param": None,
+        "code": "server_shutting_down",
+    }
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
