@@ -10,6 +10,13 @@ served token differs from the oracle's:
   choice; any of several exactly tied runners-up), and
 - the oracle's logprob gap between its token and the served one must be under the tier's bound.
 
+Where the logits are bf16 (the CUDA tier: ``quantized``), "exactly tied" means tied at the logits'
+rounding step: bf16 keeps 8 significant bits, so the oracle's logits of the tiny checkpoints come in
+steps of 0.125, and two tokens one step apart there may be in either order in another bf16 computation of
+the same logits. A token at most one step below the runner-up is then tied with it. The bound still
+applies to the served token's own gap, so this admits only a token one step below a runner-up that
+ties the oracle's token (three tokens within one step), never a token further down.
+
 Anything else fails. Once accepted, the two sequences have different prefixes, so nothing after that
 position can be compared: the check stops there by design. Every acceptance is a ``NearTieWarning``, which
 pytest lists in its warnings summary with the position and the gap, so a run shows how often parity was
@@ -34,11 +41,26 @@ def first_divergence(served: Sequence[object], oracle: Sequence[object]) -> int 
     return next((pos for pos, (a, b) in enumerate(zip(served, oracle, strict=True)) if a != b), None)
 
 
-def runners_up(logprobs: torch.Tensor, oracle_id: int) -> list[int]:
-    """The token ids with the highest logprob other than ``oracle_id`` (several only on an exact tie)."""
+def runners_up(logprobs: torch.Tensor, oracle_id: int, resolution: float = 0.0) -> list[int]:
+    """The token ids with the highest logprob other than ``oracle_id`` (several only on a tie), best first:
+    with ``resolution``, every token at most that far below the best of them."""
     others = logprobs.clone()
     others[oracle_id] = float("-inf")
-    return torch.nonzero(others == others.max()).flatten().tolist()
+    best = others.max()
+    # the margin covers float32's rounding of log_softmax, never a whole step
+    tied = torch.nonzero(others >= best - resolution * (1 + 1e-3)).flatten()
+    return tied[others[tied].argsort(descending=True, stable=True)].tolist()
+
+
+def logit_step(logprobs: torch.Tensor, top: int = 64) -> float:
+    """The rounding step of the logits behind ``logprobs`` at their top, for logits rounded to a short
+    mantissa (bf16): the smallest difference between distinct logprobs among the ``top`` best (tokens with
+    equal logits have equal logprobs; others differ by whole steps, a smaller step where the top straddles
+    a power of two). 0.0 when those are all equal."""
+    values = torch.unique(logprobs.topk(min(top, logprobs.numel())).values)
+    gaps = values.diff()
+    gaps = gaps[gaps > 1e-4]  # float32's rounding of log_softmax is far below any bf16 step
+    return float(gaps.min()) if gaps.numel() else 0.0
 
 
 def accept_near_tie(
@@ -48,26 +70,35 @@ def accept_near_tie(
     logprobs: torch.Tensor,
     bound: float,
     spell: Callable[[int], object] = int,
+    quantized: bool = False,
 ) -> float:
     """Called at ``pos``, the first position where the served token differs from the oracle's
     ``oracle_id``, with the oracle's logprobs over the vocabulary there. ``served`` is what the tier sees
     of the served token (its id, or over HTTP its text) and ``spell`` turns an id into the same form.
+    ``quantized``: the oracle's logits are bf16, and ties are ties at their rounding step (``logit_step``).
     Raises ``AssertionError`` unless ``served`` is the oracle's runner-up with a gap under ``bound``;
     otherwise warns ``NearTieWarning`` and returns the gap. The caller compares nothing after ``pos``."""
-    candidates = runners_up(logprobs, oracle_id)
+    step = logit_step(logprobs) if quantized else 0.0
+    candidates = runners_up(logprobs, oracle_id, step)
     runner_up = candidates[0]
-    gap = float(logprobs[oracle_id] - logprobs[runner_up])
-    assert served in [spell(token_id) for token_id in candidates], (
+    spelt = [spell(token_id) for token_id in candidates]
+    tied = f" or a token within the logits' rounding step ({step:g}) of it" if quantized else ""
+    assert served in spelt, (
         f"diverged at token {pos}: served {served!r}, the oracle's token is {spell(oracle_id)!r} and its "
-        f"runner-up {spell(runner_up)!r} (logprob gap {gap:.3g}); only the runner-up may differ"
+        f"runner-up {spell(runner_up)!r} (logprob gap "
+        f"{float(logprobs[oracle_id] - logprobs[runner_up]):.3g}); only the runner-up{tied} may differ"
     )
+    served_id = candidates[spelt.index(served)]
+    gap = float(logprobs[oracle_id] - logprobs[served_id])
     assert gap < bound, (
         f"diverged at token {pos} to the oracle's runner-up {served!r}, but the logprob gap {gap:.3g} is "
         f"not a near-tie (bound {bound:g})"
     )
+    below = float(logprobs[runner_up] - logprobs[served_id])
+    which = "runner-up" if below == 0 else f"token {below:g} below its runner-up (one logit step)"
     warnings.warn(
         NearTieWarning(
-            f"near-tie accepted at token {pos}: served the oracle's runner-up {served!r} instead of "
+            f"near-tie accepted at token {pos}: served the oracle's {which} {served!r} instead of "
             f"{spell(oracle_id)!r}, logprob gap {gap:.2e} (bound {bound:g}); later tokens not compared"
         ),
         stacklevel=3,

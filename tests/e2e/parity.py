@@ -58,12 +58,18 @@ def assert_matches_oracle(response: dict[str, Any], oracle: Oracle, text: str, i
 
 
 def assert_matches_greedy(
-    response: dict[str, Any], tokenizer: Any, hf_ids: list[int], hf_logprobs: Any, bound: float = NEAR_TIE
+    response: dict[str, Any],
+    tokenizer: Any,
+    hf_ids: list[int],
+    hf_logprobs: Any,
+    bound: float = NEAR_TIE,
+    quantized: bool = False,
 ) -> None:
     """The served tokens are the oracle's ``hf_ids`` (compared as the text of each token, which is what
     the API returns), but for a divergence at a true near-tie: the served token is the oracle's runner-up
-    with a logprob gap under ``bound`` (tests/near_tie.py, the rule of every tier). The comparison
-    stops there by design: after it, the two answers continue different prefixes."""
+    with a logprob gap under ``bound`` (tests/near_tie.py, the rule of every tier; ``quantized``: the
+    oracle's logits are bf16). The comparison stops there by design: after it, the two answers continue
+    different prefixes."""
     served = [entry["token"] for entry in response["choices"][0]["logprobs"]["content"]]
     assert len(served) == len(hf_ids) == response["usage"]["completion_tokens"]
 
@@ -72,6 +78,6 @@ def assert_matches_greedy(
 
     pos = first_divergence(served, [spell(token_id) for token_id in hf_ids])
     if pos is not None:
-        accept_near_tie(pos, served[pos], hf_ids[pos], hf_logprobs[pos], bound, spell)
+        accept_near_tie(pos, served[pos], hf_ids[pos], hf_logprobs[pos], bound, spell, quantized)
         return
     assert response["choices"][0]["message"]["content"] == tokenizer.decode(hf_ids, skip_special_tokens=True)

@@ -32,6 +32,11 @@ class Tier:
     near_tie: float  # tests/near_tie.py's bound for this precision
     families: tuple[str, ...]
 
+    @property
+    def quantized(self) -> bool:
+        """The oracle's logits are bf16: tests/near_tie.py's ties are ties at their rounding step."""
+        return self.dtype == torch.bfloat16
+
 
 def tier() -> Tier:
     device = os.environ.get(DEVICE_VAR, "cuda")

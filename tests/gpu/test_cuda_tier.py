@@ -66,7 +66,9 @@ def image_body(family: str, text: str, images: tuple[PIL.Image.Image, ...]) -> d
 
 
 def check(response: dict[str, Any], oracle: Oracle, want: tuple[list[int], Any], tier: Tier) -> None:
-    assert_matches_greedy(response, oracle.processor.tokenizer, want[0], want[1], tier.near_tie)
+    assert_matches_greedy(
+        response, oracle.processor.tokenizer, want[0], want[1], tier.near_tie, tier.quantized
+    )
 
 
 FAMILIES = tier().families
@@ -129,7 +131,9 @@ def test_videos_cold_warm_and_uncached_in_128_token_steps(
         cached = tier_servers[family, "cached"]
         for server in (cached, cached, tier_servers[family, "uncached_chunked"]):
             answer = ask(server, body(case, family))
-            assert_matches_greedy(answer, tokenizer, want.ids, want.logprobs, gpu_tier.near_tie)
+            assert_matches_greedy(
+                answer, tokenizer, want.ids, want.logprobs, gpu_tier.near_tie, gpu_tier.quantized
+            )
             assert answer["usage"]["prompt_tokens"] == want.num_prompt_tokens
 
 

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 from app.metrics import ApiMetrics
 from tests.e2e.metrics import UnknownMetric, delta, parse_metrics
 from tests.e2e.parity import NEAR_TIE, assert_matches_greedy
-from tests.near_tie import NearTieWarning, accept_near_tie
+from tests.near_tie import NearTieWarning, accept_near_tie, logit_step
 
 WORDS = ["alpha", "beta", "gamma", "delta", "[UNK]"]
 
@@ -95,6 +95,29 @@ def test_the_rule_on_token_ids() -> None:
         accept_near_tie(4, 3, 0, tied, 1e-4)
     with pytest.raises(AssertionError, match="not a near-tie"):
         accept_near_tie(4, 1, 0, logprobs_row(-1.0, -1.01, -2.0, -3.0), 1e-4)
+
+
+def bf16_logprobs(*logits: float) -> torch.Tensor:
+    """The oracle's logprobs as the CUDA tier computes them: from bf16 logits, in float32."""
+    return torch.log_softmax(torch.tensor([*logits, 5.0], dtype=torch.bfloat16).float(), dim=-1)
+
+
+def test_bf16_ties_are_ties_at_the_logits_rounding_step() -> None:
+    """bf16 logits near 20 come in steps of 0.125. With the oracle's best two tied, a token one step below
+    them may lead another bf16 computation of the same logits (the CUDA tier's only rank-3 divergence):
+    it passes there, and only there."""
+    tied_top = bf16_logprobs(20.0, 20.0, 19.875, 19.75)
+    assert logit_step(tied_top) == pytest.approx(0.125, abs=1e-5)
+    with pytest.warns(NearTieWarning, match=r"token 3: .* 0\.125 below its runner-up .* gap 1\.25e-01"):
+        assert accept_near_tie(3, 2, 0, tied_top, 0.25, quantized=True) == pytest.approx(0.125, abs=1e-5)
+    with pytest.raises(AssertionError, match="only the runner-up may differ"):
+        accept_near_tie(3, 2, 0, tied_top, 0.25)  # not bf16: a step is no tie
+    with pytest.raises(AssertionError, match="only the runner-up or a token within"):
+        accept_near_tie(3, 3, 0, tied_top, 0.25, quantized=True)  # two steps below the runner-up
+    with pytest.raises(AssertionError, match="not a near-tie"):  # one step below a runner-up one step down
+        accept_near_tie(3, 2, 0, bf16_logprobs(20.0, 19.875, 19.75, 19.0), 0.25, quantized=True)
+    with pytest.warns(NearTieWarning, match="served the oracle's runner-up 1 instead of 0"):
+        accept_near_tie(3, 1, 0, tied_top, 0.25, quantized=True)
 
 
 def test_a_metric_the_server_does_not_export_raises() -> None:
