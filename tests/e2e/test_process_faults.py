@@ -208,7 +208,7 @@ def test_sigterm_cuts_off_what_outlives_the_shutdown_timeout(tiny_model_dir: Pat
     proc = hurried.process.proc
     children = descendants(proc.pid)
     waiting, answers = unanswered_post(
-        hurried, greedy_body([user_message("Never stop.", make_image(75))], 1400)
+        hurried, greedy_body([user_message("Never stop.", make_image(75))], 3000)
     )
     stalled = stalled_upload(hurried)
     streams = [
