@@ -67,12 +67,7 @@ def check_additions(sched: SchedulerOutput, requests: Mapping[str, RequestState]
             raise StepError(f"request {req_id!r} gets new blocks but is {state} on this worker")
         _check_blocks(req_id, block_ids, ready)
     # a prefix copy fills the first slots of the block a new or resumed request starts in, no more
-    starts = {
-        data.block_ids[data.num_computed_tokens // ready.block_size]: data.num_computed_tokens
-        % ready.block_size
-        for data in (*sched.new_requests, *sched.resumed_requests)
-        if data.num_computed_tokens % ready.block_size
-    }
+    starts = sched.copy_destinations(ready.block_size)
     for source, destination, num_tokens in sched.kv_copies:
         _check_blocks("(a prefix copy)", [source, destination], ready)
         if source == destination or starts.get(destination) != num_tokens:

@@ -366,6 +366,15 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
     forced_tokens: dict[str, tuple[int, list[TokenId]]] = {}
     kv_copies: list[tuple[NonNegInt, NonNegInt, PosInt]] = []
 
+    def copy_destinations(self, block_size: int) -> dict[int, int]:
+        """The blocks a ``kv_copies`` entry may fill, each with its n: the block where a new or resumed
+        request of this step starts computing mid-block, and the tokens before that in it."""
+        return {
+            data.block_ids[data.num_computed_tokens // block_size]: data.num_computed_tokens % block_size
+            for data in (*self.new_requests, *self.resumed_requests)
+            if data.num_computed_tokens % block_size
+        }
+
 
 class WorkerShutdown(msgspec.Struct, frozen=True, tag="wshutdown"):
     pass

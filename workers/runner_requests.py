@@ -124,10 +124,16 @@ def check_additions(
             state = "unknown" if req is None else "preempted"
             raise StepError(f"request {req_id!r} gets new blocks but is {state} on this worker")
         _check_blocks(req_id, block_ids, pool)
+    # a prefix copy fills the first slots of the block a new or resumed request starts in, no more: any
+    # other would overwrite K/V that another request reads
+    starts = sched.copy_destinations(pool.block_size) if sched.kv_copies else {}
     for source, destination, num_tokens in sched.kv_copies:
         _check_blocks("(a prefix copy)", [source, destination], pool)
-        if source == destination or num_tokens >= pool.block_size:
-            raise StepError(f"a prefix copy of {num_tokens} tokens from block {source} to {destination}")
+        if source == destination or starts.get(destination) != num_tokens:
+            raise StepError(
+                f"a prefix copy of {num_tokens} tokens from block {source} into block {destination}, "
+                "where no request of the step starts after as many"
+            )
     return layouts
 
 

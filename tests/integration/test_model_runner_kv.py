@@ -175,10 +175,22 @@ def test_contradicting_block_tables_fail_the_step(runner, hf_model, prompts):
         ),
         SchedulerOutput(0, [], {}, [], [], [], resumed_requests=[ResumedRequestData("nope", [0], 0)]),
         SchedulerOutput(0, [], {}, [], [], [], new_block_ids={"nope": [0]}),
-        # prefix copies: a block outside the pool, a block onto itself, a whole block (never a hit)
+        # prefix copies: a block outside the pool, a block onto itself, a whole block (never a hit), a
+        # block where no request starts (it would overwrite another request's K/V), and the block where a
+        # request starts after 1 token, filled with 2
         SchedulerOutput(0, [], {}, [], [], [], kv_copies=[(0, runner.num_kv_blocks, 1)]),
         SchedulerOutput(0, [], {}, [], [], [], kv_copies=[(3, 3, 1)]),
         SchedulerOutput(0, [], {}, [], [], [], kv_copies=[(0, 1, runner.block_size)]),
+        SchedulerOutput(0, [], {}, [], [], [], kv_copies=[(0, 1, 1)]),
+        SchedulerOutput(
+            0,
+            [NewRequestData("r3", prompt.input_ids, [], greedy(hf_model), blocks(prompt, runner), 1)],
+            {"r3": num_tokens - 1},
+            [],
+            [],
+            [],
+            kv_copies=[(0, blocks(prompt, runner)[0], 2)],
+        ),
     ]
     for sched in bad_steps:
         with pytest.raises(StepError):
