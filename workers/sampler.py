@@ -321,10 +321,11 @@ def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         remove = ranks >= to_device(top_k, device, torch.long).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
         probs_sorted = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
+        # Drop a token when the tokens ranked above it already cover top_p. The first always stays,
+        # also where top_p rounds to 0 in the logits' dtype (1e-300 in float32).
         mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
         p = to_device(top_p, device, logits.dtype).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (ranks > 0), float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
 
     probs = logits.softmax(dim=-1)

@@ -35,6 +35,13 @@ def test_greedy_is_argmax_and_top_k_1_too():
     assert logprobs == [None, None, None]
 
 
+def test_a_top_p_that_rounds_to_zero_keeps_the_best_token():
+    """1e-300 is a valid top_p (over 0) that float32 rounds to 0: the best token still stays, as vLLM's."""
+    logits = _logits(2)
+    rows = [_row(temperature=1.0, top_p=1e-300, seed=s) for s in range(2)]
+    assert sample(logits, rows)[0] == logits.argmax(dim=-1).tolist()
+
+
 def test_same_seed_same_tokens_regardless_of_batch():
     logits = _logits(1) / 3  # flat enough that 20 draws differ
     runs = []
