@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from app.inputs.engine_client import EngineClient, EngineGone
 from app.inputs.submission import OutputQueue, Submitted, error_from_engine
 from app.metrics import ApiMetrics
 from wire.protocol import FinishReason, RequestOutput, TokenLogprobs
+
+LOGPROB_FLOOR = -9999.0  # a logprob JSON cannot carry (-inf, NaN) is sent as this
 
 
 @dataclass
@@ -161,6 +164,9 @@ def logprob_entries(entries: list[TokenLogprobs], detok: IncrementalDetokenizer)
 
     def one(token_id: int, logprob: float) -> dict[str, Any]:
         token = detok.token_strings([token_id])[0]
+        # JSON has no -inf or NaN (a model that overflowed): vLLM's floor stands in, as OpenAI's clients
+        # expect a number
+        logprob = logprob if math.isfinite(logprob) else LOGPROB_FLOOR
         return {"token": token, "logprob": logprob, "bytes": detok.token_bytes(token_id)}
 
     result = []

@@ -102,6 +102,9 @@ def test_resolution_per_request_is_its_own_cache_entry(tiny_pool_server: Server)
         ({"min_pixels": 200_000, "max_pixels": 100_000}, "min_pixels <= max_pixels"),
         ({"max_pixels": 1 << 40}, "max_pixels"),
         ({"max_pixels": "big"}, "mm_processor_kwargs"),
+        # pixels of no number: the model would answer NaN (a 500 with logprobs, garbage without)
+        ({"image_std": [0.0, 0.0, 0.0]}, "not finite numbers"),
+        ({"image_mean": [1e308, 0.0, 0.0]}, "not finite numbers"),
     ],
 )
 def test_options_the_family_does_not_accept(
@@ -113,7 +116,7 @@ def test_options_the_family_does_not_accept(
     resp = post(tiny_pool_server, body)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
-    assert error["param"] == "mm_processor_kwargs" and fragment in error["message"]
+    assert error["param"] == "mm_processor_kwargs" and fragment in error["message"], error
 
 
 def test_resolution_the_family_cannot_process(tiny_pool_server: Server) -> None:

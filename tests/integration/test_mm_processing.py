@@ -138,6 +138,9 @@ def test_kwargs_equal_to_defaults_share_the_hash(mm: MMProcessor) -> None:
         {"do_normalize": 1},
         {"size": {"shortest_edge": 100_000}},  # would allocate gigabytes before the crop
         {"crop_size": {"height": 0, "width": 336}},
+        {"image_std": [float("nan"), 0.5, 0.5]},  # JSON's NaN, which Python's parser takes
+        {"image_mean": [float("inf"), 0.5, 0.5]},
+        {"rescale_factor": float("-inf")},
     ],
 )
 def test_invalid_kwargs_are_rejected_up_front(mm: MMProcessor, kwargs: dict[str, Any]) -> None:
@@ -153,6 +156,10 @@ def test_invalid_kwargs_are_rejected_up_front(mm: MMProcessor, kwargs: dict[str,
         {"image_mean": [0.5, 0.5]},
         {"crop_size": {"height": 224, "width": 224}},  # the vision tower takes 336x336 only
         {"do_center_crop": False},
+        # finite options whose pixels are not: the model would answer NaN
+        {"image_std": [0.0, 0.0, 0.0]},
+        {"image_std": [1e-300, 1.0, 1.0]},
+        {"image_mean": [1e308, 0.0, 0.0]},
     ],
 )
 def test_kwargs_the_processor_or_model_cannot_take(mm: MMProcessor, kwargs: dict[str, Any]) -> None:

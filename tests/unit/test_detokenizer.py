@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -9,6 +10,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from app.api.detokenizer import IncrementalDetokenizer
+from app.api.outputs import LOGPROB_FLOOR, logprob_entries
+from wire.protocol import Logprob, TokenLogprobs
 
 # Mostly ASCII, so that the few merges of multi-byte text give tokens that split characters, and some
 # that straddle two ("¥æ": the end of 日 and the start of 本).
@@ -226,3 +229,16 @@ def test_the_stop_token_that_ended_the_answer_counts_but_is_no_text(
     # a stop string before the stop token ends the text there, as on its own
     stopped = IncrementalDetokenizer(tokenizer, stop=["world"])
     assert stopped.push_ending_on_stop_token(ids) == "hello " and stopped.stop_str == "world"
+
+
+def test_logprobs_json_cannot_carry_are_sent_as_the_floor(tokenizer: PreTrainedTokenizerFast) -> None:
+    """A model that overflowed gives NaN or -inf logprobs: JSON has neither (a 500 for an unstreamed
+    answer, an unparsable chunk for a streamed one), so they go out as vLLM's floor."""
+    entries = [
+        TokenLogprobs(Logprob(5, float("nan")), [Logprob(5, float("nan")), Logprob(6, float("-inf"))]),
+        TokenLogprobs(Logprob(7, -0.25), [Logprob(7, -0.25)]),
+    ]
+    items = logprob_entries(entries, IncrementalDetokenizer(tokenizer))
+    json.dumps(items, allow_nan=False)
+    assert [item["logprob"] for item in items] == [LOGPROB_FLOOR, -0.25]
+    assert [top["logprob"] for top in items[0]["top_logprobs"]] == [LOGPROB_FLOOR, LOGPROB_FLOOR]

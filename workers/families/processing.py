@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -196,6 +197,11 @@ class FamilyProcessor:
             raise FamilyInputError(f"Invalid mm_processor_kwargs: {exc}", param=KWARGS_PARAM) from exc
         for key in self.size_kwargs.intersection(options):
             self._check_size_option(key, options[key])
+        for key, value in options.items():
+            if not _all_finite(value):
+                raise FamilyInputError(
+                    f"mm_processor_kwargs.{key} must be finite numbers, not {value!r}.", param=KWARGS_PARAM
+                )
         self.check_options(options)
         return {key: options[key] for key in sorted(options) if not self._is_default(key, options[key])}
 
@@ -267,6 +273,12 @@ class FamilyProcessor:
         tensors = {
             name: value.contiguous() for name, value in batch.items() if isinstance(value, torch.Tensor)
         }
+        # options the processor takes can still make pixels of no number (an image_std of 0 or 1e-300):
+        # the model would answer NaN. The processor's defaults never do, so only options cost the check.
+        if options and not all(t.isfinite().all() for t in tensors.values() if t.is_floating_point()):
+            raise FamilyInputError(
+                "These mm_processor_kwargs make pixel values that are not finite numbers.", param=KWARGS_PARAM
+            )
         self.check_processed(tensors)
         num_tokens, grid_thw = self.item_layout(tensors)
         return ProcessedItem(tensors, ItemLayout(num_tokens, grid_thw))
@@ -415,6 +427,15 @@ class FamilyProcessor:
 
     def check_processed(self, tensors: dict[str, torch.Tensor]) -> None:
         """Refuse a processed item the model could not encode (FamilyInputError)."""
+
+
+def _all_finite(value: Any) -> bool:
+    """Whether every number in an option's value (a number, or lists and objects of them) is finite."""
+    if isinstance(value, (list, tuple)):
+        return all(_all_finite(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(_all_finite(v) for v in value.values())
+    return not isinstance(value, float) or math.isfinite(value)
 
 
 def _has_tools(template: Any) -> bool:
