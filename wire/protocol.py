@@ -369,9 +369,10 @@ class SchedulerOutput(msgspec.Struct, frozen=True, tag="sched"):
     def copy_destinations(self, block_size: int) -> dict[int, int]:
         """The blocks a ``kv_copies`` entry may fill, each with its n: the block where a new or resumed
         request of this step starts computing mid-block, and the tokens before that in it."""
+        added: list[NewRequestData | ResumedRequestData] = [*self.new_requests, *self.resumed_requests]
         return {
             data.block_ids[data.num_computed_tokens // block_size]: data.num_computed_tokens % block_size
-            for data in (*self.new_requests, *self.resumed_requests)
+            for data in added
             if data.num_computed_tokens % block_size
         }
 
