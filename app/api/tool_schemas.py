@@ -21,15 +21,20 @@ from wire.protocol import MAX_CONSTRAINT_CHARS, Constraint, ConstraintKind
 from workers.families import STRUCTURAL_TAG_FORMATS  # the tool-call syntax of each parser
 
 MAX_TOOLS = 128
-# what a function's missing ``parameters`` means (OpenAI: a function without parameters)
-NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class FunctionDefinition(_Strict):
+class _Declared(BaseModel):
+    """A tool's declaration: a key OpenAI's shape does not have is refused, as OpenAI does (a misspelt
+    ``parameters`` would otherwise declare a function without any)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionDefinition(_Declared):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -38,16 +43,16 @@ class FunctionDefinition(_Strict):
     )
 
 
-class ChatTool(_Strict):
+class ChatTool(_Declared):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(_Declared):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(_Declared):
     type: Literal["function"]
     function: FunctionName
 
@@ -94,8 +99,15 @@ def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) ->
                 f"two tools are named {tool.function.name!r}", param=f"tools[{i}].function.name"
             )
         names.add(tool.function.name)
-        if tool.function.parameters is not None:
-            check_json_schema(tool.function.parameters, f"tools[{i}].function.parameters")
+        parameters = tool.function.parameters
+        if parameters is not None:
+            if parameters.get("type", "object") != "object":
+                raise InvalidRequestError(
+                    f"a function's parameters are an object, so their schema's type is 'object', not "
+                    f"{parameters['type']!r}",
+                    param=f"tools[{i}].function.parameters.type",
+                )
+            check_json_schema(parameters, f"tools[{i}].function.parameters")
     if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in names:
         raise InvalidRequestError(
             f"tool_choice names {tool_choice.function.name!r}, which is not among the request's tools",
@@ -159,7 +171,11 @@ def tool_constraint(
     functions = [
         {
             "type": "function",
-            "function": {"name": t.function.name, "parameters": t.function.parameters or NO_PARAMETERS},
+            # an object always (no parameters: any object), whatever the schema leaves out
+            "function": {
+                "name": t.function.name,
+                "parameters": {**(t.function.parameters or {}), "type": "object"},
+            },
         }
         for t in tools
     ]

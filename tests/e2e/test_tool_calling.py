@@ -296,6 +296,16 @@ def test_bad_tool_requests_are_400s_naming_their_field(family_server: Callable[.
     both = {**body("qwen2_5_vl", "required"), "response_format": {"type": "json_object"}}
     assert bad(server, both)["param"] == "response_format"
     assert bad(server, {**body("qwen2_5_vl", "required"), "tools": []})["param"] == "tool_choice"
+    # arguments are an object: a schema of another type would make calls that leak into content
+    for root in ("integer", "array", "string", "null"):
+        scalar = [{"type": "function", "function": {"name": "f", "parameters": {"type": root}}}]
+        error = bad(server, {**body("qwen2_5_vl", "required"), "tools": scalar})
+        assert error["param"] == "tools[0].function.parameters.type", error
+    # a misspelt key of a declaration is refused, not read as a function without parameters
+    typo = [{"type": "function", "function": {"name": "f", "parmeters": {"type": "object"}}}]
+    assert bad(server, {**body("qwen2_5_vl", "required"), "tools": typo})["param"] == (
+        "tools[0].function.parmeters"
+    )
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl"])

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from app.api.tool_schemas import ChatTool, tool_constraint
 from engine.structured.backend import XGrammarBackend
 from wire.protocol import Constraint, ConstraintKind
 
@@ -37,3 +38,24 @@ def test_a_required_answer_is_calls_and_nothing_after(
     assert not accepts("Sure") and accepts(CALL) and ends_after(CALL)
     assert not accepts(CALL + " and some text") and not accepts(CALL + "\nSure")
     assert accepts(CALL + "\n" + CALL) is parallel
+
+
+def test_arguments_are_an_object_whatever_the_schema_leaves_out(tiny_model: Callable[[str], Path]) -> None:
+    """A schema without ``type`` or ``properties`` (JSON Schema then allows any value) still constrains a
+    call's arguments to an object: anything else could not be parsed as a call and would leak into
+    content."""
+    import xgrammar as xgr
+
+    backend = XGrammarBackend(str(tiny_model("qwen2_5_vl")), 0)
+    untyped = {"name": "f", "parameters": {"description": "no type, no properties"}}
+    constraint = tool_constraint(
+        [ChatTool.model_validate({"type": "function", "function": untyped})], "required", False, "hermes"
+    )
+    assert constraint is not None
+    compiled = backend.compile(constraint)
+
+    def accepts(arguments: str) -> bool:
+        call = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+        return bool(xgr.GrammarMatcher(compiled).accept_string(call))
+
+    assert accepts('{"x": 1}') and not accepts("5") and not accepts("[1]")
