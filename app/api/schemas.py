@@ -283,7 +283,7 @@ class ChatCompletionRequest(_Request):
     @classmethod
     def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (bias or {}).items():
-            if not key.isdigit() or int(key) > _INT64_MAX:
+            if not (key.isascii() and key.isdigit()) or int(key) > _INT64_MAX:
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
             if not -100.0 <= value <= 100.0:
                 raise ValueError(f"logit_bias values must be from -100 to 100, got {value} for {key}")

@@ -178,7 +178,7 @@ class MediaFetcher:
             raise fetch_failed(message, param, kind)
         max_bytes = self.policy.max_bytes(kind)
         declared = response.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_bytes:
+        if declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
             raise too_large(f"{kind.noun} at {url!r}", max_bytes, param, kind)
         chunks: list[bytes] = []
         num_bytes = 0

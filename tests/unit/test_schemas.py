@@ -185,6 +185,8 @@ def test_logprobs_without_alternatives() -> None:
         ({"min_p": 1.5}, ("min_p",), "less than or equal to 1"),
         ({"logit_bias": {"x": 1}}, ("logit_bias",), "must be token ids"),
         ({"logit_bias": {"-3": 1}}, ("logit_bias",), "must be token ids"),
+        ({"logit_bias": {"²": 1}}, ("logit_bias",), "must be token ids"),  # a digit to str.isdigit
+        ({"logit_bias": {"١٢": 1}}, ("logit_bias",), "must be token ids"),  # Arabic-Indic 12 to int()
         ({"logit_bias": {"3": 101}}, ("logit_bias",), "from -100 to 100"),
         ({"allowed_token_ids": []}, ("allowed_token_ids",), "at least 1"),
         ({"stop_token_ids": [-1]}, ("stop_token_ids",), "token ids"),
