@@ -4,8 +4,9 @@ shared store; LM instances (``serve --ec-role consumer``) load them instead of e
 each distinct image to an encoder first, then the original request to an LM instance, and relays the
 answer (app/proxy/forward.py has the diagram).
 
-Routes: ``POST /v1/chat/completions``, ``GET /v1/models`` (an LM's answer), ``GET /health`` (every
-upstream's ``/health``), ``GET /metrics`` (the proxy's own figures). Errors use the OpenAI envelope.
+Routes: ``POST /v1/chat/completions``, ``GET /v1/models`` and ``/v1/models/{model}`` (an LM's answer),
+``GET /health`` (every upstream's ``/health``), ``GET /metrics`` (the proxy's own figures). Errors use the
+OpenAI envelope.
 """
 
 from __future__ import annotations
@@ -145,12 +146,14 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
         )
 
     @app.get("/v1/models")
-    async def list_models(request: Request) -> Response:
+    @app.get("/v1/models/{model:path}")
+    async def models(request: Request) -> Response:
+        """An LM instance's answer: the list, or one model's card (``models.retrieve``)."""
         lm_url = lms.next()
         headers = forwarded_headers(request.headers)
         try:
             upstream = await open_upstream(
-                clients[0], "GET", f"{lm_url}/v1/models", content=None, headers=headers
+                clients[0], "GET", f"{lm_url}{request.url.path}", content=None, headers=headers
             )
             return await relay(upstream, upstream_failed)
         except Exception:

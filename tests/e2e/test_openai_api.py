@@ -41,6 +41,11 @@ def test_curl_style_request_returns_chat_completion(server: Server) -> None:
 def test_models_and_health(server: Server) -> None:
     models = httpx.get(f"{server.base_url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny-llava"]
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    assert client.models.retrieve("tiny-llava").model_dump(exclude_none=True) == models["data"][0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert missing.value.code == "model_not_found"
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     head = httpx.head(f"{server.base_url}/health")  # a load balancer's probe
     assert head.status_code == 200 and head.content == b""

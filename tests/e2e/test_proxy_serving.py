@@ -154,6 +154,9 @@ def test_models_and_health(proxy: Server, lm: Server) -> None:
     models = httpx.get(f"{proxy.base_url}/v1/models", headers=AUTH)
     assert models.status_code == 200
     assert models.json() == httpx.get(f"{lm.base_url}/v1/models", headers=AUTH).json()
+    card = httpx.get(f"{proxy.base_url}/v1/models/tiny-llava", headers=AUTH)
+    assert card.status_code == 200 and card.json() == models.json()["data"][0]
+    assert httpx.get(f"{proxy.base_url}/v1/models/gpt-4o", headers=AUTH).status_code == 404
     health = httpx.get(f"{proxy.base_url}/health")
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     assert httpx.head(f"{proxy.base_url}/health").status_code == 200
