@@ -144,8 +144,27 @@ async def _on_mmserve_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 async def _on_request_error(request: Request, exc: Exception) -> JSONResponse:
-    """Validation errors and a model family's refusals (``FamilyInputError``): 400."""
+    """Validation errors and a model family's refusals (``FamilyInputError``): 400. A body that is not
+    an object because it was not sent as JSON says which content type it came as."""
+    content_type = request.headers.get("content-type", "")
+    if isinstance(exc, RequestValidationError) and _body_itself(exc) and not _is_json(content_type):
+        message = (
+            f"The request body must be JSON, sent as Content-Type: application/json, not {content_type!r}."
+        )
+        detail = ErrorDetail(message=message, type=INVALID_REQUEST, code="invalid_content_type")
+        return JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=400)
     return error_response(exc)
+
+
+def _body_itself(exc: RequestValidationError) -> bool:
+    errors = exc.errors()
+    return bool(errors) and format_loc(errors[0].get("loc", ())) is None
+
+
+def _is_json(content_type: str) -> bool:
+    """``application/json`` or a ``+json`` type, with any parameters (``; charset=utf-8``)."""
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    return media_type == "application/json" or media_type.endswith("+json")
 
 
 async def _on_http_exception(request: Request, exc: Exception) -> Response:

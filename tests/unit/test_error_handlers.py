@@ -105,6 +105,20 @@ def test_non_object_body_is_400(client: TestClient, body: object) -> None:
     assert _envelope(response)["param"] is None
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_a_body_not_sent_as_json_says_so(client: TestClient, content_type: str | None) -> None:
+    """A JSON object sent with another content type (curl -d sends a form): the message names the
+    content type, not the body, which is fine."""
+    headers = {"Content-Type": content_type} if content_type else {}
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'
+    response = client.post("/v1/chat/completions", content=body, headers=headers)
+    assert response.status_code == 400
+    error = _envelope(response)
+    assert error["code"] == "invalid_content_type" and error["param"] is None
+    assert "Content-Type: application/json" in str(error["message"])
+    assert _post(client, [1, 2]).json()["error"]["code"] != "invalid_content_type"  # JSON, not an object
+
+
 @pytest.mark.parametrize(
     ("model", "status", "code", "err_type"),
     [
