@@ -148,9 +148,8 @@ async def _on_request_error(request: Request, exc: Exception) -> JSONResponse:
     an object because it was not sent as JSON says which content type it came as."""
     content_type = request.headers.get("content-type", "")
     if isinstance(exc, RequestValidationError) and _body_itself(exc) and not _is_json(content_type):
-        message = (
-            f"The request body must be JSON, sent as Content-Type: application/json, not {content_type!r}."
-        )
+        sent = f"not {content_type!r}" if content_type else "and none was given"
+        message = f"The request body must be JSON, sent as Content-Type: application/json, {sent}."
         detail = ErrorDetail(message=message, type=INVALID_REQUEST, code="invalid_content_type")
         return JSONResponse(ErrorResponse(error=detail).model_dump(), status_code=400)
     return error_response(exc)
