@@ -199,8 +199,14 @@ class ChatMessageParam(_Request):
         return call_id if role == "tool" else None
 
 
-class StreamOptions(_Request):
+class StreamOptions(BaseModel):
+    """OpenAI's keys; another is refused by name (a misspelt ``include_usage`` would drop the usage)."""
+
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    include_obfuscation: bool = True  # OpenAI pads chunks against side channels; mmserve sends none
+    continuous_usage_stats: Literal[False] = False  # vLLM's usage in every chunk: not supported
 
 
 class ChatCompletionRequest(_Request):

@@ -199,6 +199,17 @@ def test_logprobs_without_alternatives() -> None:
         ({"guided_json": {}}, ("guided_json",), "use structured_outputs.json"),
         ({"min_tokens": 9, "max_tokens": 8}, ("min_tokens",), "must not exceed"),
         ({"stream_options": {"include_usage": True}}, ("stream_options",), "only allowed when stream"),
+        # a misspelt include_usage would drop the usage chunk
+        (
+            {"stream": True, "stream_options": {"include_usge": True}},
+            ("stream_options", "include_usge"),
+            "Extra",
+        ),
+        (
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            ("stream_options", "continuous_usage_stats"),
+            "False",
+        ),
         ({"model": None}, ("model",), "valid string"),
     ],
 )
