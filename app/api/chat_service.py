@@ -4,7 +4,6 @@ and the choices' outputs (app/api/outputs.py) become an OpenAI ``chat.completion
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from app.api.detokenizer import IncrementalDetokenizer
 from app.api.disconnect import unless_client_leaves
 from app.api.error_handlers import sse_error_event
 from app.api.outputs import ChoiceOutputs, Generation
+from app.api.request_fields import UnknownFields, unknown_field_names
 from app.api.request_guards import request_tenant
 from app.api.responses import chunk, completion, final_usage_chunk, sse, tool_stream_deltas
 from app.api.sampling import SamplingDefaults, choice_sampling, sampling_params
@@ -31,11 +31,6 @@ from app.inputs.submission import RequestSpec, submit
 from app.metrics import ApiMetrics
 from wire.protocol import Constraint, SamplingParams
 from workers.families.processing import TemplateOptions
-
-log = logging.getLogger("mmserve.api")
-
-MAX_WARNED_FIELDS = 256  # unknown field names remembered (and logged once each)
-MAX_NAMES_LOGGED = 16  # per log line
 
 
 @dataclass(frozen=True)
@@ -63,7 +58,7 @@ class ChatService:
         self.defaults = defaults if defaults is not None else SamplingDefaults()
         self.response_format_whitespace = response_format_whitespace  # --response-format-whitespace any
         self.tokenizer = inputs.family.tokenizer
-        self._warned_fields: set[str] = set()  # unknown request fields logged once each
+        self.unknown_fields = UnknownFields()
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_ready(body)
@@ -107,7 +102,7 @@ class ChatService:
             raise ModelNotFoundError(f"The model `{body.model}` does not exist.")
         if not self.engine.is_ready:
             raise EngineUnavailableError("The engine is not ready.")
-        self._warn_unknown_fields(body)
+        self.unknown_fields.log(unknown_field_names(body))
 
     def spec(self, body: ChatCompletionRequest, raw: Request) -> RequestSpec:
         """The request as the input path takes it; its constraint is checked first, before any work."""
@@ -163,23 +158,6 @@ class ChatService:
             family.vocab_size,
         )
         return choice_sampling(first, index)
-
-    def _warn_unknown_fields(self, body: ChatCompletionRequest) -> None:
-        """A field no spec knows is accepted, as vLLM does, and logged the first time it is seen: the
-        first ``MAX_WARNED_FIELDS`` names, at most ``MAX_NAMES_LOGGED`` in a line, so that clients
-        sending made-up names grow neither the memory nor the log without bound."""
-        room = MAX_WARNED_FIELDS - len(self._warned_fields)
-        if room <= 0 or not body.model_extra:
-            return
-        new = sorted(set(body.model_extra) - self._warned_fields)[:room]
-        if new:
-            self._warned_fields.update(new)
-            more = f" (and {len(new) - MAX_NAMES_LOGGED} more)" if len(new) > MAX_NAMES_LOGGED else ""
-            log.warning(
-                "request fields mmserve does not know were ignored: %s%s", new[:MAX_NAMES_LOGGED], more
-            )
-            if len(self._warned_fields) >= MAX_WARNED_FIELDS:
-                log.warning("%d unknown field names logged: further ones are not", MAX_WARNED_FIELDS)
 
     async def _stream(self, outputs: ChoiceOutputs, include_usage: bool) -> AsyncIterator[str]:
         """SSE events: each choice's role chunk, then its deltas as they come, then the usage."""

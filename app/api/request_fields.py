@@ -1,16 +1,23 @@
 """Every chat-completions field OpenAI's API or vLLM defines that ``ChatCompletionRequest`` does not
 implement, and what mmserve does with it (docs/api.md, "Request fields"): accepted without effect,
 as OpenAI or vLLM treat it for a self-hosted model, or refused with a 400 naming it unless it carries
-its default. A field no spec knows is accepted and logged once per name (``ChatService``), as vLLM does.
+its default. A field no spec knows, at the top or in a message or part, is accepted and logged once
+per name (``UnknownFields``), as vLLM does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import logging
+from collections.abc import Collection, Iterable
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+log = logging.getLogger("mmserve.api")
+
+MAX_WARNED_FIELDS = 256  # unknown field names remembered (and logged once each)
+MAX_NAMES_LOGGED = 16  # per log line
 
 # Accepted, with no effect on what mmserve does (each is a hint, a label or a hosted-service option).
 WITHOUT_EFFECT = frozenset(
@@ -111,3 +118,40 @@ def drop_known_fields(body: Any, declared: Collection[str]) -> Any:
     if errors:
         raise ValidationError.from_exception_data("ChatCompletionRequest", errors)
     return kept
+
+
+def unknown_field_names(model: BaseModel, path: str = "") -> list[str]:
+    """The names of a validated request's fields no model declares, at any depth, as paths without
+    indices (``nmae``, ``messages[].nmae``, ``messages[].content[].cache_control``): what models that
+    keep extras (``extra="allow"``) took and nothing reads."""
+    names = [path + name for name in model.model_extra or {}]
+    for field in type(model).model_fields:
+        value = getattr(model, field)
+        if isinstance(value, BaseModel):
+            names += unknown_field_names(value, f"{path}{field}.")
+        elif isinstance(value, list) and value and isinstance(value[0], BaseModel):
+            for item in value:
+                names += unknown_field_names(item, f"{path}{field}[].")
+    return names
+
+
+class UnknownFields:
+    """Logs each unknown field name the first time a request sends it: the first ``MAX_WARNED_FIELDS``
+    names, at most ``MAX_NAMES_LOGGED`` in a line, so that clients sending made-up names grow neither
+    the memory nor the log without bound."""
+
+    def __init__(self) -> None:
+        self.warned: set[str] = set()
+
+    def log(self, names: Iterable[str]) -> None:
+        room = MAX_WARNED_FIELDS - len(self.warned)
+        if room <= 0:
+            return
+        new = sorted(set(names) - self.warned)[:room]
+        if not new:
+            return
+        self.warned.update(new)
+        more = f" (and {len(new) - MAX_NAMES_LOGGED} more)" if len(new) > MAX_NAMES_LOGGED else ""
+        log.warning("request fields mmserve does not know were ignored: %s%s", new[:MAX_NAMES_LOGGED], more)
+        if len(self.warned) >= MAX_WARNED_FIELDS:
+            log.warning("%d unknown field names logged: further ones are not", MAX_WARNED_FIELDS)

@@ -44,7 +44,10 @@ MAX_REQUEST_ID_CHARS = 128
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Keeps a field it does not declare in ``model_extra``, read by nothing but the log of unknown
+    fields (``app.api.request_fields``)."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 MAX_UUID_CHARS = 128

@@ -6,16 +6,27 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from app.api.request_fields import drop_known_fields
+from app.api.request_fields import drop_known_fields, is_default
 from app.api.schemas import MAX_CACHE_SALT_CHARS, ChatMessageParam, one_prompt_end
 from app.api.tool_schemas import MAX_TOOLS, ChatTool
+
+# What renders or prepares ``messages``: with a ``prompt`` they would do nothing (vLLM's prompt form takes
+# model, prompt, add_special_tokens and return_token_strs only), so one is refused unless at its default.
+MESSAGES_ONLY = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "mm_processor_kwargs",
+    "cache_salt",
+    "tools",
+)
 
 
 class TokenizeRequest(BaseModel):
     """Either ``prompt`` (text, tokenized as it is) or ``messages`` (rendered by the chat template, with
-    every image and video counted as the chat request would count it)."""
+    every image and video counted as the chat request would count it). A field no spec knows is kept in
+    ``model_extra``, for the log, as on chat."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: str | None = None
@@ -46,6 +57,14 @@ class TokenizeRequest(BaseModel):
     def _template_adds_them(cls, value: bool | None, info: ValidationInfo) -> bool | None:
         if value and info.data.get("prompt") is None:
             raise ValueError("add_special_tokens must be false with messages: the chat template adds them")
+        return value
+
+    @field_validator(*MESSAGES_ONLY)
+    @classmethod
+    def _for_messages_only(cls, value: Any, info: ValidationInfo) -> Any:
+        name = str(info.field_name)
+        if info.data.get("prompt") is not None and not is_default(value, (cls.model_fields[name].default,)):
+            raise ValueError(f"{name} applies to messages only, not to a prompt")
         return value
 
     _one_prompt_end = field_validator("continue_final_message")(one_prompt_end)

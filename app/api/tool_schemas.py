@@ -23,8 +23,11 @@ from workers.families import STRUCTURAL_TAG_FORMATS  # the tool-call syntax of e
 MAX_TOOLS = 128
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Lenient(BaseModel):
+    """A tool call sent back in the history: a key it does not declare (a streamed call's ``index``, kept
+    by clients that reassemble deltas) is kept for the log of unknown fields and read by nothing else."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 class _Declared(BaseModel):
@@ -60,7 +63,7 @@ class NamedToolChoice(_Declared):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class FunctionCallParam(_Strict):
+class FunctionCallParam(_Lenient):
     name: str
     arguments: str  # JSON text of an object, as OpenAI sends it
 
@@ -78,7 +81,7 @@ class FunctionCallParam(_Strict):
         return arguments
 
 
-class ToolCallParam(_Strict):
+class ToolCallParam(_Lenient):
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
     function: FunctionCallParam

@@ -5,6 +5,7 @@ limits and auth; ``POST /detokenize`` reverses a prompt's ids."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from itertools import pairwise
@@ -124,6 +125,11 @@ def test_template_options_change_the_count(server: Server) -> None:
             400,
             None,
         ),
+        # what only the messages form reads is refused beside a prompt, by name
+        ({"prompt": "a", "mm_processor_kwargs": {"bogus": 1}}, 400, "mm_processor_kwargs"),
+        ({"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"prompt": "a", "add_generation_prompt": False}, 400, "add_generation_prompt"),
+        ({"prompt": "a", "chat_template_kwargs": {"enable_thinking": True}}, 400, "chat_template_kwargs"),
     ],
 )
 def test_bad_bodies_are_openai_errors(
@@ -134,6 +140,35 @@ def test_bad_bodies_are_openai_errors(
     error = resp.json()["error"]
     if param is not None:
         assert error["param"] == param, error
+
+
+def test_an_unknown_field_is_taken_and_logged_as_on_chat(server: Server) -> None:
+    resp = post(server, "/tokenize", {"prompt": "a", "tokenize_frobnicate": 1})
+    assert resp.status_code == 200, resp.text
+    assert "does not know were ignored: ['tokenize_frobnicate']" in server.process.log()
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(server: Server) -> None:
+    """Megabytes of text take the tokenizer seconds: meanwhile the API process answers others, as it
+    does for a chat request's long prompt (tests/e2e/test_bad_input.py)."""
+    long = {"prompt": "hello world " * 700_000}  # 8.4 MB
+    finished: dict[str, Any] = {}
+
+    def send_long() -> None:
+        resp = post(server, "/tokenize", long)
+        finished["long"] = time.monotonic()
+        finished["status"] = resp.status_code
+
+    sender = threading.Thread(target=send_long)
+    sender.start()
+    time.sleep(1.0)  # sent and read; now being tokenized
+    asked = time.monotonic()
+    health = httpx.get(f"{server.base_url}/health", timeout=60)
+    finished["health"] = time.monotonic()
+    sender.join(120)
+    assert health.status_code == 200 and finished["status"] == 200
+    # answered at once, not when the tokenizer was done (the long answer comes seconds later)
+    assert finished["health"] - asked < 1.0 < finished["long"] - finished["health"], finished
 
 
 def test_detokenize_refuses_ids_outside_the_vocabulary(server: Server) -> None:

@@ -9,7 +9,14 @@ import pytest
 from openai.types.chat.completion_create_params import CompletionCreateParamsBase
 from pydantic import ValidationError
 
-from app.api.request_fields import REFUSED, WITHOUT_EFFECT
+from app.api.request_fields import (
+    MAX_NAMES_LOGGED,
+    MAX_WARNED_FIELDS,
+    REFUSED,
+    WITHOUT_EFFECT,
+    UnknownFields,
+    unknown_field_names,
+)
 from app.api.schemas import ChatCompletionRequest
 
 # vLLM 0.32's ChatCompletionRequest (vllm/entrypoints/openai/chat_completion/protocol.py), beyond OpenAI's
@@ -108,18 +115,14 @@ def test_an_unknown_field_is_kept_aside() -> None:
 def test_unknown_field_names_are_logged_once_each_up_to_a_bound(caplog: pytest.LogCaptureFixture) -> None:
     """Made-up names grow neither the memory nor the log without bound: the first 256 are remembered
     and logged, 16 to a line, then one line says that no more are."""
-    from types import SimpleNamespace
-
-    from app.api.chat_service import MAX_NAMES_LOGGED, MAX_WARNED_FIELDS, ChatService
-
-    service = SimpleNamespace(_warned_fields=set())
+    unknown = UnknownFields()
 
     def send(names: list[str]) -> list[str]:
         caplog.clear()
         body = ChatCompletionRequest(
             model="m", messages=[{"role": "user", "content": "hi"}], **dict.fromkeys(names, 1)
         )
-        ChatService._warn_unknown_fields(service, body)  # type: ignore[arg-type]
+        unknown.log(unknown_field_names(body))
         return [record.getMessage() for record in caplog.records]
 
     with caplog.at_level("WARNING", logger="mmserve.api"):
@@ -128,5 +131,39 @@ def test_unknown_field_names_are_logged_once_each_up_to_a_bound(caplog: pytest.L
         assert send(["x007"]) == []  # seen before
         lines = send([f"y{i:03}" for i in range(100)])  # 56 fit
         assert len(lines) == 2 and "(and 40 more)" in lines[0] and "not" in lines[1]
-        assert len(service._warned_fields) == MAX_WARNED_FIELDS
+        assert len(unknown.warned) == MAX_WARNED_FIELDS
         assert send(["z"]) == []
+
+
+def test_unknown_fields_in_messages_parts_and_tool_calls_are_named() -> None:
+    """A misspelt or foreign key inside a message, a part or a tool call sent back is no longer dropped
+    without a word: its path (without indices) is logged as a top-level one is."""
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": "Be brief.", "nmae": "a"},
+                {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {}}]},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "index": 0,
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "{}"},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "42"},
+            ],
+            "frobnicate": 1,
+        }
+    )
+    assert sorted(set(unknown_field_names(body))) == [
+        "frobnicate",
+        "messages[].content[].cache_control",
+        "messages[].nmae",
+        "messages[].tool_calls[].index",
+    ]

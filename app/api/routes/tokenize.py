@@ -20,4 +20,4 @@ async def tokenize(body: TokenizeRequest, request: Request, state: State) -> dic
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, state: State) -> dict[str, Any]:
-    return state.tokenize.detokenize(body)
+    return await state.tokenize.detokenize(body)
