@@ -71,7 +71,9 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """An unknown field is kept in ``model_extra``, for the log, as on chat."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     tokens: list[int] = Field(max_length=1 << 20)

@@ -64,6 +64,7 @@ class TokenizeService:
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self._check_model(body.model)
+        self.unknown_fields.log(unknown_field_names(body))
         text = await _off_loop_if(len(body.tokens) > OFF_LOOP_TOKEN_IDS, self._decode, body.tokens)
         return {"prompt": text}
 

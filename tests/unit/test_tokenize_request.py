@@ -134,3 +134,6 @@ def test_unknown_fields_are_logged_once_each_as_on_chat(caplog: pytest.LogCaptur
         (line,) = send(frobnicate=1, user="u")  # user: accepted without effect, as on chat
         assert "does not know were ignored: ['frobnicate']" in line
         assert send(frobnicate=2) == []
+        # /detokenize's too, in the same log
+        asyncio.run(tokenize.detokenize(DetokenizeRequest.model_validate({"tokens": [1], "tokns": [2]})))
+        assert "['tokns']" in caplog.records[-1].getMessage()
