@@ -1,6 +1,7 @@
-"""``POST /v1/responses`` bodies, in OpenAI's shapes, and their translation into the chat request every
-endpoint shares (docs/api.md, "Responses"). Fields are declared or refused: an unknown one is a 400
-naming it (``extra="forbid"``); those mmserve does not implement yet are refused by name."""
+"""``POST /v1/responses`` bodies, in OpenAI's shapes (docs/api.md, "Responses"); their translation into
+the chat request every endpoint shares is app/api/responses_chat.py's. Fields are declared or refused: an
+unknown one is a 400 naming it (``extra="forbid"``); those mmserve does not implement yet are refused by
+name. An optional field sent as ``null`` is left out, as OpenAI takes it."""
 
 from __future__ import annotations
 
@@ -171,17 +172,55 @@ class NamedFunction(_Body):
     name: str
 
 
-class TextFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None  # json_schema's
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
+class FormatText(_Body):
+    """OpenAI's ``ResponseFormatText``: no constraint."""
+
+    type: Literal["text"]
+
+
+class FormatJsonObject(_Body):
+    """OpenAI's ``ResponseFormatJSONObject``: any JSON object, as chat's ``response_format`` json_object."""
+
+    type: Literal["json_object"]
+
+
+class FormatJsonSchema(_Body):
+    """OpenAI's ``ResponseFormatTextJSONSchemaConfig``: chat's ``response_format.json_schema``, flat."""
+
+    type: Literal["json_schema"]
+    name: str | None = None  # OpenAI requires it; "response" where left out
+    schema_: dict[str, Any] = Field(alias="schema")
     description: str | None = None
+    strict: bool | None = None
+
+
+# text.format is typed by its type, as OpenAI's union: a key another type has (a schema with type text) is
+# unknown to this one, so a 400 naming it
+_FORMATS: dict[str, type[_Body]] = {
+    "text": FormatText,
+    "json_object": FormatJsonObject,
+    "json_schema": FormatJsonSchema,
+}
+
+
+class _FormatType(BaseModel):
+    """Only a format's type: a 400 naming ``text.format.type`` where it is missing or none of these."""
+
+    type: Literal["text", "json_object", "json_schema"]
 
 
 class TextConfig(_Body):
-    format: TextFormat | None = None
+    format: FormatText | FormatJsonObject | FormatJsonSchema | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted, without effect
+
+    @field_validator("format", mode="before")
+    @classmethod
+    def _format(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("a format is an object with a type (text, json_object or json_schema)")
+        return _FORMATS[_FormatType.model_validate(value).type].model_validate(value)
 
 
 class ResponsesRequest(_Body):
@@ -192,7 +231,7 @@ class ResponsesRequest(_Body):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     text: TextConfig | None = None
-    stream: bool = False
+    stream: bool | None = None  # None: false
     store: bool | None = None  # None: true, as OpenAI's
     previous_response_id: str | None = Field(None, min_length=1, max_length=128)
     metadata: dict[str, str] | None = Field(None, max_length=16)
@@ -243,62 +282,3 @@ class ResponsesRequest(_Body):
         if isinstance(self.input, str):
             return [InputMessage(role="user", content=self.input)]
         return self.input
-
-    def chat_messages(self, history: list[Any] | None = None) -> list[dict[str, Any]]:
-        """The chat-completions messages of a stored conversation's items (``history``, from
-        ``parse_items``) followed by this input; instructions first, as a system message (never carried
-        over from a previous response, as OpenAI's)."""
-        messages: list[dict[str, Any]] = []
-        if self.instructions:
-            messages.append({"role": "system", "content": self.instructions})
-        for item in [*(history or []), *self.input_items()]:
-            if isinstance(item, FunctionCallItem):
-                call = {
-                    "id": item.call_id,
-                    "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments},
-                }
-                last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                    last["tool_calls"].append(call)  # calls made together: one assistant turn
-                else:
-                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-                continue
-            if isinstance(item, FunctionCallOutputItem):
-                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
-                continue
-            if isinstance(item.content, str):
-                messages.append({"role": item.role, "content": item.content})
-                continue
-            parts: list[dict[str, Any]] = []
-            for part in item.content:
-                if isinstance(part, InputText):
-                    parts.append({"type": "text", "text": part.text})
-                else:
-                    parts.append(part.chat_part())
-            messages.append({"role": item.role, "content": parts})
-        return messages
-
-    def chat_tools(self) -> list[dict[str, Any]] | None:
-        """``tools`` in the chat request's shape."""
-        if self.tools is None:
-            return None
-        return [
-            {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-            for t in self.tools
-        ]
-
-    def chat_tool_choice(self) -> Any:
-        if isinstance(self.tool_choice, NamedFunction):
-            return {"type": "function", "function": {"name": self.tool_choice.name}}
-        return self.tool_choice
-
-    def response_format(self) -> dict[str, Any] | None:
-        """``text.format`` as chat's ``response_format``."""
-        fmt = self.text.format if self.text is not None else None
-        if fmt is None or fmt.type == "text":
-            return None
-        if fmt.type == "json_object":
-            return {"type": "json_object"}
-        schema: dict[str, Any] = {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
-        return {"type": "json_schema", "json_schema": schema}

@@ -1,7 +1,8 @@
 """Serves ``POST /v1/responses``: the body is translated at the edge into the chat request every endpoint
-shares, goes through the same input path (``submit``) and output path (``ChoiceOutputs``), and the
-answer is formatted as OpenAI's ``response`` object, or as its typed stream of events (``response.created``
-… ``response.output_text.delta`` … ``response.completed``, numbered by ``sequence_number``).
+shares (app/api/responses_chat.py, which also names its errors' fields back), goes through the same input
+path (``submit``) and output path (``ChoiceOutputs``), and the answer is formatted as OpenAI's
+``response`` object, or as its typed stream of events (``response.created`` …
+``response.output_text.delta`` … ``response.completed``, numbered by ``sequence_number``).
 
 A response asked to be stored (``store``, true by default) is kept with its conversation in the response
 store (app/api/response_store.py) before its object is returned (or its ``response.completed`` event
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -21,40 +21,20 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
 from app.api.chat_service import ChatService
 from app.api.detokenizer import IncrementalDetokenizer
 from app.api.disconnect import unless_client_leaves
-from app.api.error_handlers import error_detail, validation_error_detail
+from app.api.error_handlers import error_detail
 from app.api.outputs import ChoiceOutputs, Generation
 from app.api.request_guards import request_tenant
 from app.api.response_store import ResponseStore
 from app.api.responses_api_schemas import ResponsesRequest, dump_items, parse_items
-from app.api.schemas import ChatCompletionRequest
+from app.api.responses_chat import chat_request
 from app.api.tool_calls import ContentDelta, ToolCall, ToolCallDelta, ToolCallStreamer, parse_tool_calls
-from app.errors import InvalidRequestError, MMServeError, NotFoundError, from_family_error
+from app.errors import MMServeError, NotFoundError, from_family_error
 from app.inputs.submission import submit
 from workers.families.errors import FamilyInputError
-
-# a chat field's path -> the Responses request's: its function tools and named tool choice are flat
-# ({"type": "function", "name": ...}), its schema is text.format's own
-_PARAMS = (
-    (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
-    (re.compile(r"^(tools\[\d+\])\.function"), r"\1"),
-    (re.compile(r"^tool_choice\.function"), "tool_choice"),
-    (re.compile(r"^max_completion_tokens"), "max_output_tokens"),
-)
-
-
-def responses_param(param: str | None) -> str | None:
-    """The Responses field for a chat request's ``param``: a message's anything is ``input`` (input items
-    do not map one to one onto chat messages, history and instructions among them)."""
-    if param is None or param.startswith("messages"):
-        return None if param is None else "input"
-    for pattern, replacement in _PARAMS:
-        param = pattern.sub(replacement, param)
-    return param
 
 
 class ResponsesService:
@@ -65,19 +45,17 @@ class ResponsesService:
     async def create(self, body: ResponsesRequest, raw: Request) -> Response:
         tenant = request_tenant(raw.scope)
         history = await self._history(body, tenant)
-        chat_body = self._as_chat(body, parse_items(history))
+        chat_body, params = chat_request(body, parse_items(history))
         self.chat.check_ready(chat_body)
         try:
             spec = self.chat.spec(chat_body, raw)
             arrival = time.time()
             submitted = await unless_client_leaves(raw, submit(self.chat.inputs, self.chat.engine, spec))
-        except MMServeError as exc:  # its param is the chat request's: name the Responses field
-            exc.param = responses_param(exc.param)
+        except MMServeError as exc:  # it names the chat request's fields: name the Responses ones
+            params.error(exc)
             raise
         except FamilyInputError as exc:  # (a chat template's refusal, say)
-            error = from_family_error(exc)
-            error.param = responses_param(error.param)
-            raise error from exc
+            raise params.error(from_family_error(exc)) from exc
         self.chat.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
         gen = Generation(
             req_id=submitted.choices[0].req_id,
@@ -158,27 +136,6 @@ class ResponsesService:
         num_responses, num_bytes = self.store.totals()
         metrics.responses_stored.set(num_responses)
         metrics.responses_stored_bytes.set(num_bytes)
-
-    def _as_chat(self, body: ResponsesRequest, history: list[Any]) -> ChatCompletionRequest:
-        """The chat request with the same meaning; its validation errors name the Responses field."""
-        fields = {
-            "model": body.model,
-            "messages": body.chat_messages(history),
-            "max_completion_tokens": body.max_output_tokens,
-            "temperature": body.temperature,
-            "top_p": body.top_p,
-            "response_format": body.response_format(),
-            "cache_salt": body.cache_salt,
-            "mm_processor_kwargs": body.mm_processor_kwargs,
-            "tools": body.chat_tools(),
-            "tool_choice": body.chat_tool_choice(),
-            "parallel_tool_calls": body.parallel_tool_calls,
-        }
-        try:
-            return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-        except ValidationError as exc:
-            detail = validation_error_detail(exc.errors())
-            raise InvalidRequestError(detail.message, param=responses_param(detail.param) or "input") from exc
 
     async def _stream(self, turn: _Turn, outputs: ChoiceOutputs) -> AsyncIterator[str]:
         message_id = f"msg_{uuid.uuid4().hex}"

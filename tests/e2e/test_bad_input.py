@@ -315,8 +315,11 @@ def test_responses_errors_name_the_responses_fields(server: Server) -> None:
     """The Responses API runs as a chat request inside: its errors name its own fields, not chat's."""
     url = f"{server.base_url}/v1/responses"
     image = {"type": "input_image", "image_url": "data:image/png;base64,!!!"}
-    body = {"model": "tiny-llava", "max_output_tokens": 2, "input": [{"role": "user", "content": [image]}]}
-    assert_error(httpx.post(url, json=body, timeout=60), 400, param="input")
+    content = [{"type": "input_text", "text": "look"}, image]
+    items = [{"role": "user", "content": "hi"}, {"role": "user", "content": content}]
+    body = {"model": "tiny-llava", "max_output_tokens": 2, "instructions": "Be brief.", "input": items}
+    # the image's own input item and part (instructions are a chat message before them)
+    assert_error(httpx.post(url, json=body, timeout=60), 400, param="input[1].content[1].image_url")
     text = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}
     error = assert_error(httpx.post(url, json={**body, "input": "hi", "text": text}, timeout=60), 400)
     assert str(error["param"]).startswith("text.format"), error

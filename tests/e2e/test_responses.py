@@ -238,7 +238,10 @@ def test_a_media_id_names_an_image_sent_before(server: Server) -> None:
     [
         ({"conversation": "conv_123"}, "conversation"),
         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),  # no call c
+        (  # no call c
+            {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+            "input[0].call_id",
+        ),
         ({"input": [{"type": "computer_call", "call_id": "c"}]}, "input[0]"),
         ({"tools": [{"type": "web_search"}]}, "tools[0]"),
         (
@@ -259,6 +262,7 @@ def test_a_media_id_names_an_image_sent_before(server: Server) -> None:
             "input[0].content[0]",
         ),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"text": {"format": {"type": "text", "schema": {"type": "object"}}}}, "text.format.schema"),
         ({"frobnicate": 1}, "frobnicate"),
         ({"input": []}, "input"),
         ({"model": "other"}, None),

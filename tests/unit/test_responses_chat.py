@@ -1,0 +1,245 @@
+"""The Responses request without a server: ``text.format`` typed by its ``type`` as OpenAI's union, a
+``null`` taken as "not given", and the chat request it becomes (app/api/responses_chat.py) with the way
+back: an error of the chat request's checks names, in its param and its message, the Responses field the
+client sent (the input item and part, not the chat message)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from openai.types.responses import ResponseTextConfig
+from pydantic import ValidationError
+
+from app.api.error_handlers import validation_error_detail
+from app.api.outputs import Generation
+from app.api.responses_api_schemas import ResponsesRequest, parse_items
+from app.api.responses_chat import chat_request
+from app.api.responses_service import _Turn, response_object
+from app.errors import ContextLengthError, InvalidRequestError, MediaError, MMServeError
+
+IMAGE = "data:image/png;base64,iVBORw0KGgo="
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}}
+
+
+def request(**fields: Any) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "tiny-llava", "input": "hi", **fields})
+
+
+def refusal(**fields: Any) -> tuple[str | None, str]:
+    """The param and message of the 400 the request's validation answers."""
+    with pytest.raises(ValidationError) as caught:
+        request(**fields)
+    detail = validation_error_detail(caught.value.errors())
+    return detail.param, detail.message
+
+
+def chat_error(body: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> MMServeError:
+    with pytest.raises(MMServeError) as caught:
+        chat_request(body, parse_items(history or []))
+    return caught.value
+
+
+def echoed_format(body: ResponsesRequest) -> dict[str, Any]:
+    """``text`` of the response object answering ``body`` (the answer itself does not matter here)."""
+    gen = Generation(
+        req_id="r", response_id="resp_1", index=0, model_name="tiny-llava", arrival=0.0,
+        num_prompt_tokens=1, num_cached_tokens=0, want_logprobs=False,
+        detok=SimpleNamespace(token_ids=[]),  # type: ignore[arg-type]
+    )  # fmt: skip
+    text = response_object(_Turn(body, gen, "", [], False), [])["text"]
+    ResponseTextConfig.model_validate(text)  # OpenAI's shape
+    return dict(text["format"])
+
+
+@pytest.mark.parametrize(
+    ("fmt", "param"),
+    [
+        ({"type": "text", "schema": SCHEMA}, "text.format.schema"),
+        ({"type": "text", "name": "n"}, "text.format.name"),
+        ({"type": "text", "strict": True}, "text.format.strict"),
+        ({"type": "json_object", "schema": SCHEMA}, "text.format.schema"),
+        ({"type": "json_object", "description": "d"}, "text.format.description"),
+        ({"type": "json_schema", "name": "n"}, "text.format.schema"),  # a json_schema needs its schema
+        ({"type": "xml"}, "text.format.type"),
+        ({"schema": SCHEMA}, "text.format.type"),
+        ("json_object", "text.format"),
+    ],
+)
+def test_a_text_format_key_its_type_has_not_is_a_400_naming_it(fmt: Any, param: str) -> None:
+    found, message = refusal(text={"format": fmt})
+    assert found == param and f"'{param}'" in message, message
+
+
+def test_a_text_format_echoes_only_what_applies() -> None:
+    assert echoed_format(request()) == {"type": "text"}
+    assert echoed_format(request(text={"format": {"type": "text"}})) == {"type": "text"}
+    assert echoed_format(request(text={"format": {"type": "json_object"}})) == {"type": "json_object"}
+    json_schema = {"type": "json_schema", "name": "n", "schema": SCHEMA, "strict": True}
+    assert echoed_format(request(text={"format": {**json_schema, "description": None}})) == json_schema
+
+
+def test_a_text_format_is_the_chat_requests_response_format() -> None:
+    def response_format(fmt: dict[str, Any]) -> Any:
+        chat, _ = chat_request(request(text={"format": fmt}), [])
+        return None if chat.response_format is None else chat.response_format.model_dump(by_alias=True)
+
+    assert response_format({"type": "text"}) is None
+    assert response_format({"type": "json_object"}) == {"type": "json_object", "json_schema": None}
+    constrained = response_format({"type": "json_schema", "schema": SCHEMA, "strict": True})
+    assert constrained["json_schema"] == {
+        "name": "response",
+        "description": None,
+        "schema": SCHEMA,
+        "strict": True,
+    }
+
+
+NULLABLE = [
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "text",
+    "stream",
+    "store",
+    "previous_response_id",
+    "metadata",
+    "user",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "cache_salt",
+    "mm_processor_kwargs",
+    "truncation",
+    "include",
+    "reasoning",
+]
+
+
+@pytest.mark.parametrize("name", NULLABLE)
+def test_an_optional_field_sent_as_null_is_not_given(name: str) -> None:
+    """OpenAI's clients send ``null`` for "the default"; chat takes it so too."""
+    given, plain = request(**{name: None}), request()
+    assert given == plain
+    assert chat_request(given, []) == chat_request(plain, [])
+    assert not given.stream and echoed_format(given) == {"type": "text"}
+
+
+def test_an_optional_key_inside_sent_as_null_is_not_given() -> None:
+    given = request(
+        text={"format": None, "verbosity": None},
+        tools=[{"type": "function", "name": "f", "description": None, "parameters": None, "strict": None}],
+        input=[{"role": "user", "content": [{"type": "input_image", "image_url": IMAGE, "detail": None}]}],
+    )
+    plain = request(
+        text={},
+        tools=[{"type": "function", "name": "f"}],
+        input=[{"role": "user", "content": [{"type": "input_image", "image_url": IMAGE}]}],
+    )
+    assert chat_request(given, []) == chat_request(plain, [])
+    assert echoed_format(given) == {"type": "text"}
+
+
+NESTED = "[" * 5000 + "]" * 5000
+CALLS = [
+    {"role": "user", "content": "hi"},
+    {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+    {"type": "function_call", "call_id": "c2", "name": "g", "arguments": f'{{"a": {NESTED}}}'},
+    {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"input": CALLS}, "input[2].arguments"),  # the second of the calls made together
+        ({"tools": [{"type": "function", "name": "bad name", "parameters": {}}]}, "tools[0].name"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "bad name", "schema": SCHEMA}}},
+            "text.format.name",
+        ),
+    ],
+)
+def test_validation_errors_of_the_chat_request_name_the_responses_fields(
+    fields: dict[str, Any], param: str
+) -> None:
+    error = chat_error(request(**fields))
+    assert isinstance(error, InvalidRequestError) and error.param == param
+    assert f"'{param}'" in error.message, error.message
+    for chat_name in ("messages", "function", "response_format", "json_schema"):
+        assert chat_name not in error.message, error.message
+
+
+def test_an_error_about_a_message_names_its_input_item_and_part() -> None:
+    """Instructions and a stored conversation come before the input among the chat messages; calls made
+    together are one assistant message: each error still names what the client sent."""
+    history: list[dict[str, Any]] = [
+        {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": IMAGE}]},
+        {"type": "function_call", "call_id": "c0", "name": "f", "arguments": "{}"},
+    ]
+    items = [
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},  # joins c0's message
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        {
+            "role": "user",
+            "content": [{"type": "input_text", "text": "and"}, {"type": "input_image", "image_url": IMAGE}],
+        },
+        {"role": "user", "content": "a string"},
+    ]
+    body = request(instructions="Be brief.", input=items, previous_response_id="resp_0")
+    chat, params = chat_request(body, parse_items(history))
+    assert [message.role for message in chat.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "user",
+        "user",
+    ]
+    assert params.name("messages[0].content") == "instructions"
+    assert params.name("messages[1].content[0].image_url.url") == "previous_response_id"
+    assert params.name("messages[2].tool_calls[0].function.arguments") == "previous_response_id"
+    assert params.name("messages[2].tool_calls[1].function.arguments") == "input[0].arguments"
+    assert params.name("messages[2].tool_calls[1].id") == "input[0].call_id"
+    assert params.name("messages[3].tool_call_id") == "input[1].call_id"
+    assert params.name("messages[3].content") == "input[1].output"
+    assert params.name("messages[4].content[0].text") == "input[2].content[0].text"
+    assert params.name("messages[4].content[1].image_url.url") == "input[2].content[1].image_url"
+    assert params.name("messages[4].content[1].uuid") == "input[2].content[1].uuid"
+    assert params.name("messages[4].role") == "input[2].role"
+    assert params.name("messages[5].content") == "input[3].content"
+    assert params.name("messages") == "input"
+    media = params.error(
+        MediaError("Data URL payload is not valid base64.", param="messages[4].content[1].image_url.url")
+    )
+    assert media.param == "input[2].content[1].image_url" and media.code == "invalid_image"
+    _, string_input = chat_request(request(input="just text"), [])
+    assert string_input.name("messages[0].content") == "input"
+
+
+def test_an_error_message_names_the_responses_fields_and_leaves_prose_alone() -> None:
+    _, params = chat_request(
+        request(input=[{"type": "function_call_output", "call_id": "c", "output": "x"}]), []
+    )
+    unanswered = params.error(
+        InvalidRequestError(
+            "no earlier assistant message made a tool call with id 'c'", param="messages[0].tool_call_id"
+        )
+    )
+    assert unanswered.param == "input[0].call_id"
+    constrained = params.error(
+        InvalidRequestError(
+            "tools with tool_choice 'required' cannot be combined with response_format.json_schema.schema: "
+            "both constrain the answer",
+            param="response_format.json_schema.schema",
+        )
+    )
+    assert constrained.param == "text.format.schema"
+    assert "cannot be combined with text.format.schema: both" in constrained.message
+    long = params.error(ContextLengthError("requested 9 tokens (8 in the messages, 1 in the completion)."))
+    assert long.param == "input" and "8 in the messages" in long.message
+    named = params.error(InvalidRequestError("x", param="tool_choice.function.name"))
+    assert named.param == "tool_choice.name"
+    assert params.error(InvalidRequestError("x", param="max_completion_tokens")).param == "max_output_tokens"
