@@ -86,6 +86,15 @@ def test_delete_and_store_false_leave_nothing_to_get_or_follow(store_server: Ser
     sdk = client(store_server)
     unstored = ask(store_server, input="Hello", store=False)
     stored = ask(store_server, input="Hello")
+    assert sdk.responses.retrieve(stored.id, include_obfuscation=False).id == stored.id
+    # streaming a response again is for background responses: refused by name, not answered whole
+    for query, param in (({"stream": "true"}, "stream"), ({"include[]": "x"}, "include")):
+        again = httpx.get(
+            f"{store_server.base_url}/v1/responses/{stored.id}",
+            params=query,
+            headers={"Authorization": f"Bearer {KEYS[0]}"},
+        )
+        assert again.status_code == 400 and again.json()["error"]["param"] == param, again.text
     deleted = httpx.delete(
         f"{store_server.base_url}/v1/responses/{stored.id}", headers={"Authorization": f"Bearer {KEYS[0]}"}
     )

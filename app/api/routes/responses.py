@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from app.api.json_body import StrictJSONRoute
 from app.api.responses_api_schemas import ResponsesRequest
 from app.api.state import State
+from app.errors import InvalidRequestError
 
 router = APIRouter(route_class=StrictJSONRoute)
 ResponseId = Annotated[str, Path(min_length=1, max_length=128)]  # as previous_response_id
@@ -21,7 +22,25 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: ResponseId, request: Request, state: State) -> dict[str, Any]:
+async def retrieve_response(
+    response_id: ResponseId,
+    request: Request,
+    state: State,
+    stream: bool = False,
+    starting_after: int | None = None,
+    include_obfuscation: bool = True,  # (no stream here to pad)
+) -> dict[str, Any]:
+    """The stored response. OpenAI's query parameters for streaming a background response again, and
+    ``include`` (``include[]=`` as the openai SDK sends it), do something mmserve does not: a 400 naming
+    them, not an answer that ignores them."""
+    if stream or starting_after is not None:
+        raise InvalidRequestError(
+            "A stored response is retrieved whole: streaming it again (stream, starting_after) is for "
+            "background responses, which mmserve does not run.",
+            param="stream" if stream else "starting_after",
+        )
+    if any(request.query_params.getlist(name) for name in ("include", "include[]")):
+        raise InvalidRequestError("include is not supported.", param="include")
     return await state.responses.retrieve(response_id, request)
 
 
