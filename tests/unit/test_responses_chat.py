@@ -198,19 +198,22 @@ def test_an_error_about_a_message_names_its_input_item_and_part() -> None:
         "user",
         "user",
     ]
-    assert params.name("messages[0].content") == "instructions"
-    assert params.name("messages[1].content[0].image_url.url") == "previous_response_id"
-    assert params.name("messages[2].tool_calls[0].function.arguments") == "previous_response_id"
-    assert params.name("messages[2].tool_calls[1].function.arguments") == "input[0].arguments"
-    assert params.name("messages[2].tool_calls[1].id") == "input[0].call_id"
-    assert params.name("messages[3].tool_call_id") == "input[1].call_id"
-    assert params.name("messages[3].content") == "input[1].output"
-    assert params.name("messages[4].content[0].text") == "input[2].content[0].text"
-    assert params.name("messages[4].content[1].image_url.url") == "input[2].content[1].image_url"
-    assert params.name("messages[4].content[1].uuid") == "input[2].content[1].uuid"
-    assert params.name("messages[4].role") == "input[2].role"
-    assert params.name("messages[5].content") == "input[3].content"
-    assert params.name("messages") == "input"
+    named = {
+        "messages[0].content": "instructions",
+        "messages[1].content[0].image_url.url": "previous_response_id",
+        "messages[2].tool_calls[0].function.arguments": "previous_response_id",
+        "messages[2].tool_calls[1].function.arguments": "input[0].arguments",
+        "messages[2].tool_calls[1].id": "input[0].call_id",
+        "messages[3].tool_call_id": "input[1].call_id",
+        "messages[3].content": "input[1].output",
+        "messages[4].content[0].text": "input[2].content[0].text",
+        "messages[4].content[1].image_url.url": "input[2].content[1].image_url",
+        "messages[4].content[1].uuid": "input[2].content[1].uuid",
+        "messages[4].role": "input[2].role",
+        "messages[5].content": "input[3].content",
+        "messages": "input",
+    }
+    assert {path: params.name(path) for path in named} == named
     media = params.error(
         MediaError("Data URL payload is not valid base64.", param="messages[4].content[1].image_url.url")
     )
