@@ -1,8 +1,8 @@
-"""What ``mmserve proxy`` (app/proxy/server.py) does with one chat request: find its distinct images, have
-encoder instances encode them (which saves each image's encoder output to the shared store under its
-content hash), then relay the original request to an LM instance and its answer back.
+"""What ``mmserve proxy`` (app/proxy/server.py) does with one chat request: find its distinct images and
+videos, have encoder instances encode them (which saves each item's encoder output to the shared store
+under its content hash), then relay the original request to an LM instance and its answer back.
 
-    client ──POST──▶ proxy ──one request per distinct image (concurrent, round-robin)──▶ encoders
+    client ──POST──▶ proxy ──one request per distinct image or video (concurrent, round-robin)──▶ encoders
                        │        failures are only counted: the LM encodes locally or answers 503
                        └──the original body, unchanged──▶ LM instance ──status + body / SSE──▶ client
 
@@ -24,9 +24,13 @@ from starlette.responses import Response, StreamingResponse
 from app.api.error_handlers import sse_error_event
 from app.errors import MMServeError
 
-# An encoder-only instance answers once the images are saved; on an ordinary instance one token is the
+# An encoder-only instance answers once the items are saved; on an ordinary instance one token is the
 # least a request may ask for.
 ENCODER_MAX_TOKENS = 1
+MEDIA_PART_TYPES = ("image_url", "video_url")  # {"type": t, t: {"url": str, ...}}
+# encoder requests of one client request open at once: a request of a thousand images (which the LM
+# refuses past its --limit-mm-per-prompt) does not open a thousand connections
+MAX_OPEN_ENCODES = 8
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type")
 RELAYED_RESPONSE_HEADERS = ("content-type", "retry-after", "www-authenticate")
 
@@ -61,25 +65,27 @@ class RoundRobin:
         return url
 
 
-def image_parts(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The distinct image parts of every message, first appearance first (one per URL). Only the shape
-    mmserve accepts, ``{"type": "image_url", "image_url": {"url": str, ...}}``, is collected: anything
-    else is the LM's to refuse with the proper 400, and encoding it would only fail twice."""
+def media_parts(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The distinct image and video parts of every message, first appearance first (one per kind and
+    URL). Only the shapes mmserve accepts, ``{"type": "image_url", "image_url": {"url": str, ...}}`` and
+    the same with ``video_url``, are collected: anything else is the LM's to refuse with the proper 400,
+    and encoding it would only fail twice."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         return []
-    by_url: dict[str, dict[str, Any]] = {}
+    by_url: dict[tuple[str, str], dict[str, Any]] = {}
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):  # a plain string (or nothing) carries no image
+        if not isinstance(content, list):  # a plain string (or nothing) carries no media
             continue
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "image_url":
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in MEDIA_PART_TYPES:
                 continue
-            image_url = part.get("image_url")
-            url = image_url.get("url") if isinstance(image_url, dict) else None
+            media = part.get(kind)
+            url = media.get("url") if isinstance(media, dict) else None
             if isinstance(url, str):
-                by_url.setdefault(url, part)
+                by_url.setdefault((kind, url), part)
     return list(by_url.values())
 
 
@@ -89,7 +95,7 @@ HASHED_REQUEST_FIELDS = ("mm_processor_kwargs", "cache_salt")
 
 
 def encoder_body(body: Mapping[str, Any], part: Mapping[str, Any]) -> dict[str, Any]:
-    """The encoder request for one image part. It keeps the original ``model`` and
+    """The encoder request for one image or video part. It keeps the original ``model`` and
     ``HASHED_REQUEST_FIELDS``, which go into the content hash the LM instance looks the output up by;
     the text does not, so a bare user turn with the one image is enough."""
     request: dict[str, Any] = {
@@ -115,13 +121,13 @@ def describe(exc: BaseException) -> str:
 
 @dataclass(frozen=True)
 class EncoderOutcome:
-    """How one image's encoder request ended; ``error`` is None when the encoder answered 2xx."""
+    """How one item's encoder request ended; ``error`` is None when the encoder answered 2xx."""
 
     encoder_url: str
     error: str | None
 
 
-async def encode_images(
+async def encode_media(
     client: httpx.AsyncClient,
     encoders: RoundRobin,
     body: Mapping[str, Any],
@@ -129,13 +135,16 @@ async def encode_images(
     headers: Mapping[str, str],
     timeout_s: float,
 ) -> list[EncoderOutcome]:
-    """Called before the request goes to an LM instance; returns once every encoder request ended, at
-    most ``timeout_s`` later. Never raises for an encoder's failure (each is an outcome); cancelling
-    the caller cancels the encoder requests still open."""
-    jobs = [
-        _encode_one(client, encoders.next(), encoder_body(body, part), headers, timeout_s) for part in parts
-    ]
-    return list(await asyncio.gather(*jobs))
+    """Called before the request goes to an LM instance; returns once every encoder request ended, each
+    at most ``timeout_s`` after it opened (``MAX_OPEN_ENCODES`` at once). Never raises for an encoder's
+    failure (each is an outcome); cancelling the caller cancels the encoder requests still open."""
+    open_slots = asyncio.Semaphore(MAX_OPEN_ENCODES)
+
+    async def one(part: Mapping[str, Any]) -> EncoderOutcome:
+        async with open_slots:
+            return await _encode_one(client, encoders.next(), encoder_body(body, part), headers, timeout_s)
+
+    return list(await asyncio.gather(*(one(part) for part in parts)))
 
 
 async def _encode_one(

@@ -1,8 +1,8 @@
 """``mmserve proxy``: the HTTP front of an encoder / LM split ("EPD"). Encoder instances
-(``serve --encoder-only --ec-role producer``) encode a request's images and save the outputs to the
-shared store; LM instances (``serve --ec-role consumer``) load them instead of encoding. The proxy sends
-each distinct image to an encoder first, then the original request to an LM instance, and relays the
-answer (app/proxy/forward.py has the diagram).
+(``serve --encoder-only --ec-role producer``) encode a request's images and videos and save the outputs
+to the shared store; LM instances (``serve --ec-role consumer``) load them instead of encoding. The proxy
+sends each distinct image or video to an encoder first, then the original request to an LM instance, and
+relays the answer (app/proxy/forward.py has the diagram).
 
 Routes: ``POST /v1/chat/completions``, ``GET /v1/models`` and ``/v1/models/{model}`` (an LM's answer),
 ``GET /health`` (every upstream's ``/health``), ``GET /metrics`` (the proxy's own figures). Errors use the
@@ -32,9 +32,9 @@ from app.proxy.cli import ProxyConfig
 from app.proxy.forward import (
     RoundRobin,
     describe,
-    encode_images,
+    encode_media,
     forwarded_headers,
-    image_parts,
+    media_parts,
     open_upstream,
     relay,
 )
@@ -55,7 +55,7 @@ class ProxyMetrics:
         self.requests = Counter("mmserve_proxy_requests", "Chat-completion requests received.", registry=r)
         self.encoder_requests = Counter(
             "mmserve_proxy_encoder_requests",
-            "Requests sent to encoder instances (one per image).",
+            "Requests sent to encoder instances (one per image or video).",
             registry=r,
         )
         self.encoder_failures = Counter(
@@ -70,7 +70,7 @@ class ProxyMetrics:
         )
         self.encoder_seconds = Histogram(
             "mmserve_proxy_encoder_seconds",
-            "Encoder round trip of one request's images (requests with images only).",
+            "Encoder round trip of one request's images and videos (requests with media only).",
             buckets=ENCODER_SECONDS_BUCKETS,
             registry=r,
         )
@@ -112,11 +112,11 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
     async def prepare_and_forward(raw: bytes, headers: dict[str, str]) -> Response:
         client = clients[0]
         body = await _parse(raw)
-        parts = image_parts(body) if body is not None else []
+        parts = media_parts(body) if body is not None else []
         if body is not None and parts:
             metrics.encoder_requests.inc(len(parts))
             start = time.perf_counter()
-            outcomes = await encode_images(client, encoders, body, parts, headers, config.timeout_s)
+            outcomes = await encode_media(client, encoders, body, parts, headers, config.timeout_s)
             metrics.encoder_seconds.observe(time.perf_counter() - start)
             for outcome in outcomes:
                 if outcome.error is not None:

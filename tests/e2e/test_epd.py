@@ -7,6 +7,7 @@ request is encoded under its salt."""
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import pytest
 from tests.e2e.conftest import greedy_body, make_image, user_message
 from tests.e2e.metrics import delta
 from tests.e2e.server import Server, start_all, start_proxy, stop_all
+from tests.video_clips import make_clip
 
 pytestmark = pytest.mark.slow
 
@@ -119,6 +121,20 @@ def test_a_salted_request_is_encoded_under_its_salt(split: Split) -> None:
         enc_before = split.encoder.metrics()
         assert answer(split.proxy_lm_only, payload) == answer(split.single, payload)
         assert delta(enc_before, split.encoder.metrics(), "mmserve_encoder_runs_total") == 1
+
+
+def test_a_video_through_the_proxy_is_encoded_by_the_encoder_instance(split: Split) -> None:
+    """The proxy sends a video to an encoder as it sends an image, so the LM-only instance finds its
+    output (without it every video through the proxy was that instance's 503)."""
+    if split.model_name == "tiny-llava":
+        pytest.skip("LLaVA-1.5 takes no video")
+    clip = base64.b64encode(make_clip(num_frames=8, fps=4, seed=812)).decode()
+    video = {"type": "video_url", "video_url": {"url": f"data:video/mp4;base64,{clip}"}}
+    content = [video, {"type": "text", "text": "What happens?"}]
+    payload = {**greedy_body([{"role": "user", "content": content}], MAX_TOKENS), "model": split.model_name}
+    enc_before = split.encoder.metrics()
+    assert answer(split.proxy_lm_only, payload) == answer(split.single, payload)
+    assert delta(enc_before, split.encoder.metrics(), "mmserve_encoder_runs_total") == 1
 
 
 def streamed_text(server: Server, payload: dict[str, Any]) -> str:

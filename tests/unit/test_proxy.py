@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from app.launch.cli import build_parser
 from app.proxy.cli import ProxyConfig, config_from_args
-from app.proxy.forward import RoundRobin, encoder_body, forwarded_headers, image_parts
+from app.proxy.forward import RoundRobin, encoder_body, forwarded_headers, media_parts
 from app.proxy.server import create_proxy_app
 from tests.e2e.metrics import parse_metrics
 
@@ -46,8 +46,14 @@ def test_image_parts_are_distinct_by_url_in_first_appearance_order() -> None:
             {"role": "user", "content": [image("u2", detail="high"), image("u3"), image("u1")]},
         ]
     }
-    assert [p["image_url"]["url"] for p in image_parts(body)] == ["u1", "u2", "u3"]
-    assert "detail" not in image_parts(body)[1]["image_url"]  # the first part of a URL is the one sent
+    assert [p["image_url"]["url"] for p in media_parts(body)] == ["u1", "u2", "u3"]
+    assert "detail" not in media_parts(body)[1]["image_url"]  # the first part of a URL is the one sent
+
+
+def test_videos_are_media_parts_too_distinct_by_kind_and_url() -> None:
+    video = {"type": "video_url", "video_url": {"url": "u1"}}
+    body = {"messages": [{"role": "user", "content": [video, image("u1"), dict(video), image("u2")]}]}
+    assert [p["type"] for p in media_parts(body)] == ["video_url", "image_url", "image_url"]
 
 
 @pytest.mark.parametrize(
@@ -62,8 +68,8 @@ def test_image_parts_are_distinct_by_url_in_first_appearance_order() -> None:
         {"messages": [{"role": "user", "content": [{"type": "image_url"}, "text"]}]},
     ],
 )
-def test_nothing_to_encode_in_requests_without_accepted_image_parts(body: dict[str, Any]) -> None:
-    assert image_parts(body) == []
+def test_nothing_to_encode_in_requests_without_accepted_media_parts(body: dict[str, Any]) -> None:
+    assert media_parts(body) == []
 
 
 def test_encoder_body_keeps_what_the_content_hash_depends_on() -> None:
