@@ -199,6 +199,12 @@ class Settings(BaseSettings):
         le=4096,
         description="Most frames a video may give after its sampling (fps or num_frames); more is a 400.",
     )
+    max_video_pixels: int = Field(
+        1 << 28,
+        ge=1,
+        description="Most decoded pixels of one video: its sampled frames x width x height (about 3 bytes "
+        "each, and a few copies while it is processed); more is a 400 before a frame is decoded.",
+    )
     video_decode_timeout_s: float = Field(
         30.0, gt=0, description="Longest one video's decode may take (checks, seeking, frames)."
     )

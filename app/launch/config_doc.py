@@ -98,6 +98,7 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("max_request_image_bytes", "api"),
         ("max_video_bytes", "api"),
         ("max_video_frames", "api, engine (the largest video's budget)"),
+        ("max_video_pixels", "api"),
         ("video_decode_timeout_s", "api"),
         ("max_media_redirects", "api"),
         ("allow_private_media_urls", "api"),

@@ -7,6 +7,7 @@ options of a request never enter a video's key."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from functools import cache
@@ -18,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from app.errors import InvalidRequestError
+from app.errors import InvalidRequestError, MediaError
 from app.inputs.preprocess.video_item import VideoRules, decode_and_process_video
 from app.media.video import VideoLimits
 from tests.video_clips import make_clip
@@ -30,7 +31,7 @@ from workers.families.qwen_vl.video_processing import VideoKind
 pytestmark = pytest.mark.slow  # real decoding and processing of generated clips, per family
 
 CLIP = make_clip(width=64, height=48, fps=10, num_frames=30, seed=3)  # 3 s
-RULES = VideoRules(VideoLimits(), max_sampled_frames=64)
+RULES = VideoRules(VideoLimits(), max_sampled_frames=64, max_decoded_pixels=1 << 28)
 PIXELS = st.sampled_from([28 * 28 * 4, 28 * 28 * 8, 28 * 28 * 16, 28 * 28 * 64])
 # fps or num_frames (never both: a 400 for any family), or neither
 SAMPLING = st.one_of(
@@ -130,3 +131,18 @@ def test_the_key_is_the_content_and_the_modality(family: FamilyProcessor) -> Non
         family, {}
     )
     assert mm_hash(model_id=family.model_id, modality="image", data=CLIP, options=options) != key(family, {})
+
+
+def test_sampled_pixels_past_the_budget_are_refused_before_decoding(family: FamilyProcessor) -> None:
+    """--max-video-pixels bounds what decoding allocates (sampled frames x width x height): a small
+    upload of large frames cannot make a preprocessing process take gigabytes."""
+    param = "messages[0].content[0].video_url"
+    options = family.hash_video_options({"num_frames": 4})
+    exactly = dataclasses.replace(RULES, max_decoded_pixels=4 * 64 * 48)
+    assert decode_and_process_video(family, CLIP, options, param, exactly).layout.num_tokens > 0
+    with pytest.raises(MediaError) as refused:
+        decode_and_process_video(
+            family, CLIP, options, param, dataclasses.replace(exactly, max_decoded_pixels=4 * 64 * 48 - 1)
+        )
+    assert (refused.value.code, refused.value.param) == ("video_too_large", param)
+    assert "--max-video-pixels" in refused.value.message

@@ -3,11 +3,12 @@ preprocessing process (or a thread of the API process without a pool)::
 
     probe_video         header only: container, codec, size, frame count, frame rate, rotation
     family.sample_video the frames the family's video processor samples (the request's fps / num_frames)
-    max sampled frames  --max-video-frames, before a frame is decoded
+    max sampled frames  --max-video-frames, and their pixels --max-video-pixels, before a frame is decoded
     decode_frames       only those frames, seeking where the container allows, under the time limit
     family.process_video
 
-Every refusal is a 400 naming its cause (``app.media.video``'s codes, ``too_many_video_frames``).
+Every refusal is a 400 naming its cause (``app.media.video``'s codes, ``too_many_video_frames``,
+``video_too_large``).
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ class VideoRules:
 
     limits: VideoLimits
     max_sampled_frames: int  # --max-video-frames
+    max_decoded_pixels: int  # --max-video-pixels: the sampled frames' memory (a 4096 x 2048 frame is 25 MB)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> VideoRules:
         # frames, size and duration a container may declare: VideoLimits' defaults (100,000 frames,
         # an hour, 8192 x 8192): the header pass reads every packet, ~0.5 s for the largest
         limits = VideoLimits(decode_timeout_s=settings.video_decode_timeout_s)
-        return cls(limits, settings.max_video_frames)
+        return cls(limits, settings.max_video_frames, settings.max_video_pixels)
 
 
 def decode_and_process_video(
@@ -59,6 +61,15 @@ def decode_and_process_video(
             "num_frames in mm_processor_kwargs.",
             param=KWARGS_PARAM if sampling else param,
             code="too_many_video_frames",
+        )
+    num_pixels = len(indices) * info.width * info.height
+    if num_pixels > rules.max_decoded_pixels:
+        raise MediaError(
+            f"This video's {len(indices)} sampled frames of {info.width}x{info.height} are {num_pixels} "
+            f"pixels; at most {rules.max_decoded_pixels} are decoded for one video (--max-video-pixels). "
+            "Ask for a lower fps or num_frames in mm_processor_kwargs, or send a smaller video.",
+            param=param,
+            code="video_too_large",
         )
     # probe and decode share the item's one time limit
     remaining_s = max(0.0, rules.limits.decode_timeout_s - (time.monotonic() - start))
