@@ -109,7 +109,7 @@ def test_equal_keys_mean_equal_items(family: FamilyProcessor, data: st.DataObjec
 
 
 def test_samplings_are_separate_entries(family: FamilyProcessor) -> None:
-    by_fps, other_fps, by_count = {"fps": 2}, {"fps": 1}, {"num_frames": 8}
+    by_fps, other_fps, by_count = {"fps": 3}, {"fps": 1}, {"num_frames": 8}
     keys = {key(family, kwargs) for kwargs in (by_fps, other_fps, by_count, {})}
     assert len(keys) == 4
     items = [processed(family, kwargs) for kwargs in (by_fps, other_fps, by_count)]
@@ -122,6 +122,16 @@ def test_spellings_of_one_sampling_are_one_entry(family: FamilyProcessor) -> Non
     if family.video_config.kind is VideoKind.QWEN2_VL:
         size = dict(family.video_config.size, shortest_edge=28 * 28 * 8)
         assert key(family, {"min_pixels": 28 * 28 * 8}) == key(family, {"size": size})
+
+
+def test_spelling_out_a_default_is_the_default_entry(family: FamilyProcessor) -> None:
+    """As for images: the checkpoint's own sampling rate (2 fps by default) and pixel bounds, spelt
+    out, share the entry (and a media id bound without them)."""
+    config = family.video_config
+    default_fps = config.fps if config.fps is not None else 2
+    for spelt in ({"fps": default_fps}, {"size": dict(config.size)}, {"cap_pixels_per_frame": False}):
+        assert key(family, spelt) == key(family, {}), spelt
+        assert same_item(processed(family, spelt), processed(family, {})), spelt
 
 
 def test_the_key_is_the_content_and_the_modality(family: FamilyProcessor) -> None:

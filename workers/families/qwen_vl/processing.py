@@ -24,6 +24,7 @@ from workers.families.processing import (
 )
 from workers.families.qwen_vl.video_processing import (
     VIDEO_KWARGS,
+    VideoConfig,
     VideoKind,
     check_video_kwargs,
     frame_timestamps,
@@ -76,6 +77,7 @@ class QwenVLProcessing(FamilyProcessor):
             raise FamilyInputError(
                 f"Invalid video options in mm_processor_kwargs: {exc}", param=KWARGS_PARAM
             ) from exc
+        options = _without_defaults(self.video_config, options)
         return {key: canonical_option(options[key]) for key in sorted(options)}
 
     def sample_video(self, metadata: VideoMetadata, options: Mapping[str, Any]) -> list[int]:
@@ -168,3 +170,19 @@ class QwenVLProcessing(FamilyProcessor):
         t, h, w = (int(x) for x in tensors["image_grid_thw"].reshape(-1, 3)[0])
         merge_size = int(self.image_processor.merge_size)
         return t * h * w // (merge_size * merge_size), (t, h, w)
+
+
+def _without_defaults(config: VideoConfig, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` less those that sample or size exactly as the checkpoint does without them, so that
+    spelling out a default shares cache entries and media ids, as an image's options do: the default
+    ``fps`` (the checkpoint's, else ``DEFAULT_VIDEO_FPS``) where the checkpoint samples by rate, its
+    ``num_frames`` where it samples by count, its ``size``, and ``cap_pixels_per_frame`` false."""
+    defaults: dict[str, Any] = {
+        "size": dict(config.size),
+        "cap_pixels_per_frame": config.cap_pixels_per_frame,
+    }
+    if config.num_frames is None:
+        defaults["fps"] = float(config.fps if config.fps is not None else DEFAULT_VIDEO_FPS)
+    elif config.fps is None:
+        defaults["num_frames"] = config.num_frames
+    return {key: value for key, value in options.items() if key not in defaults or value != defaults[key]}
