@@ -69,6 +69,12 @@ BAD = {
         "video_variable_frame_rate",
     ),
     "rotated": (lambda: clip(num_frames=10, rotation_degrees=90), "video_rotated"),
+    # the model's own sampling needs a temporal patch (2 frames): the clip's fault, not the request's
+    "one frame": (lambda: clip(num_frames=1), "video_too_short"),
+    "1000 x 4 pixels": (
+        lambda: make_clip(width=1000, height=4, num_frames=4),
+        "video_aspect_ratio_too_large",
+    ),
 }
 
 

@@ -7,8 +7,9 @@ preprocessing process (or a thread of the API process without a pool)::
     decode_frames       only those frames, seeking where the container allows, under the time limit
     family.process_video
 
-Every refusal is a 400 naming its cause (``app.media.video``'s codes, ``too_many_video_frames``,
-``video_too_large``).
+Every refusal is a 400 naming its cause (``app.media.video``'s codes, ``video_aspect_ratio_too_large``,
+``video_too_short``, ``too_many_video_frames``, ``video_too_large``), and the video's part where the
+video is the cause, ``mm_processor_kwargs`` where the request's sampling is.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from app.errors import MediaError, from_family_error
 from app.media.video import VideoLimits, decode_frames, probe_video
 from app.settings import Settings
 from workers.families.errors import FamilyInputError
-from workers.families.processing import KWARGS_PARAM, FamilyProcessor, ProcessedItem, VideoMetadata
+from workers.families.processing import (
+    KWARGS_PARAM,
+    MAX_ASPECT_RATIO,
+    FamilyProcessor,
+    ProcessedItem,
+    VideoMetadata,
+)
 
 
 @dataclass(frozen=True)
@@ -47,13 +54,29 @@ def decode_and_process_video(
 ) -> ProcessedItem:
     start = time.monotonic()
     info = probe_video(data, limits=rules.limits, param=param)
+    if max(info.width, info.height) > MAX_ASPECT_RATIO * min(info.width, info.height):
+        raise MediaError(
+            f"The video is {info.width}x{info.height} pixels: its longer side may be at most "
+            f"{MAX_ASPECT_RATIO} times its shorter one.",
+            param=param,
+            code="video_aspect_ratio_too_large",
+        )
     metadata = VideoMetadata(fps=info.fps, num_frames=info.num_frames)
+    sampling = {key: options[key] for key in ("fps", "num_frames") if key in options}
     try:
         indices = family.sample_video(metadata, options)
     except FamilyInputError as exc:
-        raise from_family_error(exc) from exc
+        if sampling:  # the request's sampling asks what the clip cannot give
+            raise from_family_error(exc) from exc
+        # the clip itself is too short for the model's own sampling
+        reason = exc.message.removeprefix("This video cannot be sampled so: ").rstrip(".")
+        raise MediaError(
+            f"This video ({info.num_frames} frames at {info.fps:g} fps) is too short for the model's "
+            f"sampling ({reason}).",
+            param=param,
+            code="video_too_short",
+        ) from exc
     if len(indices) > rules.max_sampled_frames:
-        sampling = {key: options[key] for key in ("fps", "num_frames") if key in options}
         raise MediaError(
             f"This video's sampling gives {len(indices)} frames ({info.num_frames} frames at "
             f"{info.fps:g} fps, sampled {sampling or 'by the model default'}); at most "
