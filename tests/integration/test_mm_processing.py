@@ -180,3 +180,15 @@ def test_image_count_mismatch(mm: MMProcessor) -> None:
     )
     with pytest.raises(FamilyInputError):
         mm.tokenize(typed, [ItemLayout(576)])
+
+
+def test_integers_where_the_processor_takes_floats_are_floats(mm: MMProcessor) -> None:
+    """JSON writes 0.0 as 0, as JavaScript clients always do: [0, 0, 0] is the image_mean [0.0, 0.0, 0.0]
+    (it was a 400 naming Python's types)."""
+    as_ints = mm.hash_options({"image_mean": [0, 0, 0], "image_std": [1, 1, 1], "rescale_factor": 1})
+    as_floats = mm.hash_options(
+        {"image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0], "rescale_factor": 1.0}
+    )
+    assert as_ints == as_floats and as_ints["image_mean"] == [0.0, 0.0, 0.0]
+    with pytest.raises(FamilyInputError):
+        mm.hash_options({"image_mean": [True, 0, 0]})  # a boolean stays one

@@ -176,8 +176,13 @@ class FamilyProcessor:
             if tool_call_parser is not None
             else self.default_tool_call_parser
         )
-        accepted = set(getattr(self.image_processor.valid_kwargs, "__annotations__", {}))
-        self.accepted_kwargs: frozenset[str] = frozenset(accepted - _RESERVED_KWARGS - self.reserved_kwargs)
+        hints = getattr(self.image_processor.valid_kwargs, "__annotations__", {})
+        self.accepted_kwargs: frozenset[str] = frozenset(set(hints) - _RESERVED_KWARGS - self.reserved_kwargs)
+        # options typed as floats and not ints (image_mean, image_std, rescale_factor); a hint may be a
+        # type or its text
+        self.float_kwargs = frozenset(
+            key for key, hint in hints.items() if "float" in str(hint) and "int" not in str(hint)
+        )
 
     # -- per request ------------------------------------------------------------------------------
 
@@ -190,6 +195,11 @@ class FamilyProcessor:
         if mm_processor_kwargs is None:
             return {}
         image_kwargs = self.options_for(mm_processor_kwargs, self.accepted_kwargs)
+        # JSON writes 0.0 as 0 (JavaScript always does): an integer where the processor takes floats is one
+        image_kwargs = {
+            key: _as_floats(value) if key in self.float_kwargs else value
+            for key, value in image_kwargs.items()
+        }
         try:
             validate_typed_dict(self.image_processor.valid_kwargs, image_kwargs)
             options = {key: canonical_option(value) for key, value in image_kwargs.items()}
@@ -427,6 +437,13 @@ class FamilyProcessor:
 
     def check_processed(self, tensors: dict[str, torch.Tensor]) -> None:
         """Refuse a processed item the model could not encode (FamilyInputError)."""
+
+
+def _as_floats(value: Any) -> Any:
+    """An option's integers (not booleans), in it or in a list or tuple of it, as floats."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_floats(v) for v in value)
+    return float(value) if type(value) is int else value
 
 
 def _all_finite(value: Any) -> bool:
