@@ -146,6 +146,7 @@ class FakeUpstreams:
     slow: set[str] = field(default_factory=set)
     stream_breaks: bool = False  # the LM's SSE answer fails after its first event
     stream_closed: bool = False
+    lm_status: int | None = None  # the LM answers every chat request with this status
 
     def to(self, host: str) -> list[httpx.Request]:
         return [r for r in self.received if r.url.host == host]
@@ -161,6 +162,8 @@ class FakeUpstreams:
             return httpx.Response(500 if request.url.host in self.failing else 200, json={"status": "ok"})
         if request.url.host in self.failing:
             return httpx.Response(500, json={"error": {"message": "boom"}})
+        if request.url.host == "lm" and self.lm_status is not None:
+            return httpx.Response(self.lm_status, json={"error": {"message": "odd"}})
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny-llava"}]})
         try:
@@ -263,6 +266,15 @@ def test_lm_errors_are_relayed_with_their_status(proxy: TestClient, upstreams: F
     upstreams.failing.add("lm")
     resp = proxy.post("/v1/chat/completions", json=chat({"type": "text", "text": "hi"}))
     assert resp.status_code == 500 and resp.json() == {"error": {"message": "boom"}}
+
+
+def test_an_lm_status_http_has_no_name_for_is_a_503(proxy: TestClient, upstreams: FakeUpstreams) -> None:
+    """uvicorn cannot send a status it has no reason phrase for (999): relayed as is, the client's
+    connection was dropped without an answer."""
+    upstreams.lm_status = 999
+    resp = proxy.post("/v1/chat/completions", json=chat({"type": "text", "text": "hi"}))
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "upstream_unavailable"
+    assert "999" in resp.json()["error"]["message"]
 
 
 def test_a_stream_is_passed_through_and_closed(proxy: TestClient, upstreams: FakeUpstreams) -> None:
