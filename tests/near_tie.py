@@ -79,7 +79,10 @@ def accept_near_tie(
     Raises ``AssertionError`` unless ``served`` is the oracle's runner-up with a gap under ``bound``;
     otherwise warns ``NearTieWarning`` and returns the gap. The caller compares nothing after ``pos``."""
     step = logit_step(logprobs) if quantized else 0.0
-    candidates = runners_up(logprobs, oracle_id, step)
+    # a token below the runner-up ties it only where the runner-up ties the oracle's token: three
+    # tokens within one step, never a token two steps down at a smaller step
+    best_two_tie = float(logprobs[oracle_id] - logprobs[runners_up(logprobs, oracle_id)[0]]) < step / 2
+    candidates = runners_up(logprobs, oracle_id, step if best_two_tie else 0.0)
     runner_up = candidates[0]
     spelt = [spell(token_id) for token_id in candidates]
     tied = f" or a token within the logits' rounding step ({step:g}) of it" if quantized else ""

@@ -5,7 +5,8 @@ refused with 503 ``server_shutting_down`` while those in flight run on, and ``fi
 none is left or ``--shutdown-timeout`` has passed. ``DrainingServer`` is uvicorn's server with SIGTERM
 mapped to that drain (a second SIGTERM, or SIGINT, stops at once); it exits once the drain finished, and
 the lifespan then stops the engine as on any shutdown. At the deadline, a request whose answer has not
-started (still uploading its body, or still waiting for its first token) is cancelled and answered 503
+started (still uploading its body, a stream before its first token, a non-streamed answer not yet
+complete) is cancelled and answered 503
 ``server_shutting_down``: its work is abandoned as when a client leaves (aborted in the engine), and its
 client gets the envelope instead of the plain-text 500 uvicorn sends for a task it cancels. An answer
 already streaming is cut off.

@@ -31,10 +31,11 @@ class _Lenient(BaseModel):
 
 
 class _Declared(BaseModel):
-    """A tool's declaration: a key OpenAI's shape does not have is refused, as OpenAI does (a misspelt
-    ``parameters`` would otherwise declare a function without any)."""
+    """A tool's declaration: a key OpenAI's shape does not have is kept for the log of unknown fields, as
+    vLLM takes it (clients add ``cache_control`` and the like); a function with such a key and no
+    ``parameters`` is refused (``check_tools``): the key is most likely a misspelt ``parameters``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")
 
 
 class FunctionDefinition(_Declared):
@@ -88,8 +89,19 @@ class ToolCallParam(_Lenient):
 
 
 def tools_json(tools: list[ChatTool]) -> str:
-    """The tools as the chat template reads them (OpenAI's shape), as JSON text."""
-    return json.dumps([tool.model_dump(exclude_none=True) for tool in tools], ensure_ascii=False)
+    """The tools as the chat template reads them (OpenAI's shape, without keys it does not have), as
+    JSON text."""
+    return json.dumps([_declared(tool) for tool in tools], ensure_ascii=False)
+
+
+def _declared(model: BaseModel) -> dict[str, Any]:
+    """A declaration's fields that are set, nested ones too, without the keys its model does not declare."""
+    fields = {name: getattr(model, name) for name in type(model).model_fields}
+    return {
+        name: _declared(value) if isinstance(value, BaseModel) else value
+        for name, value in fields.items()
+        if value is not None
+    }
 
 
 def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) -> None:
@@ -103,6 +115,13 @@ def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) ->
             )
         names.add(tool.function.name)
         parameters = tool.function.parameters
+        if parameters is None and tool.function.model_extra:
+            key = sorted(tool.function.model_extra)[0]
+            raise InvalidRequestError(
+                f"a function declares no 'parameters' but has {key!r}, which OpenAI's shape does not "
+                "have: is it a misspelt 'parameters'?",
+                param=f"tools[{i}].function.{key}",
+            )
         if parameters is not None:
             if parameters.get("type", "object") != "object":
                 raise InvalidRequestError(
@@ -168,7 +187,7 @@ def tool_constraint(
     if not tools or tool_choice == "none":
         return None
     if isinstance(tool_choice, NamedToolChoice):
-        choice: Any = tool_choice.model_dump()
+        choice: Any = _declared(tool_choice)
     else:
         choice = tool_choice or "auto"
     functions = [

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 
 import anyio
@@ -190,7 +189,7 @@ async def relay(upstream: httpx.Response, on_stream_error: Callable[[BaseExcepti
     upstream response is closed: closing it mid-stream drops the connection, which makes the LM
     instance abort the request. ``on_stream_error``: called when the upstream fails after the
     client's response started (the status was sent; an SSE error event ends the stream)."""
-    if upstream.status_code not in HTTPStatus._value2member_map_:  # uvicorn cannot send it: no answer
+    if not 100 <= upstream.status_code < 600:  # uvicorn cannot send it: the client would get no answer
         await upstream.aclose()
         raise UpstreamUnavailableError(f"The LM instance answered with HTTP status {upstream.status_code}.")
     headers = {name: upstream.headers[name] for name in RELAYED_RESPONSE_HEADERS if name in upstream.headers}

@@ -153,7 +153,11 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
         headers = forwarded_headers(request.headers)
         try:
             upstream = await open_upstream(
-                clients[0], "GET", f"{lm_url}{request.url.path}", content=None, headers=headers
+                clients[0],
+                "GET",
+                f"{lm_url}{request.scope['raw_path'].decode()}",
+                content=None,
+                headers=headers,
             )
             return await relay(upstream, upstream_failed)
         except Exception:

@@ -176,8 +176,8 @@ def test_generated_requests_get_no_server_error(api_schema: Any, mode: Generatio
         try:
             run()
         except Unsatisfiable:
-            # no input of it can be made invalid (GET /v1/models/{model}: any name is a name)
-            assert mode is GenerationMode.NEGATIVE, operation.label
+            # no input of it can be made invalid: any name is a name
+            assert (mode, operation.label) == (GenerationMode.NEGATIVE, "GET /v1/models/{model}")
 
 
 # Random integers rarely reach the edges of what the engine's wire format (int64/uint64) and torch can

@@ -220,6 +220,7 @@ def test_sigterm_cuts_off_what_outlives_the_shutdown_timeout(tiny_model_dir: Pat
     proc.send_signal(signal.SIGTERM)
     status, refusal = read_response(stalled)
     assert (status, refusal["error"]["code"]) == (503, "server_shutting_down"), refusal
+    assert "shut down before answering" in refusal["error"]["message"]  # cut off, not refused on arrival
     assert proc.wait(30) == 0, hurried.process.log()[-3000:]
     assert time.monotonic() - start < 20  # with the stops of every process; the default would be 30 s
     assert "request(s) in flight are cut off" in hurried.process.log()

@@ -141,6 +141,7 @@ def test_kwargs_equal_to_defaults_share_the_hash(mm: MMProcessor) -> None:
         {"image_std": [float("nan"), 0.5, 0.5]},  # JSON's NaN, which Python's parser takes
         {"image_mean": [float("inf"), 0.5, 0.5]},
         {"rescale_factor": float("-inf")},
+        {"rescale_factor": 10**400},  # an integer no float holds: the type check's 400, not OverflowError
     ],
 )
 def test_invalid_kwargs_are_rejected_up_front(mm: MMProcessor, kwargs: dict[str, Any]) -> None:

@@ -156,3 +156,14 @@ def test_sampled_pixels_past_the_budget_are_refused_before_decoding(family: Fami
         )
     assert (refused.value.code, refused.value.param) == ("video_too_large", param)
     assert "--max-video-pixels" in refused.value.message
+
+
+def test_a_clip_too_short_for_the_models_own_sampling_is_the_clips_fault(family: FamilyProcessor) -> None:
+    """One frame: Qwen2-VL's sampling cannot make a temporal patch of it, Qwen3-VL's gives the one frame,
+    which its processing refuses. Either way the video's part is named, with a code, not the options the
+    request did not send."""
+    param = "messages[0].content[0].video_url"
+    one_frame = make_clip(width=64, height=48, fps=10, num_frames=1, seed=5)
+    with pytest.raises(MediaError) as refused:
+        decode_and_process_video(family, one_frame, family.hash_video_options({}), param, RULES)
+    assert (refused.value.code, refused.value.param) == ("video_too_short", param)

@@ -114,8 +114,13 @@ def test_bf16_ties_are_ties_at_the_logits_rounding_step() -> None:
         accept_near_tie(3, 2, 0, tied_top, 0.25)  # not bf16: a step is no tie
     with pytest.raises(AssertionError, match="only the runner-up or a token within"):
         accept_near_tie(3, 3, 0, tied_top, 0.25, quantized=True)  # two steps below the runner-up
-    with pytest.raises(AssertionError, match="not a near-tie"):  # one step below a runner-up one step down
+    with pytest.raises(
+        AssertionError, match="only the runner-up"
+    ):  # one step below a runner-up one step down
         accept_near_tie(3, 2, 0, bf16_logprobs(20.0, 19.875, 19.75, 19.0), 0.25, quantized=True)
+    # at a finer step (logits near 10: 0.0625) the third token would be within the bound: still refused
+    with pytest.raises(AssertionError, match="only the runner-up"):
+        accept_near_tie(3, 2, 0, bf16_logprobs(10.0, 9.875, 9.8125, 5.0), 0.25, quantized=True)
     with pytest.warns(NearTieWarning, match="served the oracle's runner-up 1 instead of 0"):
         accept_near_tie(3, 1, 0, tied_top, 0.25, quantized=True)
 

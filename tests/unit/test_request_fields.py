@@ -3,6 +3,7 @@ refused by name (app/api/request_fields.py); a field no spec knows is kept aside
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from app.api.request_fields import (
     unknown_field_names,
 )
 from app.api.schemas import ChatCompletionRequest
+from app.api.tool_schemas import check_tools, tools_json
 
 # vLLM 0.32's ChatCompletionRequest (vllm/entrypoints/openai/chat_completion/protocol.py), beyond OpenAI's
 VLLM_FIELDS = [
@@ -158,6 +160,13 @@ def test_unknown_fields_in_messages_parts_and_tool_calls_are_named() -> None:
                 },
                 {"role": "tool", "tool_call_id": "c1", "content": "42"},
             ],
+            "tools": [
+                {
+                    "type": "function",
+                    "cache_control": {"type": "ephemeral"},
+                    "function": {"name": "f", "parameters": {"type": "object"}, "x-hint": 1},
+                }
+            ],
             "frobnicate": 1,
         }
     )
@@ -166,4 +175,11 @@ def test_unknown_fields_in_messages_parts_and_tool_calls_are_named() -> None:
         "messages[].content[].cache_control",
         "messages[].nmae",
         "messages[].tool_calls[].index",
+        "tools[].cache_control",
+        "tools[].function.x-hint",
+    ]
+    # taken as vLLM takes them, and never rendered into the template's tools
+    check_tools(body.tools, None)
+    assert json.loads(tools_json(body.tools or [])) == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     ]

@@ -413,6 +413,11 @@ class FamilyProcessor:
         the clip cannot give the sampling asked for)."""
         raise NotImplementedError
 
+    @property
+    def min_video_frames(self) -> int:
+        """The fewest sampled frames the family's video processor takes."""
+        return 1
+
     def process_video(
         self, frames: np.ndarray, metadata: VideoMetadata, indices: Sequence[int], options: Mapping[str, Any]
     ) -> ProcessedItem:
@@ -443,7 +448,9 @@ def _as_floats(value: Any) -> Any:
     """An option's integers (not booleans), in it or in a list or tuple of it, as floats."""
     if isinstance(value, (list, tuple)):
         return type(value)(_as_floats(v) for v in value)
-    return float(value) if type(value) is int else value
+    if type(value) is int and abs(value) <= 2**53:  # a larger one is left for the type check to refuse
+        return float(value)
+    return value
 
 
 def _all_finite(value: Any) -> bool:

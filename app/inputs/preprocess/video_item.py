@@ -76,6 +76,13 @@ def decode_and_process_video(
             param=param,
             code="video_too_short",
         ) from exc
+    if not sampling and len(indices) < family.min_video_frames:
+        raise MediaError(
+            f"This video ({info.num_frames} frames at {info.fps:g} fps) is too short for the model's "
+            f"sampling ({len(indices)} frames; it takes at least {family.min_video_frames}).",
+            param=param,
+            code="video_too_short",
+        )
     if len(indices) > rules.max_sampled_frames:
         raise MediaError(
             f"This video's sampling gives {len(indices)} frames ({info.num_frames} frames at "

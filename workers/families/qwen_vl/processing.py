@@ -80,6 +80,11 @@ class QwenVLProcessing(FamilyProcessor):
         options = _without_defaults(self.video_config, options)
         return {key: canonical_option(options[key]) for key in sorted(options)}
 
+    @property
+    def min_video_frames(self) -> int:
+        """One temporal patch: Qwen3-VL's sampling can give one frame, which its processing refuses."""
+        return self.video_config.temporal_patch_size
+
     def sample_video(self, metadata: VideoMetadata, options: Mapping[str, Any]) -> list[int]:
         """The video processor's sampling; without ``fps`` or ``num_frames`` from the request or the
         checkpoint, ``DEFAULT_VIDEO_FPS`` frames per second."""
