@@ -6,10 +6,9 @@ none is left or ``--shutdown-timeout`` has passed. ``DrainingServer`` is uvicorn
 mapped to that drain (a second SIGTERM, or SIGINT, stops at once); it exits once the drain finished, and
 the lifespan then stops the engine as on any shutdown. At the deadline, a request whose answer has not
 started (still uploading its body, a stream before its first token, a non-streamed answer not yet
-complete) is cancelled and answered 503
-``server_shutting_down``: its work is abandoned as when a client leaves (aborted in the engine), and its
-client gets the envelope instead of the plain-text 500 uvicorn sends for a task it cancels. An answer
-already streaming is cut off.
+complete) is cancelled and answered 503 ``server_shutting_down``: its work is abandoned as when a client
+leaves (aborted in the engine), and its client gets the envelope instead of the plain-text 500 uvicorn
+sends for a task it cancels. An answer already streaming is cut off.
 
 With ``--api-server-count N`` the main ``serve`` process hooks its other API processes in: ``on_start``
 forwards the SIGTERM to them (they drain concurrently, each with its own deadline) and ``waits_for`` keeps
@@ -41,7 +40,7 @@ log = logging.getLogger("mmserve.api")
 class _InFlight:
     """One guarded request: the task serving it, and whether its answer started or it was cut off."""
 
-    task: asyncio.Task[Any] | None
+    task: asyncio.Task[Any]
     answering: bool = False
     cut_off: bool = False
 
@@ -88,10 +87,9 @@ class Drain:
     def cut_off(self) -> int:
         """Cancels every request in flight whose answer has not started, so that it is answered 503
         (``DrainGuard``); returns how many. Called from the event loop, at the deadline."""
-        unanswered = [r for r in self.requests if not r.answering and not r.cut_off and r.task is not None]
+        unanswered = [r for r in self.requests if not r.answering and not r.cut_off]
         for request in unanswered:
             request.cut_off = True
-            assert request.task is not None
             request.task.cancel()
         return len(unanswered)
 
@@ -111,7 +109,9 @@ class DrainGuard:
             error = EngineUnavailableError("The server is shutting down.", code="server_shutting_down")
             await refuse(error, scope, send)
             return
-        request = _InFlight(asyncio.current_task())
+        task = asyncio.current_task()
+        assert task is not None  # (uvicorn runs each request in a task of its own)
+        request = _InFlight(task)
 
         async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -122,7 +122,7 @@ class DrainGuard:
         try:
             await self.app(scope, receive, sending)
         except asyncio.CancelledError:
-            if not request.cut_off or request.answering or request.task is None:
+            if not request.cut_off or request.answering:
                 raise
             request.task.uncancel()  # cancelled by ``Drain.cut_off`` alone: answer it
             timeout = f"--shutdown-timeout {self.drain.timeout_s:g} s"

@@ -23,22 +23,16 @@ from workers.families import STRUCTURAL_TAG_FORMATS  # the tool-call syntax of e
 MAX_TOOLS = 128
 
 
-class _Lenient(BaseModel):
-    """A tool call sent back in the history: a key it does not declare (a streamed call's ``index``, kept
-    by clients that reassemble deltas) is kept for the log of unknown fields and read by nothing else."""
+class _Open(BaseModel):
+    """A key OpenAI's shape does not have is kept for the log of unknown fields and read by nothing else,
+    as vLLM takes it: clients add ``cache_control`` to tools, and a streamed call's ``index`` to the calls
+    they send back. A function with such a key and no ``parameters`` is refused (``check_tools``): the
+    key is most likely a misspelt ``parameters``."""
 
     model_config = ConfigDict(extra="allow")
 
 
-class _Declared(BaseModel):
-    """A tool's declaration: a key OpenAI's shape does not have is kept for the log of unknown fields, as
-    vLLM takes it (clients add ``cache_control`` and the like); a function with such a key and no
-    ``parameters`` is refused (``check_tools``): the key is most likely a misspelt ``parameters``."""
-
-    model_config = ConfigDict(extra="allow")
-
-
-class FunctionDefinition(_Declared):
+class FunctionDefinition(_Open):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -47,16 +41,16 @@ class FunctionDefinition(_Declared):
     )
 
 
-class ChatTool(_Declared):
+class ChatTool(_Open):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Declared):
+class FunctionName(_Open):
     name: str
 
 
-class NamedToolChoice(_Declared):
+class NamedToolChoice(_Open):
     type: Literal["function"]
     function: FunctionName
 
@@ -64,7 +58,7 @@ class NamedToolChoice(_Declared):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class FunctionCallParam(_Lenient):
+class FunctionCallParam(_Open):
     name: str
     arguments: str  # JSON text of an object, as OpenAI sends it
 
@@ -82,7 +76,7 @@ class FunctionCallParam(_Lenient):
         return arguments
 
 
-class ToolCallParam(_Lenient):
+class ToolCallParam(_Open):
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
     function: FunctionCallParam

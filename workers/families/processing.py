@@ -266,7 +266,7 @@ class FamilyProcessor:
         that contradict each other) is the request's fault: FamilyInputError naming ``param`` or
         the options."""
         width, height = image.size
-        if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        if aspect_ratio_too_large(width, height):
             raise FamilyInputError(
                 f"The image is {width}x{height} pixels: its longer side may be at most {MAX_ASPECT_RATIO} "
                 "times its shorter one.",
@@ -442,6 +442,12 @@ class FamilyProcessor:
 
     def check_processed(self, tensors: dict[str, torch.Tensor]) -> None:
         """Refuse a processed item the model could not encode (FamilyInputError)."""
+
+
+def aspect_ratio_too_large(width: int, height: int) -> bool:
+    """Whether an image's or a video frame's longer side is over ``MAX_ASPECT_RATIO`` times its shorter one
+    (Qwen's own bound, applied to every family)."""
+    return max(width, height) > MAX_ASPECT_RATIO * min(width, height)
 
 
 def _as_floats(value: Any) -> Any:

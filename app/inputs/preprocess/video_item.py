@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.errors import MediaError, from_family_error
-from app.media.video import VideoLimits, decode_frames, probe_video
+from app.media.video import VideoInfo, VideoLimits, decode_frames, probe_video
 from app.settings import Settings
 from workers.families.errors import FamilyInputError
 from workers.families.processing import (
@@ -30,6 +30,7 @@ from workers.families.processing import (
     FamilyProcessor,
     ProcessedItem,
     VideoMetadata,
+    aspect_ratio_too_large,
 )
 
 
@@ -54,7 +55,7 @@ def decode_and_process_video(
 ) -> ProcessedItem:
     start = time.monotonic()
     info = probe_video(data, limits=rules.limits, param=param)
-    if max(info.width, info.height) > MAX_ASPECT_RATIO * min(info.width, info.height):
+    if aspect_ratio_too_large(info.width, info.height):
         raise MediaError(
             f"The video is {info.width}x{info.height} pixels: its longer side may be at most "
             f"{MAX_ASPECT_RATIO} times its shorter one.",
@@ -70,19 +71,10 @@ def decode_and_process_video(
             raise from_family_error(exc) from exc
         # the clip itself is too short for the model's own sampling
         reason = exc.message.removeprefix("This video cannot be sampled so: ").rstrip(".")
-        raise MediaError(
-            f"This video ({info.num_frames} frames at {info.fps:g} fps) is too short for the model's "
-            f"sampling ({reason}).",
-            param=param,
-            code="video_too_short",
-        ) from exc
+        raise _too_short(info, reason, param) from exc
     if not sampling and len(indices) < family.min_video_frames:
-        raise MediaError(
-            f"This video ({info.num_frames} frames at {info.fps:g} fps) is too short for the model's "
-            f"sampling ({len(indices)} frames; it takes at least {family.min_video_frames}).",
-            param=param,
-            code="video_too_short",
-        )
+        reason = f"{len(indices)} frames; it takes at least {family.min_video_frames}"
+        raise _too_short(info, reason, param)
     if len(indices) > rules.max_sampled_frames:
         raise MediaError(
             f"This video's sampling gives {len(indices)} frames ({info.num_frames} frames at "
@@ -109,3 +101,12 @@ def decode_and_process_video(
         return family.process_video(frames, metadata, indices, options)
     except FamilyInputError as exc:
         raise from_family_error(exc) from exc
+
+
+def _too_short(info: VideoInfo, reason: str, param: str) -> MediaError:
+    return MediaError(
+        f"This video ({info.num_frames} frames at {info.fps:g} fps) is too short for the model's sampling "
+        f"({reason}).",
+        param=param,
+        code="video_too_short",
+    )
