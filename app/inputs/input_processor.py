@@ -82,6 +82,7 @@ class MediaInput:
     item: ProcessedItem | None = None  # processed tensors, when this API process has them
     layout: ItemLayout | None = None  # known once looked up or processed
     uuid_only: bool = False  # sent as a media id alone: served from a cache or refused, never processed
+    named_by: str | None = None  # that media id, for the 400 when no cache holds its item any more
     bind_uuid: str | None = None  # sent with media and this id: bound once its layout is known
     # a media id's binding layout: what the item needs to be placed when the engine alone still has it
     bound_layout: ItemLayout | None = None
@@ -197,7 +198,9 @@ class InputProcessor:
             detail = "" if binding is None else f" as a {part.kind} with these mm_processor_kwargs"
             raise media_uuid_unknown(part.uuid, part.param, detail)
         self.metrics.mm_items.inc()
-        media = MediaInput(part.kind, binding.mm_hash, None, "", part.param, options, uuid_only=True)
+        media = MediaInput(
+            part.kind, binding.mm_hash, None, "", part.param, options, uuid_only=True, named_by=part.uuid
+        )
         media.bound_layout = binding.layout
         return media
 
@@ -322,7 +325,7 @@ class InputProcessor:
     def _uuid_evicted(self, media: MediaInput) -> InvalidRequestError:
         """The 400 for a media id whose item no cache holds any more, counted."""
         self.metrics.uuid_lookups.labels(result="unknown").inc()
-        return media_uuid_unknown(None, media.param, " any more: no cache holds its item")
+        return media_uuid_unknown(media.named_by, media.param, " any more: no cache holds its item")
 
     def count_uuid_hits(self, prepared: PreparedRequest) -> None:
         """Called once the engine accepted the request: each media id sent alone was served."""

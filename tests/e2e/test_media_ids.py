@@ -63,11 +63,15 @@ def answer(server: Server, part: dict[str, Any], key: str = KEYS[0], **extra: An
     return str(resp.json()["choices"][0]["message"]["content"])
 
 
-def assert_unknown(resp: httpx.Response, param: str = "messages[0].content[0].uuid") -> None:
+def assert_unknown(
+    resp: httpx.Response, param: str = "messages[0].content[0].uuid", uuid: str | None = None
+) -> None:
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["code"] == "media_uuid_unknown" and error["param"] == param
     assert "Send the media again" in error["message"]
+    if uuid is not None:  # the message names the id, as the client sent it
+        assert f"The media id {uuid!r}" in error["message"], error["message"]
 
 
 def test_media_then_its_uuid_alone_is_served_without_fetch_decode_or_encode(ids_server: Server) -> None:
@@ -88,7 +92,7 @@ def test_media_then_its_uuid_alone_is_served_without_fetch_decode_or_encode(ids_
 def test_unknown_and_other_tenants_uuids_are_refused(ids_server: Server) -> None:
     answer(ids_server, image_part(make_image(501), "mine"))
     before = ids_server.metrics()
-    assert_unknown(post(ids_server, image_part(None, "never-sent")))
+    assert_unknown(post(ids_server, image_part(None, "never-sent")), uuid="never-sent")
     assert_unknown(post(ids_server, image_part(None, "mine"), key=KEYS[1]))  # another API key's id
     assert_unknown(post(ids_server, image_part(None, "mine"), cache_salt="other"))  # another salt's
     video = {"type": "video_url", "video_url": None, "uuid": "mine"}  # bound as an image
@@ -131,7 +135,7 @@ def test_an_item_evicted_from_every_cache_is_refused_then_served_again_when_rese
     for seed in range(600, 600 + ENCODER_CACHE_IMAGES + 1):  # past the encoder cache's room too
         answer(ids_server, image_part(make_image(seed)))
     before = ids_server.metrics()
-    assert_unknown(post(ids_server, image_part(None, "evicted")))
+    assert_unknown(post(ids_server, image_part(None, "evicted")), uuid="evicted")
     after = ids_server.metrics()
     assert delta(before, after, 'mmserve_mm_uuid_lookups_total{result="unknown"}') == 1
     assert delta(before, after, "mmserve_mm_processor_seconds_count") == 0
