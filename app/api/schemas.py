@@ -181,7 +181,12 @@ class ChatMessageParam(_Request):
             return content
         if not isinstance(content, list):
             raise ValueError("content must be a string or a list of content parts")
-        return _PARTS.validate_python(content)
+        parts = _PARTS.validate_python(content)
+        if info.data.get("role") == "tool":
+            media = [f"content[{j}] is {part.type}" for j, part in enumerate(parts) if part.type != "text"]
+            if media:
+                raise ValueError(f"a tool message's content is text ({', '.join(media)})")
+        return parts
 
     @field_validator("tool_calls")
     @classmethod
@@ -196,9 +201,6 @@ class ChatMessageParam(_Request):
         role = info.data.get("role")
         if role == "tool" and not call_id:
             raise ValueError("a tool message needs the tool_call_id of the call it answers")
-        content = info.data.get("content")
-        if role == "tool" and isinstance(content, list) and any(part.type != "text" for part in content):
-            raise ValueError("a tool message's content is text")
         return call_id if role == "tool" else None
 
 

@@ -258,8 +258,17 @@ def test_invalid_parameters(fields: dict[str, Any], loc: tuple[Any, ...], needle
                 "tool_call_id": "c",
                 "content": [{"type": "image_url", "image_url": {"url": "x"}}],
             },
-            (0, "tool_call_id"),
-            "content is text",
+            (0, "content"),
+            "content is text (content[0] is image_url)",
+        ),
+        (
+            {
+                "role": "tool",
+                "tool_call_id": "c",
+                "content": [{"type": "text", "text": "t"}, {"type": "video_url", "video_url": {"url": "x"}}],
+            },
+            (0, "content"),
+            "content is text (content[1] is video_url)",
         ),
         (
             {
