@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import shutil
 import signal
 from multiprocessing.context import ForkServerContext
 from typing import Any
@@ -55,3 +56,13 @@ def start_fork_server(*, api_processes: bool = False) -> None:
     caller's own."""
     child_context(api_processes=api_processes)
     multiprocessing.forkserver.ensure_running()
+
+
+def remove_multiprocessing_folder() -> None:
+    """Removes the folder multiprocessing made in this process (``pymp-*`` in the temp folder: the fork
+    server's listening socket), as its exit hook would: a role ends with ``os._exit``, which skips that
+    hook, so every start and stop left one behind. Only once nothing will start another child."""
+    config = getattr(multiprocessing.current_process(), "_config", {})  # multiprocessing.util sets it
+    folder = config.get("tempdir")
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)

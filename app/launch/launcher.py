@@ -27,7 +27,7 @@ import httpx
 import setproctitle
 import uvicorn
 
-from app.child_processes import leave_fork_server, start_fork_server
+from app.child_processes import leave_fork_server, remove_multiprocessing_folder, start_fork_server
 from app.inputs.encoder_budgets import budget_warnings, derive_encoder_budgets, startup_error
 from app.launch.process_configs import engine_config, worker_config
 from app.launch.supervisor import Supervisor
@@ -108,6 +108,7 @@ def exit_now(status: int) -> NoReturn:
     """Ends a role's process once it stopped serving and closed what it owns (sockets, children, shared
     memory, temp folders): the interpreter's own finalization has nothing left to do, and with torch and
     transformers imported it takes over a second, which every Ctrl-C and restart would wait for."""
+    remove_multiprocessing_folder()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

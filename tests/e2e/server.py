@@ -242,9 +242,10 @@ def serve_args(model_dir: Path, port: int, flags: tuple[str, ...]) -> list[str]:
     return ["serve", "--model", str(model_dir), "--port", str(port), *defaults, *flags]
 
 
-def start_serve(model_dir: Path, log_dir: Path, *flags: str) -> Server:
+def start_serve(model_dir: Path, log_dir: Path, *flags: str, env: dict[str, str] | None = None) -> Server:
     port = free_port()
-    process = ServerProcess(serve_args(model_dir, port, flags), log_dir / f"serve-{port}.log").start()
+    log = log_dir / f"serve-{port}.log"
+    process = ServerProcess(serve_args(model_dir, port, flags), log, env or {}).start()
     server = Server(process, port)
     try:
         wait_healthy(server.base_url, process)

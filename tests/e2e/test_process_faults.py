@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -120,7 +122,9 @@ def test_sigterm_drains_in_flight_requests(
     gets it at once): the requests in flight finish, and no process is restarted meanwhile."""
     sems_before = named_semaphores()
     flags = ("--shutdown-timeout", "60", "--allow-private-media-urls")
-    drained = start_serve(tiny_model_dir, tmp_path, *flags)
+    # a temp folder of its own (short: it holds the IPC sockets' paths), to see that nothing is left in it
+    temp = Path(tempfile.mkdtemp(prefix="mmt-"))
+    drained = start_serve(tiny_model_dir, tmp_path, *flags, env={"TMPDIR": str(temp)})
     assert drained.process.proc is not None
     proc = drained.process.proc
     children = descendants(proc.pid)
@@ -164,6 +168,9 @@ def test_sigterm_drains_in_flight_requests(
     assert not [pid for pid in children if alive(pid)], "no orphan processes"
     leaked = owned_shm_entries([proc.pid, *children]) | (named_semaphores() - sems_before)
     assert not leaked, f"leaked shared memory: {leaked}"
+    left = sorted(p.name for p in temp.iterdir() if p.name.startswith(("mmserve-", "pymp-")))
+    shutil.rmtree(temp, ignore_errors=True)
+    assert not left, f"temp folders left behind: {left}"  # the IPC sockets', multiprocessing's
 
 
 def unanswered_post(server: Server, body: dict[str, Any]) -> tuple[threading.Thread, list[httpx.Response]]:
