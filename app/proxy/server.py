@@ -22,12 +22,15 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from app.api.disconnect import CLIENT_CLOSED_REQUEST, ClientLeft, unless_client_leaves
 from app.api.error_handlers import install_error_handlers
 from app.api.json_body import decode_json
 from app.api.request_guards import RequestGuards
+from app.api.schemas import ChatCompletionRequest
+from app.errors import MMServeError
 from app.proxy.cli import ProxyConfig
 from app.proxy.forward import (
     RoundRobin,
@@ -112,7 +115,7 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
     async def prepare_and_forward(raw: bytes, headers: dict[str, str]) -> Response:
         client = clients[0]
         body = await _parse(raw)
-        parts = media_parts(body) if body is not None else []
+        parts = media_parts(body) if body is not None and await _valid_request(body, len(raw)) else []
         if body is not None and parts:
             metrics.encoder_requests.inc(len(parts))
             start = time.perf_counter()
@@ -186,6 +189,20 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _valid_request(body: dict[str, Any], size: int) -> bool:
+    """Whether the body is a chat request as the LM's API reads it (``ChatCompletionRequest``). One it
+    refuses goes to the LM unencoded: its media would be encoded for nothing, and the LM's 400 is the
+    answer either way."""
+    try:
+        if size > PARSE_IN_THREAD_BYTES:
+            await asyncio.to_thread(ChatCompletionRequest.model_validate, body)
+        else:
+            ChatCompletionRequest.model_validate(body)
+    except (ValidationError, ValueError, MMServeError):
+        return False
+    return True
 
 
 async def _parse(raw: bytes) -> dict[str, Any] | None:

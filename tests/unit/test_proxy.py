@@ -241,6 +241,20 @@ def test_text_only_and_invalid_json_skip_the_encoders(proxy: TestClient, upstrea
     assert metrics(proxy)["mmserve_proxy_encoder_seconds_count"] == 0
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{"temperature": "hot"}, {"max_tokens": -1}, {"stream_options": {"include_usge": True}}, {"n": 0}],
+)
+def test_a_request_the_lm_refuses_by_its_schema_is_not_encoded(
+    proxy: TestClient, upstreams: FakeUpstreams, extra: dict[str, Any]
+) -> None:
+    raw = json.dumps(chat(image("u1"), {"type": "text", "text": "hi"}, **extra)).encode()
+    proxy.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+    assert [r.url.host for r in upstreams.received] == ["lm"], "straight to the LM, which refuses it"
+    assert upstreams.received[0].content == raw
+    assert metrics(proxy)["mmserve_proxy_encoder_requests_total"] == 0
+
+
 def test_encoder_failures_are_counted_and_the_lm_still_answers(
     proxy: TestClient, upstreams: FakeUpstreams
 ) -> None:
