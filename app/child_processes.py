@@ -61,7 +61,11 @@ def start_fork_server(*, api_processes: bool = False) -> None:
 def remove_multiprocessing_folder() -> None:
     """Removes the folder multiprocessing made in this process (``pymp-*`` in the temp folder: the fork
     server's listening socket), as its exit hook would: a role ends with ``os._exit``, which skips that
-    hook, so every start and stop left one behind. Only once nothing will start another child."""
+    hook, so every start and stop left one behind. Only once nothing will start another child, and only
+    in a program's first process: a child's process object carries its parent's folder, which the
+    parent's fork server still listens in."""
+    if multiprocessing.parent_process() is not None:
+        return
     config = getattr(multiprocessing.current_process(), "_config", {})  # multiprocessing.util sets it
     folder = config.get("tempdir")
     if folder:
