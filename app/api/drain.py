@@ -8,7 +8,9 @@ the lifespan then stops the engine as on any shutdown. At the deadline, a reques
 started (still uploading its body, a stream before its first token, a non-streamed answer not yet
 complete) is cancelled and answered 503 ``server_shutting_down``: its work is abandoned as when a client
 leaves (aborted in the engine), and its client gets the envelope instead of the plain-text 500 uvicorn
-sends for a task it cancels. An answer already streaming is cut off.
+sends for a task it cancels. An answer already streaming ends with its endpoint's error event, code
+``server_shutting_down`` (``on_cut_off``: the engine client ends every request's outputs), rather than
+a dropped connection.
 
 With ``--api-server-count N`` the main ``serve`` process hooks its other API processes in: ``on_start``
 forwards the SIGTERM to them (they drain concurrently, each with its own deadline) and ``waits_for`` keeps
@@ -48,7 +50,9 @@ class _InFlight:
 class Drain:
     """``on_start``: called once, when the drain starts (in the signal handler: keep them short).
     ``waits_for``: other work the drain waits for besides this process's requests; each says whether
-    it is still busy, polled on every server tick until none is or the deadline passed."""
+    it is still busy, polled on every server tick until none is or the deadline passed.
+    ``on_cut_off``: called at the deadline with the message for the answers it ends (the app adds the
+    engine client's ``end_in_flight``)."""
 
     def __init__(
         self,
@@ -62,6 +66,7 @@ class Drain:
         self.deadline: float | None = None
         self.on_start = list(on_start)
         self.waits_for = list(waits_for)
+        self.on_cut_off: list[Callable[[str], None]] = []
 
     @property
     def in_flight(self) -> int:
@@ -85,13 +90,21 @@ class Drain:
         return idle or time.monotonic() >= self.deadline
 
     def cut_off(self) -> int:
-        """Cancels every request in flight whose answer has not started, so that it is answered 503
-        (``DrainGuard``); returns how many. Called from the event loop, at the deadline."""
+        """Ends the answers already streaming (``on_cut_off``) and cancels every request in flight whose
+        answer has not started, so that it is answered 503 (``DrainGuard``: the cancellation comes first
+        where both reach a request); returns how many were cancelled. Called from the event loop, at the
+        deadline."""
+        for end_answers in self.on_cut_off:
+            end_answers(f"The server shut down before finishing this answer ({self.timeout_flag}).")
         unanswered = [r for r in self.requests if not r.answering and not r.cut_off]
         for request in unanswered:
             request.cut_off = True
             request.task.cancel()
         return len(unanswered)
+
+    @property
+    def timeout_flag(self) -> str:
+        return f"--shutdown-timeout {self.timeout_s:g} s"
 
 
 class DrainGuard:
@@ -125,8 +138,7 @@ class DrainGuard:
             if not request.cut_off or request.answering:
                 raise
             request.task.uncancel()  # cancelled by ``Drain.cut_off`` alone: answer it
-            timeout = f"--shutdown-timeout {self.drain.timeout_s:g} s"
-            message = f"The server shut down before answering this request ({timeout})."
+            message = f"The server shut down before answering this request ({self.drain.timeout_flag})."
             error = EngineUnavailableError(message, code="server_shutting_down")
             await refuse(error, scope, send, headers={"Connection": "close"})
         finally:

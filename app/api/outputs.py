@@ -191,7 +191,7 @@ async def request_outputs(first: RequestOutput, queue: OutputQueue) -> AsyncIter
         out = pending if pending is not None else await queue.get()
         pending = None
         if isinstance(out, EngineGone):
-            raise EngineUnavailableError(out.reason)
+            raise EngineUnavailableError(out.reason, code=out.code)
         if out.error is not None:  # e.g. the worker died or its step failed under the request
             raise error_from_engine(out.error)
         while out.finish_reason is None and not queue.empty():

@@ -73,6 +73,7 @@ def create_app(
         )
         ipc_cache_bytes = 0 if shm else settings.ipc_cache_bytes
         engine = EngineClient(settings.engine_addr, ipc_cache_bytes, metrics, shm, settings.curve_keys())
+        drain.on_cut_off.append(lambda message: engine.end_in_flight(message, "server_shutting_down"))
         processor_cache = ProcessorCache(0 if shm else settings.processor_cache_bytes)
         video = VideoRules.from_settings(settings) if family.supports_video else None
         pool = PreprocessPool(

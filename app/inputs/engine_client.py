@@ -68,9 +68,11 @@ RELEASED_IDS_KEPT = 4096
 
 @dataclass(frozen=True)
 class EngineGone:
-    """Put on a request's queue when the engine died or restarted with the request in flight."""
+    """Put on a request's queue when the engine died or restarted with the request in flight, or when
+    the API's drain ran out of time (``end_in_flight``): the request's 503 with this code."""
 
     reason: str
+    code: str = "engine_unavailable"
 
 
 @dataclass(frozen=True)
@@ -367,5 +369,9 @@ class EngineClient:
         self.ready_event.set()
 
     def _fail_in_flight(self, reason: str) -> None:
+        self.end_in_flight(reason, "engine_unavailable")
+
+    def end_in_flight(self, reason: str, code: str) -> None:
+        """Ends every request in flight with a 503 (``code``): a stream ends with its error event."""
         for queue in self._queues.values():
-            queue.put_nowait(EngineGone(reason))
+            queue.put_nowait(EngineGone(reason, code))

@@ -150,7 +150,7 @@ async def _submit_choice(
             raise
         if isinstance(first, EngineGone):
             engine.release(req_id, abort=False)
-            raise EngineUnavailableError(first.reason)
+            raise EngineUnavailableError(first.reason, code=first.code)
         if first.error is None:
             return SubmittedChoice(req_id, queue, first)
         engine.release(req_id, abort=False)

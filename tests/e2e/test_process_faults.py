@@ -59,6 +59,22 @@ def stream_events(server: Server, body: dict[str, Any], events: list[dict[str, A
         events.append("cut off")
 
 
+def stream_response(server: Server, events: list[Any]) -> None:
+    """A long streamed ``/v1/responses`` answer's events (``{"type": "cut off"}`` when the connection
+    closed early); run in a thread."""
+    # the tiny model says no EOS within these tokens for this input (greedy)
+    body = {"model": "tiny-llava", "input": "Never stop.", "max_output_tokens": 1400, "temperature": 0}
+    body["stream"] = True
+    try:
+        with httpx.stream("POST", f"{server.base_url}/v1/responses", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line.removeprefix("data: ")))
+    except httpx.HTTPError:
+        events.append({"type": "cut off"})
+
+
 def started_stream(server: Server, body: dict[str, Any]) -> tuple[threading.Thread, list[Any]]:
     """A streamed request running in a thread, returned once its first tokens arrived."""
     events: list[Any] = []
@@ -207,9 +223,10 @@ def read_response(sock: socket.socket) -> tuple[int, dict[str, Any]]:
 
 
 def test_sigterm_cuts_off_what_outlives_the_shutdown_timeout(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """At the deadline, answers already streaming are cut off; a request not yet answered, whether it
-    waits for its first token or its client stalled while uploading the body, gets 503
-    ``server_shutting_down`` in OpenAI's error shape (uvicorn would send a plain-text 500)."""
+    """At the deadline, answers already streaming (chat and Responses) end with their error event; a
+    request not yet answered, whether it waits for its first token or its client stalled while uploading
+    the body, gets 503 ``server_shutting_down`` in OpenAI's error shape (uvicorn would send a plain-text
+    500)."""
     hurried = start_serve(tiny_model_dir, tmp_path, "--shutdown-timeout", "0.3")
     assert hurried.process.proc is not None
     proc = hurried.process.proc
@@ -222,6 +239,13 @@ def test_sigterm_cuts_off_what_outlives_the_shutdown_timeout(tiny_model_dir: Pat
         started_stream(hurried, greedy_body([user_message(f"Never stop {i}.", make_image(74))], 1400))
         for i in range(3)
     ]
+    response_events: list[Any] = []
+    responding = threading.Thread(target=stream_response, args=(hurried, response_events), daemon=True)
+    responding.start()
+    deadline = time.monotonic() + 60
+    while not any(e.get("type") == "response.output_text.delta" for e in response_events):
+        assert responding.is_alive() and time.monotonic() < deadline, response_events[-3:]
+        time.sleep(0.02)
 
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
@@ -233,7 +257,14 @@ def test_sigterm_cuts_off_what_outlives_the_shutdown_timeout(tiny_model_dir: Pat
     assert "request(s) in flight are cut off" in hurried.process.log()
     for thread, _ in streams:
         thread.join(10)
-    assert "cut off" in [events[-1] for _, events in streams]
+    for _, events in streams:  # ended with the stream's error event, never a dropped connection
+        assert "[DONE]" not in events and events[-1] != "cut off", events[-3:]
+        assert events[-1]["error"]["code"] == "server_shutting_down", events[-1]
+        assert "shut down before finishing this answer" in events[-1]["error"]["message"]
+    responding.join(10)
+    assert response_events[-1]["type"] == "error", response_events[-3:]
+    assert response_events[-1]["code"] == "server_shutting_down"
+    assert "Traceback" not in hurried.process.log(), hurried.process.log()[-3000:]
     waiting.join(10)
     assert answers[0].status_code == 503, answers[0].text
     assert answers[0].json()["error"] == {
