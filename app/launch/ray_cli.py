@@ -4,8 +4,10 @@ With no ``--ray-address`` it starts a Ray cluster on this machine, bound to 127.
 store capped, and the replicas share one media-id table and one response store (files in a temporary
 folder), so any replica resolves a media id or a stored response made through another. With an address
 it joins that cluster; there each replica keeps its own unless ``--mm-uuid-store`` and
-``--responses-store`` name files every node sees. Ctrl-C (or SIGTERM) stops the application, its
-replicas and a cluster it started."""
+``--responses-store`` name files every node sees. SIGTERM drains first, as ``mmserve serve`` does: new
+requests get 503 ``server_shutting_down`` while the answers under way finish, for up to
+``--shutdown-timeout`` (``drain``); then, or at once on Ctrl-C or a second SIGTERM, it stops the
+application, its replicas and a cluster it started."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +101,7 @@ def run_ray_serve(args: argparse.Namespace, given: dict[str, Any]) -> int:
     import ray
     from ray import serve
 
-    from app.ray_serve.app import build_app
+    from app.ray_serve.app import INGRESS_DEPLOYMENT, build_app
 
     given = {**given, "model": str(Path(settings.model).resolve())}  # replicas run in other folders
     with tempfile.TemporaryDirectory(prefix="mmserve-ray-") as folder:
@@ -114,9 +117,15 @@ def run_ray_serve(args: argparse.Namespace, given: dict[str, Any]) -> int:
             )
         else:
             ray.init(address=args.ray_address)
-        stop = threading.Event()
+        stop, now = threading.Event(), threading.Event()  # stop: drain first; now: stop at once
+
+        def on_signal(sig: int, _: object) -> None:
+            if sig == signal.SIGINT or stop.is_set():
+                now.set()
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, on_signal)
         try:
             serve.start(http_options={"host": settings.host, "port": settings.port})
             app_args = {
@@ -129,6 +138,9 @@ def run_ray_serve(args: argparse.Namespace, given: dict[str, Any]) -> int:
                 "stream_interval_ms": args.stream_interval_ms,
             }
             serve.run(build_app(app_args), name=APP_NAME, route_prefix="/")
+            # the handle SIGTERM's drain calls, ready before it is needed (a first call takes seconds)
+            ingress = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app_name=APP_NAME)
+            ingress.in_flight.remote().result(timeout_s=60)
             url = f"http://{settings.host}:{settings.port}"
             print(
                 f"mmserve: serving model {settings.model_name!r} from {args.replicas} Ray Serve replicas at "
@@ -136,7 +148,28 @@ def run_ray_serve(args: argparse.Namespace, given: dict[str, Any]) -> int:
                 flush=True,
             )
             stop.wait()
+            if not now.is_set():
+                drain(ingress, settings.shutdown_timeout, now)
         finally:
             serve.shutdown()
             ray.shutdown()
     return 0
+
+
+def drain(ingress: Any, timeout_s: float, now: threading.Event) -> None:
+    """SIGTERM: the ingress (its deployment's handle) refuses new requests (503 ``server_shutting_down``)
+    and the driver waits until it answers none, ``timeout_s`` passed or ``now`` is set; what is still
+    running then is cut off when the application stops (app/ray_serve/ingress.py)."""
+    print(f"mmserve: SIGTERM: draining for up to {timeout_s:g} s; new requests get 503", flush=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        ingress.start_drain.remote().result(timeout_s=30)
+        while not now.is_set() and time.monotonic() < deadline:
+            if ingress.in_flight.remote().result(timeout_s=30) == 0:
+                return
+            now.wait(0.1)
+    except Exception as exc:  # an ingress that cannot be reached has nothing to drain
+        print(f"mmserve: the drain stopped early: {exc!r}", file=sys.stderr, flush=True)
+        return
+    if not now.is_set():
+        print("mmserve: shutdown timeout: the requests still running are cut off", flush=True)

@@ -24,6 +24,7 @@ from app.ray_serve.stream_batching import DEFAULT_INTERVAL_S
 from app.settings import Settings
 
 REPLICA_DEPLOYMENT = "MmserveReplica"
+INGRESS_DEPLOYMENT = "MmserveIngress"
 INSTANCE_OWN_SETTINGS = {"host", "port"}  # each replica's instance has its own
 INGRESS_MAX_ONGOING = 4096  # requests the ingress relays at once (each replica bounds its own)
 
@@ -106,9 +107,10 @@ def build_app(args: dict[str, Any]) -> serve.Application:
         replica_deployment=REPLICA_DEPLOYMENT,
         chat_messages=parsed.router == "prefix",
         shared_responses=settings.responses_store is not None,
+        shutdown_timeout_s=settings.shutdown_timeout,
     )
     ingress = serve.deployment(
-        name="MmserveIngress",
+        name=INGRESS_DEPLOYMENT,
         num_replicas=1,
         max_ongoing_requests=INGRESS_MAX_ONGOING,
         ray_actor_options={"num_cpus": 0},  # it relays; the replicas hold the CPUs (or GPUs)

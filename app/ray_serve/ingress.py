@@ -9,6 +9,11 @@ one that fails mid-stream ends the stream with an error event, as ``mmserve prox
 own routes: ``/health``, ``/metrics`` (the router's placements) and ``/replicas`` (what each replica
 reports: its instance's URL and pid, how many media keys it holds).
 
+SIGTERM to ``mmserve ray serve`` drains here, as ``mmserve serve`` drains its API (``app.api.drain``):
+``start_drain`` makes ``DrainGuard`` refuse new requests with 503 ``server_shutting_down`` and
+``/health`` answer 503, and the driver polls ``in_flight`` until the answers under way are done or
+``--shutdown-timeout`` passed, before it stops the application.
+
 No ``from __future__ import annotations`` here: Ray ships the ingress class by value, without the
 module's globals its annotations would name, and FastAPI reads the annotations to bind ``Request``."""
 
@@ -24,6 +29,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from app.api.drain import Drain, DrainGuard
 from app.api.error_handlers import error_response, install_error_handlers, sse_error_event
 from app.api.request_guards import RequestGuards, request_tenant
 from app.proxy.forward import UpstreamUnavailableError, describe, forwarded_headers
@@ -46,12 +52,15 @@ class IngressOptions:
     replica_deployment: str  # the replica deployment's name, under which its router is listed
     chat_messages: bool = False  # send the parsed messages too (Ray's prefix router reads them)
     shared_responses: bool = False  # every replica reads one response store (--responses-store FILE)
+    shutdown_timeout_s: float = 30.0  # --shutdown-timeout: how long SIGTERM's drain waits
 
 
 def build_ingress(options: IngressOptions) -> type:
     """The ingress deployment's class, its FastAPI app guarded by ``options``."""
     app = FastAPI(title="mmserve on Ray Serve", docs_url=None, redoc_url=None)
     install_error_handlers(app)
+    drain = Drain(options.shutdown_timeout_s)
+    app.add_middleware(DrainGuard, drain=drain)  # added first: runs after the guards below
     app.add_middleware(RequestGuards, api_key=options.api_keys, max_body_bytes=options.max_body_bytes)
 
     @serve.ingress(app)
@@ -62,7 +71,17 @@ def build_ingress(options: IngressOptions) -> type:
 
         @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
         async def health(self) -> JSONResponse:
+            if drain.started:
+                return JSONResponse({"status": "draining"}, status_code=503)
             return JSONResponse({"status": "ok"})
+
+        def start_drain(self) -> None:
+            """Called by the driver on SIGTERM (a handle call: one ingress replica)."""
+            drain.start()
+
+        def in_flight(self) -> int:
+            """The requests still being answered."""
+            return drain.in_flight
 
         @app.get("/metrics")
         async def metrics(self) -> Response:

@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -320,7 +321,21 @@ def test_after_the_ingress_restarts_follow_ups_go_where_their_response_was_made(
         assert after.get(name, 0) - before.get(name, 0) == count, placement
 
 
-def test_a_killed_replica_s_requests_go_to_the_other_and_ctrl_c_stops_all(ray_server: RayServer) -> None:
+def streamed_lines(server: RayServer, body: dict[str, Any], lines: list[str]) -> None:
+    """A streamed chat answer's ``data:`` payloads ("cut off" when the connection closed early)."""
+    url = f"{server.base_url}/v1/chat/completions"
+    try:
+        with httpx.stream("POST", url, json={**body, "stream": True}, headers=AUTH, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line.removeprefix("data: "))
+    except httpx.HTTPError:
+        lines.append("cut off")
+
+
+def test_a_killed_replica_s_requests_go_to_the_other_and_sigterm_drains_then_stops_all(
+    ray_server: RayServer,
+) -> None:
     owners = {index: ask(ray_server, index).headers["x-mmserve-replica"] for index in range(len(IMAGES))}
     expected = {index: text_of(ask(ray_server, index)) for index in range(len(IMAGES))}
     replicas = ray_server.replicas()
@@ -349,7 +364,27 @@ def test_a_killed_replica_s_requests_go_to_the_other_and_ctrl_c_stops_all(ray_se
     else:
         assert by_id.status_code == 400 and by_id.json()["error"]["code"] == "media_uuid_unknown", by_id.text
     instances = [entry["pid"] for entry in ray_server.replicas().values()]
-    assert stop(ray_server.process) == 0, ray_server.process.log()[-3000:]
+
+    # SIGTERM drains as `mmserve serve` does: the answer under way finishes, new requests get 503
+    lines: list[str] = []
+    long = greedy_body([{"role": "user", "content": "Go on and on."}], 1500)
+    streaming = threading.Thread(target=streamed_lines, args=(ray_server, long, lines), daemon=True)
+    streaming.start()
+    deadline = time.monotonic() + 60
+    while len(lines) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ray_server.process.proc is not None
+    ray_server.process.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{ray_server.base_url}/health", timeout=10).status_code != 503:
+        assert time.monotonic() < deadline, "the ingress never started draining"
+        time.sleep(0.05)
+    refused = ask(ray_server, 1)
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+    assert lines[-1] != "[DONE]", "the answer was still under way when the drain began"
+    streaming.join(120)
+    assert lines[-1] == "[DONE]", lines[-3:]
+    assert ray_server.process.proc.wait(60) == 0, ray_server.process.log()[-3000:]
     deadline = time.monotonic() + 30
     while any(alive(pid) for pid in instances) and time.monotonic() < deadline:
         time.sleep(0.2)
