@@ -82,6 +82,7 @@ class ChatService:
                     skip_special_tokens=body.skip_special_tokens,
                     stop=body.stop,
                     include_stop_str=body.include_stop_str_in_output,
+                    min_tokens=body.min_tokens,
                 ),
                 parse_tool_calls=body.parses_tool_calls,
                 stop_token_ids=frozenset([*self.inputs.family.eos_token_ids, *(body.stop_token_ids or ())]),

@@ -11,6 +11,9 @@ U+FFFD), so byte-level BPE output never streams half a character. Released text 
 hold-back: while the tail could still grow into a stop string it is kept, so a stop string is never
 partly streamed. Invariants: ``read_offset`` is always at a character boundary; released text holds
 no stop string nor the start of one that could still complete, so only unreleased text is searched.
+With ``min_tokens``, as in vLLM, a stop string counts only where it ends in the text of a token past the
+first ``min_tokens``: until then, a stop string already whole goes out as text, and only the start of
+one that could still complete is held back.
 """
 
 from __future__ import annotations
@@ -58,8 +61,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: list[str] | None = None,
         include_stop_str: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in stop or [] if s]
         self.include_stop_str = include_stop_str
@@ -160,7 +165,7 @@ class IncrementalDetokenizer:
 
     def _release(self, new_text: str, *, final: bool) -> str:
         pending = self._pending + new_text
-        if self.stop:
+        if self.stop and len(self.token_ids) > self.min_tokens:
             matches = [(pos, s) for s in self.stop if (pos := pending.find(s)) >= 0]
             if matches:
                 pos, stop_str = min(matches, key=lambda match: (match[0], -len(match[1])))

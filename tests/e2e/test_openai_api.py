@@ -140,3 +140,21 @@ def test_stop_string_truncates_output(server: Server) -> None:
     )
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == full[: full.index(stop)]
+
+
+def test_min_tokens_holds_back_stop_strings_as_vllm(server: Server) -> None:
+    """A stop string counts only where it ends in a token past the first ``min_tokens``."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    messages = [user_message("Describe it.", make_image(14))]
+    ask = {"model": "tiny-llava", "messages": messages, "max_tokens": 24, "temperature": 0}
+    full = client.chat.completions.create(**ask, extra_body={"ignore_eos": True}).choices[0].message.content
+    assert full and len(full) > 6
+    stop = full[:2]  # whole within the first tokens' text
+    held = client.chat.completions.create(**ask, stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 8})
+    assert held.usage is not None and held.usage.completion_tokens > 8, held
+    content = held.choices[0].message.content or ""
+    assert full.startswith(content) and len(content) > len(stop), (content, full)
+    if held.choices[0].finish_reason == "stop":  # a later occurrence, past the eighth token
+        assert full[len(content) :].startswith(stop)
+    else:
+        assert held.choices[0].finish_reason == "length" and content == full

@@ -242,3 +242,19 @@ def test_logprobs_json_cannot_carry_are_sent_as_the_floor(tokenizer: PreTrainedT
     json.dumps(items, allow_nan=False)
     assert [item["logprob"] for item in items] == [LOGPROB_FLOOR, -0.25]
     assert [top["logprob"] for top in items[0]["top_logprobs"]] == [LOGPROB_FLOOR, LOGPROB_FLOOR]
+
+
+def test_min_tokens_counts_only_stop_strings_ending_past_them(tokenizer: PreTrainedTokenizerFast) -> None:
+    ids = tokenizer.encode("héllo wörld héllo wörld", add_special_tokens=False)
+    prefix_ids = next(k for k in range(1, len(ids)) if "wörld" in tokenizer.decode(ids[:k]))
+    for chunk in (1, 3, len(ids)):
+        detok = IncrementalDetokenizer(tokenizer, stop=["wörld"], min_tokens=prefix_ids)
+        streamed = "".join(_stream(detok, ids, chunk))
+        assert detok.stopped and detok.stop_str == "wörld"
+        assert streamed == detok.text == "héllo wörld héllo ", chunk  # the second: the first ended too early
+        unheld = IncrementalDetokenizer(tokenizer, stop=["wörld"])
+        assert "".join(_stream(unheld, ids, chunk)) == "héllo "
+    # a stop string that starts within the first tokens and ends past them counts
+    k = next(k for k in range(2, len(ids)) if "\ufffd" not in tokenizer.decode(ids[:k]))
+    detok = IncrementalDetokenizer(tokenizer, stop=[tokenizer.decode(ids[:k])], min_tokens=k - 1)
+    assert "".join(_stream(detok, ids)) == "" and detok.stopped
