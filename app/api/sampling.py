@@ -86,7 +86,12 @@ def sampling_params(
         max_tokens = min(defaults.max_new_tokens, max(max_model_len - num_prompt_tokens, 1))
     if max_tokens is None:
         max_tokens = max_model_len - num_prompt_tokens
-    if num_prompt_tokens >= max_model_len or num_prompt_tokens + max_tokens > max_model_len:
+    if num_prompt_tokens >= max_model_len:  # whatever the max tokens: no room for one
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_model_len} tokens. However, the messages are "
+            f"{num_prompt_tokens} tokens, which leaves no room for a completion. Shorten the messages."
+        )
+    if num_prompt_tokens + max_tokens > max_model_len:
         raise ContextLengthError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, "

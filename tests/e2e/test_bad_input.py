@@ -163,9 +163,14 @@ def test_fetch_timeout_is_a_client_error(server: Server, image_http_server: str)
 def test_prompt_longer_than_max_model_len(server: Server) -> None:
     text = " ".join(f"word{i}" for i in range(3000))
     body = {"model": "tiny-llava", "messages": [{"role": "user", "content": text}]}
-    assert_error(post(server, body), 400, code="context_length_exceeded")
+    resp = post(server, body)
+    assert_error(resp, 400, code="context_length_exceeded")
+    message = resp.json()["error"]["message"]  # the prompt's length, never a negative completion
+    assert "leaves no room for a completion" in message and "-" not in message, message
     body = {"model": "tiny-llava", "messages": [user_message("hi", make_image(500))], "max_tokens": 5000}
-    assert_error(post(server, body), 400, code="context_length_exceeded")
+    resp = post(server, body)
+    assert_error(resp, 400, code="context_length_exceeded")
+    assert "5000 in the completion" in resp.json()["error"]["message"]
 
 
 def test_bad_input_disturbs_neither_requests_nor_caches(server: Server, image_http_server: str) -> None:
