@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from workers.families.errors import FamilyInputError
 
+MM_PROCESSOR_KWARGS = "mm_processor_kwargs"
+INVALID_MM_PROCESSOR_KWARGS = "invalid_mm_processor_kwargs"  # an option the processor cannot take
+
 
 class MMServeError(Exception):
     """Base of every error that reaches the client with an OpenAI-shaped body."""
@@ -128,5 +131,9 @@ class InternalError(MMServeError):
 
 def from_family_error(exc: FamilyInputError) -> InvalidRequestError:
     """The 400 a model family's refusal becomes (the families raise their own type: they live below the
-    API process)."""
-    return InvalidRequestError(exc.message, param=exc.param, code=exc.code)
+    API process). One naming ``mm_processor_kwargs`` without a code of its own is
+    ``invalid_mm_processor_kwargs``."""
+    code = exc.code
+    if code is None and (exc.param or "").startswith(MM_PROCESSOR_KWARGS):
+        code = INVALID_MM_PROCESSOR_KWARGS
+    return InvalidRequestError(exc.message, param=exc.param, code=code)

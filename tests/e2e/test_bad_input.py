@@ -328,3 +328,11 @@ def test_responses_errors_name_the_responses_fields(server: Server) -> None:
     text = {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objekt"}}}
     error = assert_error(httpx.post(url, json={**body, "input": "hi", "text": text}, timeout=60), 400)
     assert str(error["param"]).startswith("text.format"), error
+
+
+@pytest.mark.parametrize("kwargs", [{"size": "big"}, {"do_resize": "yes"}, {"bogus": 1}])
+def test_options_the_processor_cannot_take_are_invalid_mm_processor_kwargs(
+    server: Server, kwargs: dict[str, Any]
+) -> None:
+    body = greedy_body([user_message("Hi.", make_image(520))], 2, mm_processor_kwargs=kwargs)
+    assert_error(post(server, body), 400, code="invalid_mm_processor_kwargs", param="mm_processor_kwargs")

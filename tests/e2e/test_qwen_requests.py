@@ -117,6 +117,7 @@ def test_options_the_family_does_not_accept(
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == "mm_processor_kwargs" and fragment in error["message"], error
+    assert error["code"] == "invalid_mm_processor_kwargs", error
 
 
 def test_resolution_the_family_cannot_process(tiny_pool_server: Server) -> None:

@@ -37,7 +37,14 @@ from typing import Any
 import msgspec
 
 from app.child_processes import child_context
-from app.errors import EngineUnavailableError, InternalError, InvalidRequestError, MediaError, MMServeError
+from app.errors import (
+    INVALID_MM_PROCESSOR_KWARGS,
+    EngineUnavailableError,
+    InternalError,
+    InvalidRequestError,
+    MediaError,
+    MMServeError,
+)
 from app.inputs.preprocess.child import (
     Answer,
     Loaded,
@@ -306,7 +313,9 @@ class PreprocessPool:
         try:
             call = encoder.encode(Preprocess(name, options, param, modality))
         except OverflowError as exc:  # an integer msgpack cannot carry: no processor takes it either
-            raise InvalidRequestError(f"Invalid mm_processor_kwargs: {exc}", param=KWARGS_PARAM) from exc
+            raise InvalidRequestError(
+                f"Invalid mm_processor_kwargs: {exc}", param=KWARGS_PARAM, code=INVALID_MM_PROCESSOR_KWARGS
+            ) from exc
         result: asyncio.Future[ShmOutput] = asyncio.get_running_loop().create_future()
         hard_timeout_s = None
         if modality == "video" and self._video is not None:
