@@ -179,8 +179,12 @@ async def open_upstream(
         raise UpstreamUnavailableError(f"The LM instance {url} is unreachable ({describe(exc)}).") from exc
     except httpx.TimeoutException as exc:
         raise UpstreamTimeoutError(f"The LM instance {url} did not answer in time.") from exc
-    except httpx.HTTPError as exc:
+    except httpx.ConnectError as exc:
         raise UpstreamUnavailableError(f"The LM instance {url} is unreachable ({describe(exc)}).") from exc
+    except httpx.HTTPError as exc:  # connected, then the connection closed (the instance went away)
+        raise UpstreamUnavailableError(
+            f"The LM instance {url} closed the connection without answering ({describe(exc)})."
+        ) from exc
 
 
 async def relay(upstream: httpx.Response, on_stream_error: Callable[[BaseException], None]) -> Response:

@@ -142,6 +142,7 @@ class FakeUpstreams:
 
     received: list[httpx.Request] = field(default_factory=list)
     down: set[str] = field(default_factory=set)
+    hangs_up: set[str] = field(default_factory=set)  # connected, then closed without an answer
     failing: set[str] = field(default_factory=set)
     slow: set[str] = field(default_factory=set)
     stream_breaks: bool = False  # the LM's SSE answer fails after its first event
@@ -156,6 +157,10 @@ class FakeUpstreams:
         self.received.append(request)
         if request.url.host in self.down:
             raise httpx.ConnectError("connection refused", request=request)
+        if request.url.host in self.hangs_up:
+            raise httpx.RemoteProtocolError(
+                "Server disconnected without sending a response.", request=request
+            )
         if request.url.host in self.slow:
             await asyncio.sleep(30)
         if request.url.path == "/health":
@@ -271,9 +276,19 @@ def test_an_unreachable_lm_is_a_503_envelope(proxy: TestClient, upstreams: FakeU
     assert resp.status_code == 503
     error = resp.json()["error"]
     assert error["code"] == "upstream_unavailable" and error["type"] == "server_error"
-    assert error["param"] is None and "http://lm" in error["message"]
+    assert error["param"] is None and "http://lm" in error["message"] and "unreachable" in error["message"]
     assert proxy.get("/v1/models").status_code == 503
     assert metrics(proxy)["mmserve_proxy_upstream_errors_total"] == 2
+
+
+def test_an_lm_that_hangs_up_before_answering_is_a_503_saying_so(
+    proxy: TestClient, upstreams: FakeUpstreams
+) -> None:
+    upstreams.hangs_up.add("lm")
+    resp = proxy.post("/v1/chat/completions", json=chat({"type": "text", "text": "hi"}))
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == "upstream_unavailable"
+    message = resp.json()["error"]["message"]
+    assert "closed the connection without answering" in message and "unreachable" not in message
 
 
 def test_lm_errors_are_relayed_with_their_status(proxy: TestClient, upstreams: FakeUpstreams) -> None:
