@@ -150,7 +150,9 @@ def test_min_tokens_holds_back_stop_strings_as_vllm(server: Server) -> None:
     full = client.chat.completions.create(**ask, extra_body={"ignore_eos": True}).choices[0].message.content
     assert full and len(full) > 6
     stop = full[:2]  # whole within the first tokens' text
-    held = client.chat.completions.create(**ask, stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 8})
+    held = client.chat.completions.create(
+        **ask, stop=[stop], extra_body={"ignore_eos": True, "min_tokens": 8}
+    )
     assert held.usage is not None and held.usage.completion_tokens > 8, held
     content = held.choices[0].message.content or ""
     assert full.startswith(content) and len(content) > len(stop), (content, full)

@@ -158,9 +158,7 @@ class FakeUpstreams:
         if request.url.host in self.down:
             raise httpx.ConnectError("connection refused", request=request)
         if request.url.host in self.hangs_up:
-            raise httpx.RemoteProtocolError(
-                "Server disconnected without sending a response.", request=request
-            )
+            raise httpx.RemoteProtocolError("Server disconnected without a response.", request=request)
         if request.url.host in self.slow:
             await asyncio.sleep(30)
         if request.url.path == "/health":
