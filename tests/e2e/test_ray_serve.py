@@ -77,10 +77,10 @@ def ask(server: RayServer, image_index: int, **extra: Any) -> httpx.Response:
     return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, headers=AUTH, timeout=120)
 
 
-def chat_body(image_index: int, **extra: Any) -> dict[str, Any]:
+def chat_body(image_index: int, max_tokens: int = 6, **extra: Any) -> dict[str, Any]:
     parts = [{"type": "image_url", "image_url": {"url": data_url(IMAGES[image_index])}}]
     return greedy_body(
-        [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}], 6, **extra
+        [{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}], max_tokens, **extra
     )
 
 
@@ -124,10 +124,12 @@ def test_repeats_go_to_the_replica_that_served_the_image_first(ray_server: RaySe
 
 def test_a_burst_past_the_imbalance_bound_spills_to_the_other_replica(ray_server: RayServer) -> None:
     owner = ask(ray_server, 0).headers["x-mmserve-replica"]
-    expected = text_of(ask(ray_server, 0))
+    # answers long enough to overlap in the owner's queue even when the ingress sends them slowly (a
+    # busy machine): six tokens each could finish one by one, never past the bound
+    expected = text_of(ask(ray_server, 0, max_tokens=64))
     before = parse_metrics(httpx.get(f"{ray_server.base_url}/metrics").text)
     with ThreadPoolExecutor(16) as pool:
-        burst = list(pool.map(lambda _: ask(ray_server, 0), range(16)))
+        burst = list(pool.map(lambda _: ask(ray_server, 0, max_tokens=64), range(16)))
     after = parse_metrics(httpx.get(f"{ray_server.base_url}/metrics").text)
     assert {text_of(resp) for resp in burst} == {expected}
     assert {resp.headers["x-mmserve-replica"] for resp in burst} - {owner}  # some went elsewhere
