@@ -36,7 +36,9 @@ class Supervisor:
     saw the engine go, clears its IPC mirror on the new epoch. A dead API process is started again alone,
     once its orphaned shared-memory files are removed: the new process has a new ZeroMQ identity and an
     empty mirror, and the engine drops the old identity's receiver-cache partition once it has been silent
-    for 60 s. A role that dies ``MAX_RESTARTS`` times within ``RESTART_WINDOW_S`` is not restarted
+    for 60 s. A role that dies again within ``RESTART_WINDOW_S`` waits before its restart, 1 s, then 2,
+    4 and 8 s (``restart_delay``), so that what killed it (memory, a port, a file being replaced) may
+    pass; one that dies ``MAX_RESTARTS`` times within the window, or cannot be started, is not restarted
     again: the server is stopped instead.
 
     SIGTERM to ``serve`` (the main API process's drain): ``drain_apis`` forwards it to the other API
@@ -100,6 +102,9 @@ class Supervisor:
                 dead = [role for role in dead if role not in self.api_roles]
             if not dead:
                 continue
+            faults = [role for role in dead if self.children[role].exitcode != 0]
+            if faults and stop.wait(max(self._restart_delay(role) for role in faults)):
+                return
             with self.lock:
                 if stop.is_set():
                     return
@@ -115,9 +120,18 @@ class Supervisor:
                     self.draining = True
                     signal.raise_signal(signal.SIGTERM)  # the main API's drain, then drain_apis
                     continue
-                if not self._restart(dead):
+                try:
+                    restarted = self._restart(dead)
+                except Exception:  # e.g. the fork server is gone: the server cannot heal, so it stops
+                    log.exception("%s could not be started again: stopping the server", " and ".join(dead))
+                    restarted = False
+                if not restarted:
                     signal.raise_signal(signal.SIGINT)  # the API stops, then stop() ends the rest
                     return
+
+    def _restart_delay(self, role: str) -> float:
+        now = time.monotonic()
+        return restart_delay(sum(1 for t in self.restarts[role] if now - t < self.RESTART_WINDOW_S))
 
     def _restart(self, dead: list[str]) -> bool:
         now = time.monotonic()
@@ -190,3 +204,9 @@ def _end(children: list[multiprocessing.process.BaseProcess], *, grace_s: float)
         if child.is_alive():
             child.kill()
             child.join()
+
+
+def restart_delay(recent_restarts: int) -> float:
+    """Seconds before a role's next restart, after ``recent_restarts`` within the window: none for the
+    first, then 1, 2, 4 and 8 s."""
+    return 0.0 if recent_restarts == 0 else min(2.0 ** (recent_restarts - 1), 8.0)

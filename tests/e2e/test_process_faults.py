@@ -277,3 +277,22 @@ def test_sigterm_cuts_off_what_outlives_the_shutdown_timeout(tiny_model_dir: Pat
     while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in children if alive(pid)], "no orphan processes"
+
+
+def test_a_role_that_cannot_be_started_again_stops_the_server(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The worker dies and its restart fails (here: the fork server's socket was removed): the server
+    stops and says why, rather than answering 503 for ever with no one to restart it."""
+    temp = Path(tempfile.mkdtemp(prefix="mmt-"))
+    try:
+        broken = start_serve(tiny_model_dir, tmp_path, env={"TMPDIR": str(temp)})
+        assert broken.process.proc is not None
+        for folder in temp.glob("pymp-*"):  # multiprocessing's: the fork server listens there
+            shutil.rmtree(folder)
+        os.kill(role_pid(broken.process.proc.pid, "worker"), signal.SIGKILL)
+        try:
+            broken.process.proc.wait(60)
+        finally:
+            broken.process.kill()
+        assert "could not be started again: stopping the server" in broken.process.log()
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
