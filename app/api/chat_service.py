@@ -179,7 +179,7 @@ class ChatService:
                     yield sse(chunk(gen, event, include_usage))
                 if logprobs is not None or delta.finish_reason is not None:
                     reason = delta.finish_reason
-                    if reason == "stop" and streamer.num_tool_calls:
+                    if reason == "stop" and streamer.num_tool_calls and not streamer.cut_off:
                         reason = "tool_calls"
                     yield sse(chunk(gen, {}, include_usage, logprobs, reason))
             if include_usage:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import functools
 import json
+import re
+import re._constants as sre_constants  # the stdlib's own regex parser: what a pattern can match
+import re._parser as sre_parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -133,14 +136,30 @@ def _check_node(node: dict[str, Any], path: str, root: dict[str, Any]) -> None:
         raise InvalidRequestError(
             "multipleOf is enforced only as an integer on type 'integer'", param=f"{path}.multipleOf"
         )
+    bounds = [any(key in node for key in pair) for pair in _BOUNDS]
+    if "multipleOf" in node and bounds[0] != bounds[1]:
+        raise InvalidRequestError(
+            "multipleOf is enforced with both a lower and an upper bound, or with neither",
+            param=f"{path}.multipleOf",
+        )
+    lengths = [key for key in ("minLength", "maxLength") if key in node]
+    if lengths and ("pattern" in node or "format" in node):
+        beside = "pattern" if "pattern" in node else "format"
+        raise InvalidRequestError(
+            f"{lengths[0]} is not enforced beside {beside}: write the length into the pattern",
+            param=f"{path}.{lengths[0]}",
+        )
+    _check_required(node, path)
     if isinstance(node.get("items"), list):
         raise InvalidRequestError("items as a list is not supported: use prefixItems", param=f"{path}.items")
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         raise InvalidRequestError("allOf with more than one schema is not enforced", param=f"{path}.allOf")
     if isinstance(node.get("pattern"), str):
         check_regex(node["pattern"], f"{path}.pattern")
+        _check_json_string_regex(node["pattern"], f"{path}.pattern")
     for name in node.get("patternProperties") or {}:
         check_regex(name, f"{path}.patternProperties")
+        _check_json_string_regex(name, f"{path}.patternProperties")
     ref = node.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
         raise InvalidRequestError(
@@ -155,6 +174,14 @@ def _check_node(node: dict[str, Any], path: str, root: dict[str, Any]) -> None:
                 f"keywords beside {exclusive} are not enforced: {', '.join(ignored)}",
                 param=f"{path}.{ignored[0]}",
             )
+        if exclusive in ("const", "enum") and "type" in node:
+            values = [node["const"]] if exclusive == "const" else node["enum"]
+            other = [value for value in values if not any(_is_a(value, kind) for kind in _types(node))]
+            if other:  # xgrammar would write them anyway
+                raise InvalidRequestError(
+                    f"{exclusive} values that are not of the schema's type: {json.dumps(other)[:200]}",
+                    param=f"{path}.{exclusive}",
+                )
     if isinstance(node.get("oneOf"), list) and not _disjoint(node["oneOf"], root):
         raise InvalidRequestError(
             "oneOf is enforced only when no value can match two of its branches (distinct types, or a "
@@ -184,6 +211,79 @@ def check_regex(regex: str, param: str) -> None:
                 "look-ahead and look-behind assertions are not enforced in regular expressions", param=param
             )
         i += 1
+
+
+# a JSON string's characters that its text must escape: a pattern xgrammar applies to the text, not to
+# the decoded string, must never name them (its ".", \s and classes leave out the quote and the
+# backslash, and negated classes control characters too; a class still takes a control character)
+_ESCAPED = frozenset({ord('"'), ord("\\"), *range(0x20)})
+_CONTROL = frozenset(range(0x20))
+_BOUNDS = (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum"))
+
+
+def _check_json_string_regex(regex: str, param: str) -> None:
+    """Refuses a pattern for a JSON string that names a quote, a backslash or a control character:
+    xgrammar would write it unescaped, and the answer would not parse."""
+    try:
+        parsed = sre_parse.parse(regex)
+    except (re.error, RecursionError, OverflowError):
+        return  # not Python's syntax: xgrammar's compile decides
+    if _names_escaped(parsed):
+        raise InvalidRequestError(
+            "a pattern that matches a quote, a backslash or a control character is not enforced in a JSON "
+            "string (it would be written unescaped)",
+            param=param,
+        )
+
+
+def _names_escaped(items: Any) -> bool:
+    """Whether a parsed regex has a literal ``_ESCAPED`` character, or a class that is not negated with a
+    control character, at any depth (groups, repeats, branches)."""
+    for op, arg in items:
+        if op is sre_constants.LITERAL and arg in _ESCAPED:
+            return True
+        if op is sre_constants.IN and not any(kind is sre_constants.NEGATE for kind, _ in arg):
+            for kind, value in arg:
+                if kind is sre_constants.LITERAL and value in _CONTROL:
+                    return True
+                if kind is sre_constants.RANGE and value[0] < 0x20:
+                    return True
+        elif any(_names_escaped(sub) for sub in _subpatterns(arg)):
+            return True
+    return False
+
+
+def _subpatterns(arg: Any) -> Iterator[Any]:
+    if isinstance(arg, sre_parse.SubPattern):
+        yield arg
+    elif isinstance(arg, tuple | list):
+        for part in arg:
+            yield from _subpatterns(part)
+
+
+def _check_required(node: dict[str, Any], path: str) -> None:
+    """A required name no ``properties`` entry declares: xgrammar drops it (and without additional
+    properties the schema could not be met at all)."""
+    required = node.get("required")
+    if not isinstance(required, list) or "patternProperties" in node:
+        return
+    properties = node.get("properties")
+    declared: dict[str, Any] = properties if isinstance(properties, dict) else {}
+    missing = [name for name in required if name not in declared]
+    if missing:
+        raise InvalidRequestError(
+            f"required names that properties do not declare are not enforced: {', '.join(map(str, missing))}",
+            param=f"{path}.required",
+        )
+
+
+def _is_a(value: Any, kind: str) -> bool:
+    """Whether a JSON value is of the JSON-schema type ``kind``."""
+    if kind == "integer":
+        return isinstance(value, int | float) and not isinstance(value, bool) and float(value).is_integer()
+    python: dict[str, Any] = {"string": str, "number": int | float, "boolean": bool, "null": type(None)}
+    python |= {"object": dict, "array": list}
+    return isinstance(value, python[kind]) and (kind == "boolean" or not isinstance(value, bool))
 
 
 def _unenforced(keyword: str, path: str) -> InvalidRequestError:

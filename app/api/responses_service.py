@@ -31,7 +31,14 @@ from app.api.request_guards import request_tenant
 from app.api.response_store import ResponseStore
 from app.api.responses_api_schemas import ResponsesRequest, dump_items, parse_items
 from app.api.responses_chat import chat_request
-from app.api.tool_calls import ContentDelta, ToolCall, ToolCallDelta, ToolCallStreamer, parse_tool_calls
+from app.api.tool_calls import (
+    OPEN_TAG,
+    ContentDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStreamer,
+    parse_tool_calls,
+)
 from app.errors import MMServeError, NotFoundError, from_family_error
 from app.inputs.submission import submit
 from workers.families.errors import FamilyInputError
@@ -110,10 +117,12 @@ class ResponsesService:
 
     async def _finished(self, turn: _Turn, items: list[dict[str, Any]]) -> dict[str, Any]:
         """The finished ``response`` object, stored first (with its conversation) where asked for, so a
-        client that reads it may chain on it at once."""
+        client that reads it may chain on it at once. A call cut off by the max tokens stays out of the
+        conversation: its arguments are no object to render or to answer."""
         response = response_object(turn, items)
         if turn.store:
-            conversation = [*turn.items, *items]
+            kept = [i for i in items if not (i["type"] == "function_call" and i["status"] == "incomplete")]
+            conversation = [*turn.items, *kept]
             response["store"] = await asyncio.to_thread(self._put, turn, conversation, response)
         return response
 
@@ -185,14 +194,19 @@ def _function_call(call: ToolCall, status: str = "completed", arguments: str | N
 
 
 def output_items(gen: Generation, message_id: str) -> list[dict[str, Any]]:
-    """A finished answer's output items: its text as a message (unless a call-parsing answer has none),
-    then its calls."""
+    """A finished answer's output items: its text as a message (unless a call-parsing answer has none)
+    and its calls (one cut off by the max tokens ``incomplete``), in the order the answer began them, as
+    the stream adds them."""
     if not gen.parse_tool_calls:
         return [_message(message_id, _status(gen), [_text_part(gen.text)])]
     parsed = parse_tool_calls(gen.text)
-    items = [_function_call(call) for call in parsed.tool_calls]
+    items = [
+        _function_call(call, "completed" if call.complete else "incomplete") for call in parsed.tool_calls
+    ]
     if parsed.content is not None or not items:
-        items.insert(0, _message(message_id, _status(gen), [_text_part(parsed.content or "")]))
+        text_first = not items or bool(gen.text[: gen.text.find(OPEN_TAG)].strip())
+        message = _message(message_id, _status(gen), [_text_part(parsed.content or "")])
+        items.insert(0 if text_first else len(items), message)
     return items
 
 
@@ -250,7 +264,7 @@ class _OutputStream:
                 )
             else:
                 index, item = len(self.items) - 1, self.items[-1]
-                item.update(arguments=piece.arguments, status="completed")
+                item.update(arguments=piece.arguments, status="completed" if piece.complete else "incomplete")
                 where = {"item_id": item["id"], "output_index": index}
                 events.append(
                     self.event("response.function_call_arguments.delta", delta=piece.arguments, **where)

@@ -8,14 +8,18 @@ The model writes free text and zero or more calls, each::
 
 Text outside the calls is content. A call is the span from a ``<tool_call>`` to the first
 ``</tool_call>`` after it. A span whose JSON does not decode to a name and an arguments object stays in
-the content as raw text, and so does an unterminated ``<tool_call>`` (output cut by ``max_tokens``),
-so the client sees what the model said. ``parse_tool_calls`` reads a whole output; ``ToolCallStreamer``
-reads it delta by delta and reassembles to exactly the same result for any split of the text.
+the content as raw text, so the client sees what the model said. An unterminated ``<tool_call>`` (the
+output cut by the max tokens: a started call is constrained to the end) is an incomplete call when its
+name was written, with the arguments' text so far, as OpenAI returns a call cut off; cut before its
+name, it is dropped: markup is never content. ``parse_tool_calls`` reads a whole output;
+``ToolCallStreamer`` reads it delta by delta and reassembles to exactly the same result for any split of
+the text.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +29,8 @@ OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
 
 CallIdFactory = Callable[[], str]
+# the start of a call cut off after its name: ``{"name": "get_weather", "arguments": {"city": "Pa``
+_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
 
 
 def new_call_id() -> str:
@@ -34,19 +40,23 @@ def new_call_id() -> str:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One decoded call; ``arguments`` is the arguments object as compact JSON text."""
+    """One decoded call; ``arguments`` is the arguments object as compact JSON text, or for a call cut
+    off (``complete`` False) the text the model wrote of it."""
 
     id: str
     name: str
     arguments: str
+    complete: bool = True
 
 
 @dataclass(frozen=True)
 class ParsedOutput:
-    """A whole output split into content (None when only whitespace is left) and calls."""
+    """A whole output split into content (None when only whitespace is left) and calls; ``cut_off``: it
+    ended inside a call (the max tokens, a stop string)."""
 
     content: str | None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    cut_off: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,7 @@ class ToolCallDelta:
     id: str | None
     name: str | None
     arguments: str
+    complete: bool = True  # False on the arguments of a call cut off by the max tokens
 
 
 StreamDelta = ContentDelta | ToolCallDelta
@@ -90,6 +101,18 @@ def _decode_call(body: str) -> tuple[str, str] | None:
         return None
 
 
+def _cut_call(body: str) -> tuple[str, str] | None:
+    """``(name, the arguments' text so far)`` of an unterminated call whose name was written, else None."""
+    match = _CUT_CALL.match(body)
+    if match is None:
+        return None
+    try:
+        name = json.loads(match.group(1))
+    except ValueError:
+        return None
+    return (name, match.group(2).rstrip()) if name else None
+
+
 def _compact_json(value: dict[str, Any]) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
@@ -105,9 +128,12 @@ def parse_tool_calls(text: str, new_call_id: CallIdFactory = new_call_id) -> Par
     pos = 0
     while (start := text.find(OPEN_TAG, pos)) >= 0:
         end = text.find(CLOSE_TAG, start + len(OPEN_TAG))
-        if end < 0:
-            break  # unterminated: the rest is content
         outside.append(text[pos:start])
+        if end < 0:  # cut off: an incomplete call, or nothing
+            cut = _cut_call(text[start + len(OPEN_TAG) :])
+            if cut is not None:
+                tool_calls.append(ToolCall(new_call_id(), *cut, complete=False))
+            return ParsedOutput("".join(outside).strip() or None, tool_calls, cut_off=True)
         decoded = _decode_call(text[start + len(OPEN_TAG) : end])
         if decoded is None:
             outside.append(text[start : end + len(CLOSE_TAG)])
@@ -119,8 +145,13 @@ def parse_tool_calls(text: str, new_call_id: CallIdFactory = new_call_id) -> Par
 
 
 def finish_reason(parsed: ParsedOutput, engine_reason: str) -> str:
-    """OpenAI's ``"tool_calls"`` when the model stopped by itself after calling; else the engine's."""
-    return "tool_calls" if parsed.tool_calls and engine_reason == "stop" else engine_reason
+    """OpenAI's ``"tool_calls"`` when the model stopped by itself after calling; else the engine's (a
+    call cut off, by a stop string too, is no reason to say the answer ended in calls)."""
+    return (
+        "tool_calls"
+        if parsed.tool_calls and not parsed.cut_off and engine_reason == "stop"
+        else engine_reason
+    )
 
 
 class ToolCallStreamer:
@@ -144,6 +175,7 @@ class ToolCallStreamer:
         self._sent_content = False
         self._finished = False
         self.num_tool_calls = 0
+        self.cut_off = False  # the output ended inside a call
 
     def push(self, delta: str) -> list[StreamDelta]:
         """Called with each new piece of output text; returns the deltas now decided."""
@@ -172,11 +204,22 @@ class ToolCallStreamer:
                 self._in_call, self._num_scanned_chars = True, 0
 
     def finish(self) -> list[StreamDelta]:
-        """Called once after the last ``push``: releases held text (an unterminated call as content)."""
+        """Called once after the last ``push``: releases held text; an unterminated call is an incomplete
+        call (or nothing), as ``parse_tool_calls`` reads it."""
         self._finished = True
-        rest = OPEN_TAG + self._buffer if self._in_call else self._buffer
-        self._buffer = ""
-        return self._content(rest)
+        rest, self._buffer = self._buffer, ""
+        if not self._in_call:
+            return self._content(rest)
+        self.cut_off = True
+        cut = _cut_call(rest)
+        if cut is None:
+            return []
+        index = self.num_tool_calls
+        self.num_tool_calls += 1
+        return [
+            ToolCallDelta(index, self._new_call_id(), cut[0], ""),
+            ToolCallDelta(index, None, None, cut[1], complete=False),
+        ]
 
     def _close_call(self, body: str) -> list[StreamDelta]:
         decoded = _decode_call(body)

@@ -223,6 +223,29 @@ UNENFORCED: dict[str, tuple[dict[str, Any], str, str]] = {
     ),
     "maxLength beside enum": ({"enum": ["a", "bb"], "maxLength": 1}, ".maxLength", '"bb"'),
     "a look-ahead in a pattern": ({"type": "string", "pattern": "^a(?!b)b?$"}, ".pattern", '"ab"'),
+    # a pattern applies to the JSON text: a quote, a backslash or a newline in it is written raw
+    "a quote in a pattern": ({"type": "string", "pattern": '^"$'}, ".pattern", '"""'),
+    "a backslash in a pattern": ({"type": "string", "pattern": "^\\\\$"}, ".pattern", '"\\"'),
+    "a newline in a pattern": ({"type": "string", "pattern": "^a\\nb$"}, ".pattern", '"a\nb"'),
+    "a control character in a class": ({"type": "string", "pattern": "^[\\x00-\\x1f]$"}, ".pattern", '"\n"'),
+    "maxLength beside pattern": (
+        {"type": "string", "pattern": "^[a-z]*$", "maxLength": 3},
+        ".maxLength",
+        '"abcdef"',
+    ),
+    "maxLength beside format": (
+        {"type": "string", "format": "email", "maxLength": 8},
+        ".maxLength",
+        '"abcdefgh@example.com"',
+    ),
+    "an enum value of another type": ({"type": "string", "enum": ["a", 1]}, ".enum", "1"),
+    "a const of another type": ({"type": "integer", "const": "x"}, ".const", '"x"'),
+    "a required name not declared": (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zzz"]},
+        ".required",
+        '{"a": 1}',
+    ),
+    "multipleOf with one bound": ({"type": "integer", "multipleOf": 7, "minimum": 0}, ".multipleOf", "5"),
 }
 
 
@@ -295,6 +318,12 @@ def test_refusals_point_into_nested_schemas() -> None:
         ),
         ({"oneOf": [{"type": "string"}, {"type": "integer"}]}, "true"),
         ({"enum": ["a", "b"], "type": "string", "title": "T", "description": "d"}, '"c"'),
+        ({"enum": [1, None], "type": ["integer", "null"]}, "2"),
+        ({"type": "string", "pattern": "^[^a]+$"}, '"""'),  # a negated class takes no quote there
+        ({"type": "string", "pattern": "^.+$"}, '"\\"'),
+        ({"type": "string", "pattern": '^[ -~"\\\\]$'}, '"""'),  # a class takes no quote or backslash raw
+        ({"type": "integer", "multipleOf": 3, "minimum": 0, "maximum": 30}, "4"),
+        ({"type": "string", "minLength": 2}, '"a"'),
     ],
 )
 def test_what_xgrammar_enforces_is_accepted(

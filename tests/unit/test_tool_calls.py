@@ -37,14 +37,19 @@ def parse(text: str) -> ParsedOutput:
 
 
 def stream(deltas: list[str]) -> list[StreamDelta]:
+    return streamed(deltas)[0]
+
+
+def streamed(deltas: list[str]) -> tuple[list[StreamDelta], bool]:
+    """The stream's deltas, and whether it ended inside a call."""
     streamer = ToolCallStreamer(ids())
     out: list[StreamDelta] = []
     for delta in deltas:
         out += streamer.push(delta)
-    return out + streamer.finish()
+    return out + streamer.finish(), streamer.cut_off
 
 
-def reassemble(deltas: list[StreamDelta]) -> ParsedOutput:
+def reassemble(deltas: list[StreamDelta], cut_off: bool = False) -> ParsedOutput:
     """What a client builds from the chunks: content joined, calls grouped by index."""
     content = "".join(d.content for d in deltas if isinstance(d, ContentDelta))
     calls: dict[int, list[ToolCallDelta]] = {}
@@ -56,9 +61,10 @@ def reassemble(deltas: list[StreamDelta]) -> ParsedOutput:
         first, *rest = calls[index]
         assert first.id is not None and first.name is not None
         assert all(d.id is None and d.name is None for d in rest)
-        tool_calls.append(ToolCall(first.id, first.name, "".join(d.arguments for d in calls[index])))
+        arguments = "".join(d.arguments for d in calls[index])
+        tool_calls.append(ToolCall(first.id, first.name, arguments, all(d.complete for d in calls[index])))
     assert sorted(calls) == list(range(len(calls)))
-    return ParsedOutput(content or None, tool_calls)
+    return ParsedOutput(content or None, tool_calls, cut_off)
 
 
 def test_plain_text_is_content_only() -> None:
@@ -131,12 +137,17 @@ def test_bad_calls_stay_content_and_do_not_use_ids() -> None:
     assert parse(text) == ParsedOutput(f"{bad[0]} then", [ToolCall("call_0", "g", "{}")])
 
 
-def test_unterminated_call_is_content() -> None:
+def test_a_call_cut_off_is_incomplete_once_named_and_dropped_before_never_content() -> None:
     text = f'{call("a", {})}\nNow <tool_call>\n{{"name": "b", "argum'
-    assert parse(text) == ParsedOutput(
-        'Now <tool_call>\n{"name": "b", "argum', [ToolCall("call_0", "a", "{}")]
+    assert parse(text) == ParsedOutput("Now", [ToolCall("call_0", "a", "{}")], cut_off=True)
+    assert reassemble(*streamed([text[:30], text[30:]])) == parse(text)
+    text = f'{call("a", {})}\n<tool_call>\n{{"name": "b", "arguments": {{"city": "Pa'
+    cut = ToolCall("call_1", "b", '{"city": "Pa', complete=False)
+    assert parse(text) == ParsedOutput(None, [ToolCall("call_0", "a", "{}"), cut], cut_off=True)
+    assert reassemble(*streamed([text[:30], text[30:]])) == parse(text)
+    assert parse('<tool_call>\n{"name": "b", "arguments": ') == ParsedOutput(
+        None, [ToolCall("call_0", "b", "", complete=False)], cut_off=True
     )
-    assert reassemble(stream([text[:30], text[30:]])) == parse(text)
 
 
 def test_stream_emits_id_and_name_first_then_arguments() -> None:
@@ -176,6 +187,9 @@ def test_finish_reason() -> None:
     assert finish_reason(with_call, "stop") == "tool_calls"
     assert finish_reason(with_call, "length") == "length"
     assert finish_reason(parse("no call"), "stop") == "stop"
+    # a stop string inside a call: no "tool_calls", whether the cut call is kept or dropped
+    assert finish_reason(parse(call("f", {}) + '<tool_call>{"name": "g", "arguments": {"a'), "stop") == "stop"
+    assert finish_reason(parse(call("f", {}) + '<tool_call>{"na'), "stop") == "stop"
 
 
 def test_default_call_ids_look_like_openai() -> None:
@@ -218,7 +232,15 @@ content = st.lists(
     max_size=3,
 ).map("".join)
 texts = st.lists(content | good_calls() | bad_calls, max_size=6).map("".join)
-unterminated = st.sampled_from(["", "<tool_call>", '<tool_call>\n{"name": "f", "arg', "<tool_"])
+unterminated = st.sampled_from(
+    [
+        "",
+        "<tool_call>",
+        '<tool_call>\n{"name": "f", "arg',
+        '<tool_call>\n{"name": "f", "arguments": {"a": [1, "x',
+        "<tool_",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -229,10 +251,10 @@ def test_any_split_of_any_text_reassembles_to_the_parse(
     text = body + tail
     points = sorted({cut % (len(text) + 1) for cut in cuts})
     deltas = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
-    assert reassemble(stream(deltas)) == parse(text)
+    assert reassemble(*streamed(deltas)) == parse(text)
 
 
 @settings(max_examples=100, deadline=None)
 @given(text=texts)
 def test_char_by_char_stream_reassembles_to_the_parse(text: str) -> None:
-    assert reassemble(stream(list(text))) == parse(text)
+    assert reassemble(*streamed(list(text))) == parse(text)
