@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from app.api.request_fields import is_default
@@ -21,7 +21,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
         (None,),
         "conversation objects are not supported: chain responses by previous_response_id",
     ),
-    "reasoning": ((None,), "the served model does not reason"),
+    "reasoning": ((None, {}, {"effort": None}, {"effort": "none"}), "the served model does not reason"),
     "include": ((None, []), _LATER),
     "background": ((None, False), _LATER),
     "top_logprobs": ((None, 0), _LATER),
@@ -48,7 +48,7 @@ class InputImage(_Body):
     uuid: MediaUuid = None
     # an http(s) or data URL, under the chat request's media policy (no file ids); may be left out with a uuid
     image_url: str | None = Field(None, validate_default=True)
-    detail: Literal["auto", "low", "high"] | None = None  # accepted, not used
+    detail: Literal["auto", "low", "high", "original"] | None = None  # accepted, not used
 
     _check_media = field_validator("image_url")(media_or_uuid)
 
@@ -94,6 +94,7 @@ class InputMessage(_Body):
     content: str | list[Annotated[InputText | InputImage, Field()]]
     id: str | None = None  # an earlier output item sent back
     status: str | None = None
+    phase: Literal["commentary", "final_answer"] | None = None  # a reasoning model's label: not used
 
     @field_validator("content", mode="before")
     @classmethod
@@ -112,6 +113,10 @@ class FunctionCallItem(_Body):
     arguments: str
     id: str | None = None
     status: str | None = None
+    # what the SDK's own call objects carry, dumped: hosted tools' fields, none of which a call here has
+    caller: None = None
+    namespace: None = None
+    async_: None = Field(None, validation_alias=AliasChoices("async", "async_"))  # the SDK dumps async_
 
 
 class FunctionCallOutputItem(_Body):
@@ -122,6 +127,17 @@ class FunctionCallOutputItem(_Body):
     output: str
     id: str | None = None
     status: str | None = None
+
+    @field_validator("output", mode="before")
+    @classmethod
+    def _text_parts(cls, output: Any) -> Any:
+        """The output as text parts (``input_text``), as the SDK allows: their text, joined."""
+        if not isinstance(output, list):
+            return output
+        parts = _each(output, _part, "output")
+        if any(not isinstance(part, InputText) for part in parts):
+            raise ValueError("a function_call_output's output is text: a string or input_text parts")
+        return "".join(part.text for part in parts)
 
 
 _ITEMS: dict[str, type[_Body]] = {
@@ -223,6 +239,10 @@ class TextConfig(_Body):
         return _FORMATS[_FormatType.model_validate(value).type].model_validate(value)
 
 
+class ResponsesStreamOptions(_Body):
+    include_obfuscation: bool = True  # OpenAI pads events against side channels; mmserve sends none
+
+
 class ResponsesRequest(_Body):
     model: str
     input: str | list[Any]
@@ -253,7 +273,10 @@ class ResponsesRequest(_Body):
     user: Any = None
     safety_identifier: Any = None
     prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
     service_tier: Any = None
+    stream_options: ResponsesStreamOptions | None = None
 
     @field_validator("input", mode="before")
     @classmethod

@@ -322,6 +322,8 @@ def response_object(
         if body.text and body.text.format
         else {"type": "text"}
     )
+    if text_format["type"] == "json_schema":
+        text_format.setdefault("name", "response")  # the name applied where left out (OpenAI requires one)
     num_output = len(gen.token_ids)
     return {
         "id": gen.response_id,
@@ -346,7 +348,7 @@ def response_object(
         "previous_response_id": body.previous_response_id,
         "usage": {
             "input_tokens": gen.num_prompt_tokens,
-            "input_tokens_details": {"cached_tokens": gen.num_cached_tokens},
+            "input_tokens_details": {"cached_tokens": gen.num_cached_tokens, "cache_write_tokens": 0},
             "output_tokens": num_output,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": gen.num_prompt_tokens + num_output,

@@ -280,3 +280,46 @@ def test_what_is_not_implemented_is_a_400_naming_it(
     parts = [part for item in extra.get("input", []) for part in item.get("content", [])]
     for part in parts:  # a refused content part is named by its type
         assert repr(part["type"]) in error["message"], error
+
+
+def test_responses_and_events_are_the_sdks_types_strictly_and_its_dumps_go_back_as_input(
+    server: Server,
+) -> None:
+    """Every object and event validates against the openai SDK's own models (strict: no field left to
+    default), a json_schema format without a name is echoed with the one applied, and what the SDK
+    dumps of an answer (``model_dump()``: its null fields included) is taken back as input."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    body: dict[str, Any] = {
+        "model": "tiny-llava",
+        "input": "A record, please.",
+        "max_output_tokens": 24,
+        "temperature": 0,
+        "text": {"format": {"type": "json_schema", "schema": schema}},
+    }
+    resp = httpx.post(f"{server.base_url}/v1/responses", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    response = Response.model_validate(resp.json(), strict=True)
+    assert response.text is not None and response.text.format is not None
+    assert response.text.format.type == "json_schema" and response.text.format.name == "response"
+    assert response.usage is not None and response.usage.input_tokens_details.cache_write_tokens == 0
+    events = TypeAdapter(ResponseStreamEvent)
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", json={**body, "stream": True}) as streamed:
+        payloads = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
+    for payload in payloads:
+        events.validate_python(payload, strict=True)
+
+    sdk = client(server)
+    first = sdk.responses.create(model="tiny-llava", input="Hello there", max_output_tokens=6, temperature=0)
+    dumped = [item.model_dump() for item in first.output]  # phase: None and the like
+    follow_up = sdk.responses.create(
+        model="tiny-llava",
+        input=[{"role": "user", "content": "Hello there"}, *dumped, {"role": "user", "content": "And?"}],
+        max_output_tokens=4,
+        temperature=0,
+        stream_options={"include_obfuscation": False},
+        reasoning={"effort": None},
+    )
+    assert follow_up.usage is not None and follow_up.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]

@@ -440,6 +440,24 @@ def test_responses_call_a_function_streamed_or_not_and_take_its_output(
     answer = client.responses.create(**follow_up)
     assert answer.output_text and answer.usage.input_tokens > response.usage.input_tokens
     assert answer.usage.input_tokens_details.cached_tokens > 0
+    # the same turn as the SDK's objects dump it (caller, namespace: null) and an output of text parts
+    sdk_shaped = responses_body(
+        "qwen2_5_vl",
+        "none",
+        input=[
+            *responses_body("qwen2_5_vl", "none")["input"],
+            call.model_dump(),
+            {
+                "type": "function_call_output",
+                "call_id": call.call_id,
+                "output": [
+                    {"type": "input_text", "text": '{"forecast": '},
+                    {"type": "input_text", "text": '"sunny"}'},
+                ],
+            },
+        ],
+    )
+    assert client.responses.create(**sdk_shaped).output_text == answer.output_text
 
 
 # ---------------------------------------------------------------- an agent loop
