@@ -239,6 +239,10 @@ class TextConfig(_Body):
         return _FORMATS[_FormatType.model_validate(value).type].model_validate(value)
 
 
+_MetadataKey = Annotated[str, Field(max_length=64)]
+_MetadataValue = Annotated[str, Field(max_length=512)]
+
+
 class ResponsesStreamOptions(_Body):
     include_obfuscation: bool = True  # OpenAI pads events against side channels; mmserve sends none
 
@@ -254,7 +258,7 @@ class ResponsesRequest(_Body):
     stream: bool | None = None  # None: false
     store: bool | None = None  # None: true, as OpenAI's
     previous_response_id: str | None = Field(None, min_length=1, max_length=128)
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: dict[_MetadataKey, _MetadataValue] | None = Field(None, max_length=16)  # OpenAI's bounds
     # vLLM's extensions, as on chat
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, strict=True)
     mm_processor_kwargs: dict[str, Any] | None = None

@@ -246,3 +246,16 @@ def test_an_error_message_names_the_responses_fields_and_leaves_prose_alone() ->
     named = params.error(InvalidRequestError("x", param="tool_choice.function.name"))
     assert named.param == "tool_choice.name"
     assert params.error(InvalidRequestError("x", param="max_completion_tokens")).param == "max_output_tokens"
+
+
+@pytest.mark.parametrize(
+    ("metadata", "param"),
+    [
+        ({"k": "v" * 513}, "metadata.k"),
+        ({"k" * 65: "v"}, "metadata." + "k" * 65),
+        ({f"k{i}": "v" for i in range(17)}, "metadata"),
+    ],
+)
+def test_metadata_past_openais_bounds_is_a_400_naming_it(metadata: dict[str, str], param: str) -> None:
+    assert refusal(metadata=metadata)[0] == param
+    request(metadata={"k" * 64: "v" * 512})  # at the bounds
