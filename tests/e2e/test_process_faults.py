@@ -141,52 +141,57 @@ def test_sigterm_drains_in_flight_requests(
     # a temp folder of its own (short: it holds the IPC sockets' paths), to see that nothing is left in it
     temp = Path(tempfile.mkdtemp(prefix="mmt-"))
     drained = start_serve(tiny_model_dir, tmp_path, *flags, env={"TMPDIR": str(temp)})
-    assert drained.process.proc is not None
-    proc = drained.process.proc
-    children = descendants(proc.pid)
-    # long enough to outlast the 503 checks below on a busy machine (about 2 s alone)
-    body = greedy_body([user_message("Finish this.", make_image(73))], max_tokens=1400)
-    thread, events = started_stream(drained, body)
-    # and one still being prepared (its image arrives 1.5 s after it is asked for) when the signal comes:
-    # accepted, so answered
-    late = [{"type": "image_url", "image_url": {"url": f"{image_http_server}/late75.png"}}]
-    preparing = greedy_body([{"role": "user", "content": [*late, {"type": "text", "text": "And this."}]}], 4)
-    prepared: list[httpx.Response] = []
-    sender = threading.Thread(
-        target=lambda: prepared.append(
-            httpx.post(f"{drained.base_url}/v1/chat/completions", json=preparing, timeout=120)
+    try:
+        assert drained.process.proc is not None
+        proc = drained.process.proc
+        children = descendants(proc.pid)
+        # long enough to outlast the 503 checks below on a busy machine (about 2 s alone)
+        body = greedy_body([user_message("Finish this.", make_image(73))], max_tokens=1400)
+        thread, events = started_stream(drained, body)
+        # and one still being prepared (its image arrives 1.5 s after it is asked for) when the signal comes:
+        # accepted, so answered
+        late = [{"type": "image_url", "image_url": {"url": f"{image_http_server}/late75.png"}}]
+        parts = [*late, {"type": "text", "text": "And this."}]
+        preparing = greedy_body([{"role": "user", "content": parts}], 4)
+        prepared: list[httpx.Response] = []
+        sender = threading.Thread(
+            target=lambda: prepared.append(
+                httpx.post(f"{drained.base_url}/v1/chat/completions", json=preparing, timeout=120)
+            )
         )
-    )
-    sender.start()
-    time.sleep(0.5)  # sent, and its image being fetched
+        sender.start()
+        time.sleep(0.5)  # sent, and its image being fetched
 
-    if to == "group":
-        os.killpg(proc.pid, signal.SIGTERM)
-    else:
-        proc.send_signal(signal.SIGTERM)
-    seconds_until_health(drained.base_url, 503, timeout_s=15)
-    refused = httpx.post(f"{drained.base_url}/v1/chat/completions", json=SHORT, timeout=30)
-    assert refused.status_code == 503
-    assert refused.json()["error"]["code"] == "server_shutting_down"
+        if to == "group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        seconds_until_health(drained.base_url, 503, timeout_s=15)
+        refused = httpx.post(f"{drained.base_url}/v1/chat/completions", json=SHORT, timeout=30)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "server_shutting_down"
 
-    thread.join(120)
-    sender.join(120)
-    assert prepared[0].status_code == 200, prepared[0].text
-    assert events[-1] == "[DONE]", events[-3:]
-    choices = [e["choices"][0] for e in events if isinstance(e, dict) and e["choices"]]
-    assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
-    assert proc.wait(30) == 0, drained.process.log()[-3000:]
-    log = drained.process.log()
-    assert "restarting" not in log and "died; spawning another" not in log and "Traceback" not in log, log
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in children if alive(pid)], "no orphan processes"
-    leaked = owned_shm_entries([proc.pid, *children]) | (named_semaphores() - sems_before)
-    assert not leaked, f"leaked shared memory: {leaked}"
-    left = sorted(p.name for p in temp.iterdir() if p.name.startswith(("mmserve-", "pymp-")))
-    shutil.rmtree(temp, ignore_errors=True)
-    assert not left, f"temp folders left behind: {left}"  # the IPC sockets', multiprocessing's
+        thread.join(120)
+        sender.join(120)
+        assert prepared[0].status_code == 200, prepared[0].text
+        assert events[-1] == "[DONE]", events[-3:]
+        choices = [e["choices"][0] for e in events if isinstance(e, dict) and e["choices"]]
+        assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
+        assert proc.wait(30) == 0, drained.process.log()[-3000:]
+        log = drained.process.log()
+        assert "restarting" not in log and "died; spawning another" not in log and "Traceback" not in log, log
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in children if alive(pid)], "no orphan processes"
+        leaked = owned_shm_entries([proc.pid, *children]) | (named_semaphores() - sems_before)
+        assert not leaked, f"leaked shared memory: {leaked}"
+        left = sorted(p.name for p in temp.iterdir() if p.name.startswith(("mmserve-", "pymp-")))
+        shutil.rmtree(temp, ignore_errors=True)
+        assert not left, f"temp folders left behind: {left}"  # the IPC sockets', multiprocessing's
+    finally:  # a failed check must not leave the server running
+        drained.process.kill()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def unanswered_post(server: Server, body: dict[str, Any]) -> tuple[threading.Thread, list[httpx.Response]]:
@@ -228,55 +233,58 @@ def test_sigterm_cuts_off_what_outlives_the_shutdown_timeout(tiny_model_dir: Pat
     the body, gets 503 ``server_shutting_down`` in OpenAI's error shape (uvicorn would send a plain-text
     500)."""
     hurried = start_serve(tiny_model_dir, tmp_path, "--shutdown-timeout", "0.3")
-    assert hurried.process.proc is not None
-    proc = hurried.process.proc
-    children = descendants(proc.pid)
-    waiting, answers = unanswered_post(
-        hurried, greedy_body([user_message("Never stop.", make_image(75))], 3000)
-    )
-    stalled = stalled_upload(hurried)
-    streams = [
-        started_stream(hurried, greedy_body([user_message(f"Never stop {i}.", make_image(74))], 1400))
-        for i in range(3)
-    ]
-    response_events: list[Any] = []
-    responding = threading.Thread(target=stream_response, args=(hurried, response_events), daemon=True)
-    responding.start()
-    deadline = time.monotonic() + 60
-    while not any(e.get("type") == "response.output_text.delta" for e in response_events):
-        assert responding.is_alive() and time.monotonic() < deadline, response_events[-3:]
-        time.sleep(0.02)
+    try:
+        assert hurried.process.proc is not None
+        proc = hurried.process.proc
+        children = descendants(proc.pid)
+        waiting, answers = unanswered_post(
+            hurried, greedy_body([user_message("Never stop.", make_image(75))], 3000)
+        )
+        stalled = stalled_upload(hurried)
+        streams = [
+            started_stream(hurried, greedy_body([user_message(f"Never stop {i}.", make_image(74))], 1400))
+            for i in range(3)
+        ]
+        response_events: list[Any] = []
+        responding = threading.Thread(target=stream_response, args=(hurried, response_events), daemon=True)
+        responding.start()
+        deadline = time.monotonic() + 60
+        while not any(e.get("type") == "response.output_text.delta" for e in response_events):
+            assert responding.is_alive() and time.monotonic() < deadline, response_events[-3:]
+            time.sleep(0.02)
 
-    start = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    status, refusal = read_response(stalled)
-    assert (status, refusal["error"]["code"]) == (503, "server_shutting_down"), refusal
-    assert "shut down before answering" in refusal["error"]["message"]  # cut off, not refused on arrival
-    assert proc.wait(30) == 0, hurried.process.log()[-3000:]
-    assert time.monotonic() - start < 20  # with the stops of every process; the default would be 30 s
-    assert "request(s) in flight are cut off" in hurried.process.log()
-    for thread, _ in streams:
-        thread.join(10)
-    for _, events in streams:  # ended with the stream's error event, never a dropped connection
-        assert "[DONE]" not in events and events[-1] != "cut off", events[-3:]
-        assert events[-1]["error"]["code"] == "server_shutting_down", events[-1]
-        assert "shut down before finishing this answer" in events[-1]["error"]["message"]
-    responding.join(10)
-    assert response_events[-1]["type"] == "error", response_events[-3:]
-    assert response_events[-1]["code"] == "server_shutting_down"
-    assert "Traceback" not in hurried.process.log(), hurried.process.log()[-3000:]
-    waiting.join(10)
-    assert answers[0].status_code == 503, answers[0].text
-    assert answers[0].json()["error"] == {
-        "message": "The server shut down before answering this request (--shutdown-timeout 0.3 s).",
-        "type": "server_error",
-        "param": None,
-        "code": "server_shutting_down",
-    }
-    deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in children if alive(pid)], "no orphan processes"
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        status, refusal = read_response(stalled)
+        assert (status, refusal["error"]["code"]) == (503, "server_shutting_down"), refusal
+        assert "shut down before answering" in refusal["error"]["message"]  # cut off, not refused on arrival
+        assert proc.wait(30) == 0, hurried.process.log()[-3000:]
+        assert time.monotonic() - start < 20  # with the stops of every process; the default would be 30 s
+        assert "request(s) in flight are cut off" in hurried.process.log()
+        for thread, _ in streams:
+            thread.join(10)
+        for _, events in streams:  # ended with the stream's error event, never a dropped connection
+            assert "[DONE]" not in events and events[-1] != "cut off", events[-3:]
+            assert events[-1]["error"]["code"] == "server_shutting_down", events[-1]
+            assert "shut down before finishing this answer" in events[-1]["error"]["message"]
+        responding.join(10)
+        assert response_events[-1]["type"] == "error", response_events[-3:]
+        assert response_events[-1]["code"] == "server_shutting_down"
+        assert "Traceback" not in hurried.process.log(), hurried.process.log()[-3000:]
+        waiting.join(10)
+        assert answers[0].status_code == 503, answers[0].text
+        assert answers[0].json()["error"] == {
+            "message": "The server shut down before answering this request (--shutdown-timeout 0.3 s).",
+            "type": "server_error",
+            "param": None,
+            "code": "server_shutting_down",
+        }
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in children if alive(pid)], "no orphan processes"
+    finally:  # a failed check must not leave the server running
+        hurried.process.kill()
 
 
 def test_a_role_that_cannot_be_started_again_stops_the_server(tiny_model_dir: Path, tmp_path: Path) -> None:
