@@ -179,8 +179,8 @@ class ChatService:
                     yield sse(chunk(gen, event, include_usage))
                 if logprobs is not None or delta.finish_reason is not None:
                     reason = delta.finish_reason
-                    if reason == "stop" and streamer.num_tool_calls and not streamer.cut_off:
-                        reason = "tool_calls"
+                    if reason is not None:
+                        reason = streamer.finish_reason(reason)
                     yield sse(chunk(gen, {}, include_usage, logprobs, reason))
             if include_usage:
                 yield sse(final_usage_chunk(gens))

@@ -216,8 +216,8 @@ def check_regex(regex: str, param: str) -> None:
 # a JSON string's characters that its text must escape: a pattern xgrammar applies to the text, not to
 # the decoded string, must never name them (its ".", \s and classes leave out the quote and the
 # backslash, and negated classes control characters too; a class still takes a control character)
-_ESCAPED = frozenset({ord('"'), ord("\\"), *range(0x20)})
 _CONTROL = frozenset(range(0x20))
+_ESCAPED = _CONTROL | {ord('"'), ord("\\")}
 _BOUNDS = (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum"))
 
 

@@ -125,7 +125,7 @@ def parse_tool_calls(text: str, new_call_id: CallIdFactory = new_call_id) -> Par
     """
     outside: list[str] = []
     tool_calls: list[ToolCall] = []
-    pos = 0
+    pos, cut_off = 0, False
     while (start := text.find(OPEN_TAG, pos)) >= 0:
         end = text.find(CLOSE_TAG, start + len(OPEN_TAG))
         outside.append(text[pos:start])
@@ -133,7 +133,8 @@ def parse_tool_calls(text: str, new_call_id: CallIdFactory = new_call_id) -> Par
             cut = _cut_call(text[start + len(OPEN_TAG) :])
             if cut is not None:
                 tool_calls.append(ToolCall(new_call_id(), *cut, complete=False))
-            return ParsedOutput("".join(outside).strip() or None, tool_calls, cut_off=True)
+            pos, cut_off = len(text), True
+            break
         decoded = _decode_call(text[start + len(OPEN_TAG) : end])
         if decoded is None:
             outside.append(text[start : end + len(CLOSE_TAG)])
@@ -141,17 +142,17 @@ def parse_tool_calls(text: str, new_call_id: CallIdFactory = new_call_id) -> Par
             tool_calls.append(ToolCall(new_call_id(), *decoded))
         pos = end + len(CLOSE_TAG)
     outside.append(text[pos:])
-    return ParsedOutput("".join(outside).strip() or None, tool_calls)
+    return ParsedOutput("".join(outside).strip() or None, tool_calls, cut_off)
 
 
 def finish_reason(parsed: ParsedOutput, engine_reason: str) -> str:
     """OpenAI's ``"tool_calls"`` when the model stopped by itself after calling; else the engine's (a
     call cut off, by a stop string too, is no reason to say the answer ended in calls)."""
-    return (
-        "tool_calls"
-        if parsed.tool_calls and not parsed.cut_off and engine_reason == "stop"
-        else engine_reason
-    )
+    return _finish_reason(bool(parsed.tool_calls), parsed.cut_off, engine_reason)
+
+
+def _finish_reason(called: bool, cut_off: bool, engine_reason: str) -> str:
+    return "tool_calls" if called and not cut_off and engine_reason == "stop" else engine_reason
 
 
 class ToolCallStreamer:
@@ -212,25 +213,25 @@ class ToolCallStreamer:
             return self._content(rest)
         self.cut_off = True
         cut = _cut_call(rest)
-        if cut is None:
-            return []
-        index = self.num_tool_calls
-        self.num_tool_calls += 1
-        return [
-            ToolCallDelta(index, self._new_call_id(), cut[0], ""),
-            ToolCallDelta(index, None, None, cut[1], complete=False),
-        ]
+        return [] if cut is None else self._call(*cut, complete=False)
+
+    def finish_reason(self, engine_reason: str) -> str:
+        """``finish_reason`` for the streamed output, once ``finish`` ran."""
+        return _finish_reason(self.num_tool_calls > 0, self.cut_off, engine_reason)
 
     def _close_call(self, body: str) -> list[StreamDelta]:
         decoded = _decode_call(body)
         if decoded is None:
             return self._content(OPEN_TAG + body + CLOSE_TAG)
-        name, arguments = decoded
+        return self._call(*decoded)
+
+    def _call(self, name: str, arguments: str, complete: bool = True) -> list[StreamDelta]:
+        """A call's two deltas: its id and name, then its arguments."""
         index = self.num_tool_calls
         self.num_tool_calls += 1
         return [
             ToolCallDelta(index, self._new_call_id(), name, ""),
-            ToolCallDelta(index, None, None, arguments),
+            ToolCallDelta(index, None, None, arguments, complete),
         ]
 
     def _content(self, text: str) -> list[StreamDelta]:

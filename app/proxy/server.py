@@ -115,7 +115,10 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
     async def prepare_and_forward(raw: bytes, headers: dict[str, str]) -> Response:
         client = clients[0]
         body = await _parse(raw)
-        parts = media_parts(body) if body is not None and await _valid_request(body, len(raw)) else []
+        parts = media_parts(body) if body is not None else []
+        # checked only where media would be encoded: a text-only request goes on as it is
+        if body is not None and parts and not await _valid_request(body, len(raw)):
+            parts = []
         if body is not None and parts:
             metrics.encoder_requests.inc(len(parts))
             start = time.perf_counter()
