@@ -100,9 +100,10 @@ def _is_union_member(part: str | int) -> bool:
 
 
 def format_loc(loc: Sequence[str | int]) -> str | None:
-    """``("body", "messages", 0, "content")`` → ``"messages[0].content"``; None for the body itself.
-    A union member's tag is left out: ``("tool_choice", "literal['none','auto']")`` → ``"tool_choice"``."""
-    if loc and loc[0] == "body":
+    """``("body", "messages", 0, "content")`` → ``"messages[0].content"``; None for the body itself; a
+    query or path parameter by its name. A union member's tag is left out: ``("tool_choice",
+    "literal['none','auto']")`` → ``"tool_choice"``."""
+    if loc and loc[0] in ("body", "query", "path"):
         loc = loc[1:]
     param = ""
     for part in (part for part in loc if not _is_union_member(part)):

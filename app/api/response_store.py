@@ -10,6 +10,10 @@ URL text, which the API's known-data-URL table and every cache keyed by mm_hash 
 caches have evicted them, the text is all it takes to process them again. ``http(s)`` URLs stay URLs
 (fetched again only where no cache holds their item, as a resent history would be).
 
+Every item of a stored conversation that has an id (all do: app/api/response_items.py) is found by it
+too (``get_items``, an ``item_reference``'s): a second table maps each id to the latest conversation
+that holds it, rewritten with every row and emptied of a row's ids with the row.
+
 Bounded in responses and in bytes (conversations, response objects and blobs together), least recently
 used out first: every write and every read of a response makes it the most recent. Each row belongs to
 the API key (tenant) that made it: another key's id is not found. One SQLite database: in memory for one
@@ -45,6 +49,11 @@ CREATE INDEX IF NOT EXISTS responses_by_use ON responses (used);
 CREATE TABLE IF NOT EXISTS blobs (
     digest TEXT PRIMARY KEY, url TEXT NOT NULL, refs INTEGER NOT NULL
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS items (
+    tenant TEXT NOT NULL, id TEXT NOT NULL, response_id TEXT NOT NULL,
+    PRIMARY KEY (tenant, id)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS items_by_response ON items (tenant, response_id);
 CREATE TABLE IF NOT EXISTS totals (
     one INTEGER PRIMARY KEY CHECK (one = 1), num_responses INTEGER NOT NULL, num_bytes INTEGER NOT NULL
 );
@@ -97,6 +106,10 @@ class ResponseStore:
                 f"INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, {_NEXT_USE})",
                 (tenant, response_id, items_text, response_text, json.dumps(sorted(blobs)), num_bytes),
             )
+            self._db.executemany(  # each item id names the latest conversation that holds it
+                "INSERT OR REPLACE INTO items VALUES (?, ?, ?)",
+                {(tenant, item["id"], response_id) for item in items if "id" in item},
+            )
             self._db.execute(
                 "UPDATE totals SET num_responses = num_responses + 1, num_bytes = num_bytes + ?",
                 (num_new_bytes,),
@@ -116,21 +129,22 @@ class ResponseStore:
         """The response and its conversation, now the most recently used; None if absent (never stored,
         evicted, deleted, or another tenant's)."""
         with self._lock, self._transaction():
-            row = self._db.execute(
-                "SELECT items, response FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id)
-            ).fetchone()
-            if row is None:
-                return None
-            self._db.execute(
-                f"UPDATE responses SET used = {_NEXT_USE} WHERE tenant = ? AND id = ?", (tenant, response_id)
-            )
-            items = json.loads(row[0])
-            urls: dict[str, str] = {}
-            for digest in _blob_refs(items):
-                (urls[digest],) = self._db.execute(
-                    "SELECT url FROM blobs WHERE digest = ?", (digest,)
+            return self._get(tenant, response_id)
+
+    def get_items(self, tenant: str, item_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The stored items by these ids (an ``item_reference``'s), each from the latest conversation that
+        holds it, now the most recently used; an id none holds (or another tenant's) is left out."""
+        found: dict[str, dict[str, Any]] = {}
+        with self._lock, self._transaction():
+            for item_id in dict.fromkeys(item_ids):
+                row = self._db.execute(
+                    "SELECT response_id FROM items WHERE tenant = ? AND id = ?", (tenant, item_id)
                 ).fetchone()
-        return StoredResponse(_moved_in(items, urls), json.loads(row[1]))
+                stored = None if row is None else self._get(tenant, row[0])
+                held = [] if stored is None else [i for i in stored.items if i.get("id") == item_id]
+                if held:
+                    found[item_id] = held[-1]
+        return found
 
     def delete(self, tenant: str, response_id: str) -> bool:
         with self._lock, self._transaction():
@@ -143,6 +157,22 @@ class ResponseStore:
 
     def close(self) -> None:
         self._db.close()
+
+    def _get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        """Within a transaction: ``get``."""
+        row = self._db.execute(
+            "SELECT items, response FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id)
+        ).fetchone()
+        if row is None:
+            return None
+        self._db.execute(
+            f"UPDATE responses SET used = {_NEXT_USE} WHERE tenant = ? AND id = ?", (tenant, response_id)
+        )
+        items = json.loads(row[0])
+        urls: dict[str, str] = {}
+        for digest in _blob_refs(items):
+            (urls[digest],) = self._db.execute("SELECT url FROM blobs WHERE digest = ?", (digest,)).fetchone()
+        return StoredResponse(_moved_in(items, urls), json.loads(row[1]))
 
     def _totals(self) -> tuple[int, int]:
         num_responses, num_bytes = self._db.execute("SELECT num_responses, num_bytes FROM totals").fetchone()
@@ -164,6 +194,7 @@ class ResponseStore:
             if gone is not None:
                 num_freed += int(gone[0])
         self._db.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id))
+        self._db.execute("DELETE FROM items WHERE tenant = ? AND response_id = ?", (tenant, response_id))
         self._db.execute(
             "UPDATE totals SET num_responses = num_responses - 1, num_bytes = num_bytes - ?", (num_freed,)
         )

@@ -8,7 +8,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from app.api.request_fields import is_default
@@ -140,10 +148,19 @@ class FunctionCallOutputItem(_Body):
         return "".join(part.text for part in parts)
 
 
+class ItemReference(_Body):
+    """An item of a stored conversation, sent again by its id (app/api/response_items.py): the request is
+    served with the item itself in its place."""
+
+    type: Literal["item_reference"] | None = None
+    id: str = Field(min_length=1, max_length=128)
+
+
 _ITEMS: dict[str, type[_Body]] = {
     "message": InputMessage,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
+    "item_reference": ItemReference,
 }
 
 
@@ -158,12 +175,18 @@ def dump_items(items: list[Any]) -> list[dict[str, Any]]:
 
 
 def _item(item: Any) -> Any:
-    kind = item.get("type", "message") if isinstance(item, dict) else None
+    kind = item.get("type", _untyped(item)) if isinstance(item, dict) else None
     if isinstance(kind, str) and kind in _ITEMS:
         return _ITEMS[kind].model_validate(item)
     raise ValueError(
-        f"input item type {kind!r} is not supported (message, function_call, function_call_output)"
+        f"input item type {kind!r} is not supported "
+        "(message, function_call, function_call_output, item_reference)"
     )
+
+
+def _untyped(item: dict[str, Any]) -> str:
+    """What an item without a ``type`` is, as OpenAI reads it: a message, or a reference (an id alone)."""
+    return "item_reference" if item.keys() == {"id"} else "message"
 
 
 class FunctionTool(_Body):
@@ -247,44 +270,31 @@ class ResponsesStreamOptions(_Body):
     include_obfuscation: bool = True  # OpenAI pads events against side channels; mmserve sends none
 
 
-class ResponsesRequest(_Body):
-    model: str
-    input: str | list[Any]
+class ResponsesInput(_Body):
+    """What a response is made from: the fields ``POST /v1/responses/input_tokens`` counts, and every
+    request's."""
+
+    model: str | None = None
+    previous_response_id: str | None = Field(None, min_length=1, max_length=128)  # (read by input's check)
+    input: str | list[Any] | None = Field(None, validate_default=True)  # may be left out after one
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
     text: TextConfig | None = None
-    stream: bool | None = None  # None: false
-    store: bool | None = None  # None: true, as OpenAI's
-    previous_response_id: str | None = Field(None, min_length=1, max_length=128)
-    metadata: dict[_MetadataKey, _MetadataValue] | None = Field(None, max_length=16)  # OpenAI's bounds
     # vLLM's extensions, as on chat
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, strict=True)
     mm_processor_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = Field(None, max_length=128)  # function tools (``_tool``), as on chat
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
-    # refused unless off (REFUSED); then accepted without effect: labels and hosted-service options
+    # refused unless off (REFUSED)
     conversation: Any = None
     reasoning: Any = None
-    include: Any = None
-    background: Any = None
-    top_logprobs: Any = None
-    max_tool_calls: Any = None
-    prompt: Any = None
     truncation: Any = None
-    user: Any = None
-    safety_identifier: Any = None
-    prompt_cache_key: Any = None
-    prompt_cache_retention: Any = None
-    prompt_cache_options: Any = None
-    service_tier: Any = None
-    stream_options: ResponsesStreamOptions | None = None
 
     @field_validator("input", mode="before")
     @classmethod
-    def _items(cls, value: Any) -> Any:
+    def _items(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and info.data.get("previous_response_id") is None:
+            raise PydanticCustomError("missing", "input is required without a previous_response_id")
         if isinstance(value, list):
             if not value:
                 raise ValueError("input must not be empty")
@@ -296,7 +306,7 @@ class ResponsesRequest(_Body):
     def _tools(cls, value: Any) -> Any:
         return _each(value, _tool, "tools") if isinstance(value, list) else value
 
-    @field_validator(*REFUSED)
+    @field_validator(*REFUSED, check_fields=False)
     @classmethod
     def _refused(cls, value: Any, info: Any) -> Any:
         accepted, reason = REFUSED[info.field_name]
@@ -305,7 +315,32 @@ class ResponsesRequest(_Body):
         return value
 
     def input_items(self) -> list[Any]:
-        """``input`` as a list of items (a string is one user message)."""
+        """``input`` as a list of items (a string is one user message; none: no items)."""
+        if self.input is None:
+            return []
         if isinstance(self.input, str):
             return [InputMessage(role="user", content=self.input)]
         return self.input
+
+
+class ResponsesRequest(ResponsesInput):
+    model: str
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    stream: bool | None = None  # None: false
+    store: bool | None = None  # None: true, as OpenAI's
+    metadata: dict[_MetadataKey, _MetadataValue] | None = Field(None, max_length=16)  # OpenAI's bounds
+    # refused unless off (REFUSED); then accepted without effect: labels and hosted-service options
+    include: Any = None
+    background: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
+    prompt: Any = None
+    user: Any = None
+    safety_identifier: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    service_tier: Any = None
+    stream_options: ResponsesStreamOptions | None = None

@@ -15,9 +15,10 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -28,20 +29,29 @@ from app.api.disconnect import unless_client_leaves
 from app.api.error_handlers import error_detail
 from app.api.outputs import ChoiceOutputs, Generation
 from app.api.request_guards import request_tenant
-from app.api.response_store import ResponseStore
-from app.api.responses_api_schemas import ResponsesRequest, dump_items, parse_items
-from app.api.responses_chat import chat_request
-from app.api.tool_calls import (
-    OPEN_TAG,
-    ContentDelta,
-    ToolCall,
-    ToolCallDelta,
-    ToolCallStreamer,
-    parse_tool_calls,
+from app.api.response_items import IMAGE_URLS, conversation_outputs, input_items, page, with_ids
+from app.api.response_store import ResponseStore, StoredResponse
+from app.api.responses_api_schemas import (
+    ItemReference,
+    ResponsesInput,
+    ResponsesRequest,
+    dump_items,
+    parse_items,
 )
-from app.errors import MMServeError, NotFoundError, from_family_error
-from app.inputs.submission import submit
+from app.api.responses_chat import ResponsesParams, chat_request
+from app.api.responses_output import OutputStream, answer_status, output_items
+from app.api.tool_calls import ToolCallStreamer
+from app.errors import (
+    InvalidRequestError,
+    MMServeError,
+    ModelNotFoundError,
+    NotFoundError,
+    from_family_error,
+)
+from app.inputs.submission import prompt_token_ids, submit
 from workers.families.errors import FamilyInputError
+
+RequestBody = TypeVar("RequestBody", bound=ResponsesInput)
 
 
 class ResponsesService:
@@ -51,18 +61,14 @@ class ResponsesService:
 
     async def create(self, body: ResponsesRequest, raw: Request) -> Response:
         tenant = request_tenant(raw.scope)
+        body = await self._resolved(body, tenant)
         history = await self._history(body, tenant)
         chat_body, params = chat_request(body, parse_items(history))
         self.chat.check_ready(chat_body)
-        try:
+        with _named_by(params):
             spec = self.chat.spec(chat_body, raw)
             arrival = time.time()
             submitted = await unless_client_leaves(raw, submit(self.chat.inputs, self.chat.engine, spec))
-        except MMServeError as exc:  # it names the chat request's fields: name the Responses ones
-            params.error(exc)
-            raise
-        except FamilyInputError as exc:  # (a chat template's refusal, say)
-            raise params.error(from_family_error(exc)) from exc
         self.chat.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
         gen = Generation(
             req_id=submitted.choices[0].req_id,
@@ -77,31 +83,92 @@ class ResponsesService:
             parse_tool_calls=chat_body.parses_tool_calls,
             stop_token_ids=frozenset(self.chat.inputs.family.eos_token_ids),
         )
+        defaults = self.chat.defaults
         turn = _Turn(
             body,
             gen,
             tenant,
-            [*history, *dump_items(body.input_items())],
+            [*history, *with_ids(dump_items(body.input_items()), gen.response_id)],
             body.store is not False and self.store.enabled,
+            defaults.temperature if body.temperature is None else body.temperature,
+            defaults.top_p if body.top_p is None else body.top_p,
         )
         outputs = ChoiceOutputs([gen], submitted, self.chat.engine, self.chat.metrics)
         if body.stream:
             return StreamingResponse(self._stream(turn, outputs), media_type="text/event-stream")
         await outputs.collect_while_connected(raw)
-        return JSONResponse(await self._finished(turn, output_items(gen, f"msg_{uuid.uuid4().hex}")))
+        return JSONResponse(await self._finished(turn, output_items(gen)))
+
+    async def count_input_tokens(self, body: ResponsesInput, raw: Request) -> dict[str, Any]:
+        """``POST /v1/responses/input_tokens``: the ``usage.input_tokens`` a response made from ``body``
+        would have (its media processed through the processor cache; nothing reaches the engine)."""
+        tenant = request_tenant(raw.scope)
+        body = await self._resolved(body, tenant)
+        history = await self._history(body, tenant)
+        model = body.model or self.chat.model_name
+        request = ResponsesRequest.model_construct(**{**dict(body), "model": model})
+        chat_body, params = chat_request(request, parse_items(history))
+        if chat_body.model != self.chat.model_name:
+            raise ModelNotFoundError(f"The model `{chat_body.model}` does not exist.")
+        with _named_by(params):
+            spec = self.chat.spec(chat_body, raw)
+            counting = prompt_token_ids(
+                self.chat.inputs, spec.messages, spec.mm_processor_kwargs, spec.scope, spec.template
+            )
+            token_ids = await unless_client_leaves(raw, counting)
+        return {"object": "response.input_tokens", "input_tokens": len(token_ids)}
 
     async def retrieve(self, response_id: str, raw: Request) -> dict[str, Any]:
+        return (await self._stored(response_id, raw)).response
+
+    async def list_input_items(
+        self, response_id: str, raw: Request, after: str | None, limit: int, order: Literal["asc", "desc"]
+    ) -> dict[str, Any]:
+        """``GET /v1/responses/{id}/input_items``: the items the response was made from, a page of them."""
+        stored = await self._stored(response_id, raw)
+        include = [*raw.query_params.getlist("include"), *raw.query_params.getlist("include[]")]
+        for value in include:
+            if value != IMAGE_URLS:
+                msg = f"include {value!r} is not supported (only {IMAGE_URLS})"
+                raise InvalidRequestError(msg, param="include")
+        return page(input_items(stored.items, stored.response), after, limit, order, IMAGE_URLS in include)
+
+    async def cancel(self, response_id: str, raw: Request) -> dict[str, Any]:
+        """``POST /v1/responses/{id}/cancel``: only a background response can be; mmserve runs none, so a
+        stored response is one already finished."""
+        await self._stored(response_id, raw)
+        raise InvalidRequestError(
+            "Only a background response can be cancelled, and mmserve runs none: this response finished "
+            "before it was returned.",
+            param="response_id",
+        )
+
+    async def _stored(self, response_id: str, raw: Request) -> StoredResponse:
         stored = await asyncio.to_thread(self.store.get, request_tenant(raw.scope), response_id)
         if stored is None:
             raise _not_found(response_id)
-        return stored.response
+        return stored
 
     async def delete(self, response_id: str, raw: Request) -> dict[str, Any]:
         if not await asyncio.to_thread(self._delete, request_tenant(raw.scope), response_id):
             raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
-    async def _history(self, body: ResponsesRequest, tenant: str) -> list[dict[str, Any]]:
+    async def _resolved(self, body: RequestBody, tenant: str) -> RequestBody:
+        """``body`` with each ``item_reference`` of its input replaced by the stored item it names."""
+        items = body.input_items()
+        wanted = [item.id for item in items if isinstance(item, ItemReference)]
+        if not wanted:
+            return body
+        found = await asyncio.to_thread(self.store.get_items, tenant, wanted)
+        for index, item in enumerate(items):
+            if isinstance(item, ItemReference) and item.id not in found:
+                off = "" if self.store.enabled else " (this server stores no responses)"
+                raise NotFoundError(f"Item with id '{item.id}' not found{off}.", param=f"input[{index}].id")
+        resolved = [found[i.id] if isinstance(i, ItemReference) else i for i in items]
+        return body.model_copy(update={"input": parse_items([_dumped(i) for i in resolved])})
+
+    async def _history(self, body: ResponsesInput, tenant: str) -> list[dict[str, Any]]:
         """The stored conversation ``previous_response_id`` ends, as input items (none without one)."""
         if body.previous_response_id is None:
             return []
@@ -121,8 +188,7 @@ class ResponsesService:
         conversation: its arguments are no object to render or to answer."""
         response = response_object(turn, items)
         if turn.store:
-            kept = [i for i in items if not (i["type"] == "function_call" and i["status"] == "incomplete")]
-            conversation = [*turn.items, *kept]
+            conversation = [*turn.items, *conversation_outputs(items)]
             response["store"] = await asyncio.to_thread(self._put, turn, conversation, response)
         return response
 
@@ -147,7 +213,6 @@ class ResponsesService:
         metrics.responses_stored_bytes.set(num_bytes)
 
     async def _stream(self, turn: _Turn, outputs: ChoiceOutputs) -> AsyncIterator[str]:
-        message_id = f"msg_{uuid.uuid4().hex}"
         sequence = itertools.count()
 
         def event(kind: str, **fields: Any) -> str:
@@ -159,7 +224,9 @@ class ResponsesService:
             started = response_object(turn, [], status="in_progress", with_output=False)
             yield event("response.created", response=started)
             yield event("response.in_progress", response=started)
-            stream = _OutputStream(message_id, event, ToolCallStreamer() if gen.parse_tool_calls else None)
+            stream = OutputStream(
+                gen.response_id, event, ToolCallStreamer() if gen.parse_tool_calls else None
+            )
             async for delta in outputs.deltas():
                 for text in stream.push(delta.text, last=delta.finish_reason is not None):
                     yield text
@@ -176,124 +243,6 @@ class ResponsesService:
             outputs.release()
 
 
-def _message(message_id: str, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
-    """The output item of a response's text: the assistant's message."""
-    return {"id": message_id, "type": "message", "role": "assistant", "status": status, "content": content}
-
-
-def _function_call(call: ToolCall, status: str = "completed", arguments: str | None = None) -> dict[str, Any]:
-    """The output item of one call: its ``call_id`` is what a ``function_call_output`` answers."""
-    return {
-        "id": f"fc_{call.id.removeprefix('call_')}",
-        "type": "function_call",
-        "status": status,
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments if arguments is None else arguments,
-    }
-
-
-def output_items(gen: Generation, message_id: str) -> list[dict[str, Any]]:
-    """A finished answer's output items: its text as a message (unless a call-parsing answer has none)
-    and its calls (one cut off by the max tokens ``incomplete``), in the order the answer began them, as
-    the stream adds them."""
-    if not gen.parse_tool_calls:
-        return [_message(message_id, _status(gen), [_text_part(gen.text)])]
-    parsed = parse_tool_calls(gen.text)
-    items = [
-        _function_call(call, "completed" if call.complete else "incomplete") for call in parsed.tool_calls
-    ]
-    if parsed.content is not None or not items:
-        text_first = not items or bool(gen.text[: gen.text.find(OPEN_TAG)].strip())
-        message = _message(message_id, _status(gen), [_text_part(parsed.content or "")])
-        items.insert(0 if text_first else len(items), message)
-    return items
-
-
-def _status(gen: Generation) -> str:
-    return "incomplete" if gen.finish_reason == "length" else "completed"
-
-
-Event = Callable[..., str]
-
-
-class _OutputStream:
-    """A streamed answer's output-item events, built as its text arrives: the message opened with its
-    first text (at once for an answer that parses no calls) and each call once it closed (app/api/
-    tool_calls.py), in output order; ``finish`` closes what is open and returns the items, with the
-    ids the events used, for the final ``response`` object."""
-
-    def __init__(self, message_id: str, event: Event, calls: ToolCallStreamer | None) -> None:
-        self.message_id, self.event, self.calls = message_id, event, calls
-        self.items: list[dict[str, Any]] = []
-        self.text: str | None = None  # the message's text, once opened
-        self.where: dict[str, Any] = {}
-        self.opened: list[str] = [] if calls is not None else self._open()
-
-    def _open(self) -> list[str]:
-        self.text = ""
-        self.where = {"item_id": self.message_id, "output_index": len(self.items), "content_index": 0}
-        self.items.append(_message(self.message_id, "in_progress", []))
-        return [
-            self.event("response.output_item.added", output_index=len(self.items) - 1, item=self.items[-1]),
-            self.event("response.content_part.added", part=_text_part(""), **self.where),
-        ]
-
-    def push(self, text: str, last: bool) -> list[str]:
-        events, self.opened = self.opened, []
-        pieces: list[ContentDelta | ToolCallDelta]
-        if self.calls is None:
-            pieces = [ContentDelta(text)] if text else []
-        else:
-            pieces = self.calls.push(text) + (self.calls.finish() if last else [])
-        for piece in pieces:
-            if isinstance(piece, ContentDelta):
-                if self.text is None:
-                    events += self._open()
-                self.text = (self.text or "") + piece.content
-                events.append(
-                    self.event("response.output_text.delta", delta=piece.content, logprobs=[], **self.where)
-                )
-            elif piece.id is not None:  # a call's first delta: its id and name
-                call = ToolCall(piece.id, piece.name or "", "")
-                self.items.append(_function_call(call, "in_progress", ""))
-                events.append(
-                    self.event(
-                        "response.output_item.added", output_index=len(self.items) - 1, item=self.items[-1]
-                    )
-                )
-            else:
-                index, item = len(self.items) - 1, self.items[-1]
-                item.update(arguments=piece.arguments, status="completed" if piece.complete else "incomplete")
-                where = {"item_id": item["id"], "output_index": index}
-                events.append(
-                    self.event("response.function_call_arguments.delta", delta=piece.arguments, **where)
-                )
-                events.append(
-                    self.event("response.function_call_arguments.done", arguments=piece.arguments, **where)
-                )
-                events.append(self.event("response.output_item.done", output_index=index, item=item))
-        return events
-
-    def finish(self, gen: Generation) -> tuple[list[str], list[dict[str, Any]]]:
-        events = self.opened
-        if self.text is None and not self.items:  # nothing at all: an empty message, as without calls
-            events += self._open()
-        if self.text is not None:
-            index = self.where["output_index"]
-            self.items[index] = _message(self.message_id, _status(gen), [_text_part(self.text)])
-            events += [
-                self.event("response.output_text.done", text=self.text, logprobs=[], **self.where),
-                self.event("response.content_part.done", part=_text_part(self.text), **self.where),
-                self.event("response.output_item.done", output_index=index, item=self.items[index]),
-            ]
-        return events, self.items
-
-
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
 @dataclass(frozen=True)
 class _Turn:
     """One response being made: its request, its answer, and what storing it takes."""
@@ -303,6 +252,24 @@ class _Turn:
     tenant: str
     items: list[dict[str, Any]]  # the conversation up to this turn's input, as input items
     store: bool  # asked for, and the store is on
+    temperature: float  # in effect: the request's, or the model's default
+    top_p: float
+
+
+@contextmanager
+def _named_by(params: ResponsesParams) -> Iterator[None]:
+    """An error of the chat request's checks names the Responses fields (a chat template's refusal too)."""
+    try:
+        yield
+    except MMServeError as exc:
+        params.error(exc)
+        raise
+    except FamilyInputError as exc:
+        raise params.error(from_family_error(exc)) from exc
+
+
+def _dumped(item: Any) -> dict[str, Any]:
+    return item if isinstance(item, dict) else dump_items([item])[0]
 
 
 def _not_found(response_id: str) -> NotFoundError:
@@ -316,7 +283,7 @@ def response_object(
     ``incomplete`` when the answer reached ``max_output_tokens`` (or the context length)."""
     body, gen = turn.body, turn.gen
     if status is None:
-        status = _status(gen)
+        status = answer_status(gen)
     text_format = (
         body.text.format.model_dump(by_alias=True, exclude_none=True)
         if body.text and body.text.format
@@ -336,8 +303,8 @@ def response_object(
         "error": None,
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
+        "temperature": turn.temperature,
+        "top_p": turn.top_p,
         "metadata": body.metadata or {},
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "tool_choice": _tool_choice(body),

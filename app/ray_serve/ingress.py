@@ -35,7 +35,7 @@ from app.api.request_guards import RequestGuards, request_tenant
 from app.proxy.forward import UpstreamUnavailableError, describe, forwarded_headers
 from app.ray_serve import router_state
 from app.ray_serve.grpc_binding import bind_to_node_address
-from app.ray_serve.media_keys import media_keys, response_key, stored_response_keys
+from app.ray_serve.media_keys import followed_responses, media_keys, response_key, stored_response_keys
 from app.ray_serve.messages import ReplicaHead, ReplicaRequest
 from app.ray_serve.response_ids import ResponseIdWatch, json_or_none
 
@@ -105,8 +105,7 @@ def build_ingress(options: IngressOptions) -> type:
             keys = media_keys(parsed, tenant=tenant, isolate_tenants=options.isolate_tenants)
             stored = stored_response_keys(request.method, request.url.path, tenant)
             keys += stored
-            follows = isinstance(parsed, dict) and isinstance(parsed.get("previous_response_id"), str)
-            holder_only = not options.shared_responses and bool(stored or follows)
+            holder_only = not options.shared_responses and bool(stored or followed_responses(parsed))
             makes_response = request.method == "POST" and request.url.path == "/v1/responses"
             path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             messages = parsed.get("messages") if options.chat_messages and isinstance(parsed, dict) else None

@@ -10,8 +10,11 @@ gives the proper 400).
                                 keys, so a later part with the uuid alone goes where the binding is
     ``previous_response_id``    the tenant and the id: the conversation's media are where the response
                                 was made (``response_key``, which the ingress places once it answered)
-    ``GET``/``DELETE /v1/responses/{id}``  the same key, from the path: a replica's store holds only
-                                the responses it made (``stored_response_keys``)
+    an ``item_reference``       the same key, of the response whose turn made the item, which the id
+                                mmserve gave it names (app/api/response_items.py); none for another id
+    ``/v1/responses/{id}``      the same key, from the path (``GET``, ``DELETE``, ``GET .../input_items``,
+                                ``POST .../cancel``): a replica's store holds only the responses it made
+                                (``stored_response_keys``)
 
 Each key is a short digest, so a replica's report of what it holds stays small.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from app.api.response_items import made_by
 from app.inputs.media_ids import CacheScope
 from wire.hashing import framed_digest
 
@@ -45,16 +49,29 @@ def media_keys(body: Any, *, tenant: str, isolate_tenants: bool) -> tuple[str, .
     )
     options = body.get("mm_processor_kwargs")
     options = dict(options) if isinstance(options, Mapping) else {}
-    keys: dict[str, None] = {}
-    previous = body.get("previous_response_id")
-    if isinstance(previous, str):
-        keys[response_key(tenant, previous)] = None
+    keys = dict.fromkeys(response_key(tenant, followed) for followed in followed_responses(body))
     for kind, url, uuid in _media_parts(body):
         if url is not None:
             keys[framed_digest(MEDIA_KEY_DOMAIN, kind, url, options, scope.salt)[:KEY_CHARS]] = None
         if uuid is not None:
             keys[framed_digest(MEDIA_ID_KEY_DOMAIN, tenant, uuid)[:KEY_CHARS]] = None
     return tuple(keys)
+
+
+def followed_responses(body: Any) -> list[str]:
+    """The stored responses a body reads: the one it follows, and those that made the items it refers
+    to (where mmserve gave their ids)."""
+    if not isinstance(body, Mapping):
+        return []
+    previous = body.get("previous_response_id")
+    followed = [previous] if isinstance(previous, str) else []
+    items = body.get("input")
+    for item in items if isinstance(items, list) else ():
+        if isinstance(item, Mapping) and item.get("type", "item_reference") == "item_reference":
+            item_id = item.get("id")
+            made = made_by(item_id) if isinstance(item_id, str) and "role" not in item else None
+            followed += [made] if made is not None else []
+    return followed
 
 
 def _media_parts(body: Mapping[str, Any]) -> Iterator[tuple[str, str | None, str | None]]:
@@ -84,10 +101,14 @@ def _media_of(part: Mapping[str, Any]) -> Iterator[tuple[str, str | None, str | 
 
 
 def stored_response_keys(method: str, path: str, tenant: str) -> tuple[str, ...]:
-    """The key of the stored response that ``GET`` or ``DELETE /v1/responses/{id}`` names; none for
-    any other request."""
-    response_id = path.removeprefix(STORED_RESPONSES_PATH)
-    if method not in ("GET", "DELETE") or response_id == path or not response_id or "/" in response_id:
+    """The key of the stored response that ``GET`` or ``DELETE /v1/responses/{id}``, ``GET
+    /v1/responses/{id}/input_items`` or ``POST /v1/responses/{id}/cancel`` names; none for any other
+    request."""
+    if not path.startswith(STORED_RESPONSES_PATH):
+        return ()
+    response_id, *below = path.removeprefix(STORED_RESPONSES_PATH).split("/")
+    names = {("GET", ()), ("DELETE", ()), ("GET", ("input_items",)), ("POST", ("cancel",))}
+    if not response_id or (method, tuple(below)) not in names:
         return ()
     return (response_key(tenant, response_id),)
 

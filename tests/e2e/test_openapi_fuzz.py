@@ -142,6 +142,9 @@ def test_every_route_is_fuzzed(api_schema: Any) -> None:
         "POST /v1/responses",
         "GET /v1/responses/{response_id}",
         "DELETE /v1/responses/{response_id}",
+        "POST /v1/responses/input_tokens",
+        "GET /v1/responses/{response_id}/input_items",
+        "POST /v1/responses/{response_id}/cancel",
     }
 
 

@@ -228,9 +228,10 @@ def test_follow_ups_go_where_their_stored_response_was_made(ray_server: RayServe
 
 
 def test_a_stored_response_is_read_and_deleted_where_it_was_made(ray_server: RayServer) -> None:
-    """``GET`` and ``DELETE`` by id go to the replica that made the response. Here every replica reads one
-    store file (``mmserve ray serve`` on one machine), so the header shows the placement; on a cluster
-    without a shared ``--responses-store`` each replica holds only its own, and another would 404."""
+    """``GET``, ``DELETE``, its input items, cancellation and references to its items go to the replica
+    that made the response. Here every replica reads one store file (``mmserve ray serve`` on one
+    machine), so the header shows the placement; on a cluster without a shared ``--responses-store``
+    each replica holds only its own, and another would 404."""
     made: dict[str, str] = {}
     for k in range(16):  # new media goes to the replica holding fewer keys: soon both hold some
         image = {"type": "input_image", "image_url": data_url(make_image(4340 + k, size=(96, 96)))}
@@ -245,6 +246,14 @@ def test_a_stored_response_is_read_and_deleted_where_it_was_made(ray_server: Ray
         got = httpx.get(f"{url}/{response_id}", headers=AUTH, timeout=60)
         assert got.status_code == 200 and got.json()["id"] == response_id, got.text
         assert got.headers["x-mmserve-replica"] == replica
+        # its input items, a reference to one (the id names the response), and a cancellation: there too
+        items = httpx.get(f"{url}/{response_id}/input_items", headers=AUTH, timeout=60)
+        reference = {"model": "tiny-llava", "max_output_tokens": 2, "store": False, "input": [{"id": ""}]}
+        reference["input"][0]["id"] = items.json()["data"][0]["id"]
+        referred = httpx.post(url, json=reference, headers=AUTH, timeout=60)
+        cancel = httpx.post(f"{url}/{response_id}/cancel", headers=AUTH, timeout=60)
+        assert [r.status_code for r in (items, referred, cancel)] == [200, 200, 400], referred.text
+        assert {r.headers["x-mmserve-replica"] for r in (items, referred, cancel)} == {replica}
         gone = httpx.delete(f"{url}/{response_id}", headers=AUTH, timeout=60)
         assert gone.status_code == 200 and gone.json()["deleted"] is True, gone.text
         assert gone.headers["x-mmserve-replica"] == replica

@@ -181,3 +181,86 @@ def test_both_api_processes_serve_one_stored_conversation(store_server: Server) 
         if len(answers) == 2:
             break
     assert set(answers) == {0, 1} and len(set(answers.values())) == 1
+
+
+def test_input_items_list_what_a_response_was_made_from(store_server: Server) -> None:
+    sdk = client(store_server)
+    first = ask(store_server, input=looking_at(7104), instructions="Be brief.")
+    follow_up = ask(store_server, input="And now?", previous_response_id=first.id)
+    # pages of two, oldest first: the first turn's input and answer, then the follow-up's input (the
+    # instructions are no item, and the follow-up's own answer is its output, not its input)
+    listed = list(sdk.responses.input_items.list(follow_up.id, order="asc", limit=2))
+    assert [(item.type, getattr(item, "role", None)) for item in listed] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    assert listed[1].id == first.output[0].id and listed[2].content[0].text == "And now?"  # type: ignore[union-attr]
+    image = listed[0].content[1]  # type: ignore[union-attr]
+    assert image.type == "input_image" and image.image_url is None  # URLs only when asked for
+    newest_first = list(sdk.responses.input_items.list(follow_up.id))
+    assert [item.id for item in newest_first] == [item.id for item in reversed(listed)]  # ids kept
+    with_urls = sdk.responses.input_items.list(
+        follow_up.id, order="asc", include=["message.input_image.image_url"]
+    )
+    assert with_urls.data[0].content[1].image_url == looking_at(7104)[0]["content"][1]["image_url"]  # type: ignore[union-attr]
+    headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    refused = (
+        ({"include[]": "message.output_text.logprobs"}, "include"),
+        ({"after": "msg_x"}, "after"),
+        ({"limit": "0"}, "limit"),
+        ({"order": "up"}, "order"),
+        ({"before": "msg_x"}, "before"),
+    )
+    for query, param in refused:
+        resp = httpx.get(
+            f"{store_server.base_url}/v1/responses/{follow_up.id}/input_items", params=query, headers=headers
+        )
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    with pytest.raises(openai.NotFoundError):
+        client(store_server, KEYS[1]).responses.input_items.list(follow_up.id)
+
+
+def test_an_item_reference_is_answered_as_the_item_it_names(store_server: Server) -> None:
+    sdk = client(store_server)
+    first = ask(store_server, input=looking_at(7105))
+    (question,) = sdk.responses.input_items.list(first.id)
+    follow_up = ask(store_server, input="And now?", previous_response_id=first.id)
+    references = [{"type": "item_reference", "id": question.id}, {"id": first.output[0].id}]  # type optional
+    by_reference = ask(
+        store_server, input=[*references, {"role": "user", "content": "And now?"}], store=False
+    )
+    assert by_reference.output_text == follow_up.output_text
+    assert by_reference.usage is not None and follow_up.usage is not None
+    assert by_reference.usage.input_tokens == follow_up.usage.input_tokens
+    for key, item_id in ((KEYS[0], "msg_unknown"), (KEYS[1], question.id)):  # another key's item: not found
+        resp = post(store_server, {"input": [{"type": "item_reference", "id": item_id}]}, key)
+        assert resp.status_code == 404 and resp.json()["error"]["param"] == "input[0].id", resp.text
+
+
+def test_input_tokens_count_what_the_response_is_made_of(store_server: Server) -> None:
+    one_process = client(store_server)
+    first = ask(store_server, sdk=one_process, input=looking_at(7106), instructions="Be brief.")
+    counted = one_process.responses.input_tokens.count(
+        model="tiny-llava",
+        input=looking_at(7106),
+        instructions="Be brief.",  # type: ignore[arg-type]
+    )
+    assert first.usage is not None and counted.input_tokens == first.usage.input_tokens
+    counted = one_process.responses.input_tokens.count(input="And now?", previous_response_id=first.id)
+    follow_up = ask(store_server, sdk=one_process, input="And now?", previous_response_id=first.id)
+    assert follow_up.usage is not None and counted.input_tokens == follow_up.usage.input_tokens
+    # no input at all after a stored response: the model answers again, after its own answer
+    again = ask(store_server, sdk=one_process, previous_response_id=first.id)
+    assert again.usage is not None and again.usage.input_tokens > first.usage.input_tokens
+    resp = post(store_server, {"input": None})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "input", resp.text
+
+
+def test_a_stored_response_cannot_be_cancelled(store_server: Server) -> None:
+    stored = ask(store_server, input="Hello")
+    assert stored.temperature == 0 and stored.top_p is not None  # the values in effect, not null
+    with pytest.raises(openai.BadRequestError):
+        client(store_server).responses.cancel(stored.id)
+    with pytest.raises(openai.NotFoundError):
+        client(store_server).responses.cancel("resp_unknown")

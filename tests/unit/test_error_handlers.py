@@ -180,7 +180,8 @@ def test_format_loc() -> None:
         "messages[0].content[1].image_url.url"
     )
     assert format_loc(("body",)) is None
-    assert format_loc(("query", "limit")) == "query.limit"
+    assert format_loc(("query", "limit")) == "limit"  # a query or path parameter by its name, as OpenAI
+    assert format_loc(("path", "response_id")) == "response_id"
     # pydantic's tags for a union's members are no fields
     assert format_loc(("body", "tool_choice", "literal['none','auto','required']")) == "tool_choice"
     assert format_loc(("body", "tool_choice", "NamedToolChoice", "function")) == "tool_choice.function"

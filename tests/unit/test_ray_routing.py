@@ -83,9 +83,34 @@ def test_a_stored_response_is_fetched_and_deleted_where_it_was_made() -> None:
     for method in ("GET", "DELETE"):
         assert stored_response_keys(method, "/v1/responses/resp_1", "t1") == (response_key("t1", "resp_1"),)
     assert stored_response_keys("GET", "/v1/responses/resp_1", "t2") != (response_key("t1", "resp_1"),)
-    for method, path in (("POST", "/v1/responses/resp_1"), ("GET", "/v1/responses/"), ("GET", "/v1/models")):
-        assert stored_response_keys(method, path, "t1") == ()
-    assert stored_response_keys("GET", "/v1/responses/resp_1/input_items", "t1") == ()
+    for method, below in (("GET", "/input_items"), ("POST", "/cancel")):
+        assert stored_response_keys(method, f"/v1/responses/resp_1{below}", "t1") == (
+            response_key("t1", "resp_1"),
+        )
+    others = [("POST", "/v1/responses/resp_1"), ("GET", "/v1/responses/"), ("GET", "/v1/models")]
+    others += [("GET", "/v1/responses/resp_1/"), ("POST", "/v1/responses/resp_1/input_items")]
+    others += [("GET", "/v1/responses/resp_1/cancel"), ("GET", "/v1/responses/resp_1/input_items/x")]
+    others += [("POST", "/v1/responses/input_tokens"), ("GET", "/v1/responses//input_items")]
+    for method, path in others:
+        assert stored_response_keys(method, path, "t1") == (), path
+
+
+def test_an_item_reference_is_keyed_by_the_response_that_made_the_item() -> None:
+    from app.api.response_items import output_item_id, with_ids
+    from app.ray_serve.media_keys import followed_responses, response_key
+
+    made, other = "resp_" + "ab" * 16, "resp_" + "cd" * 16
+    (question,) = with_ids([{"role": "user", "content": "?"}], made)
+    references = [{"type": "item_reference", "id": question["id"]}, {"id": output_item_id("message", other)}]
+    references += [{"type": "item_reference", "id": "msg_client_given"}]
+    body = {"input": [*references, {"role": "user", "content": "And?"}]}
+    assert followed_responses(body) == [made, other]
+    assert keys(body, "t1") == (response_key("t1", made), response_key("t1", other)) != keys(body, "t2")
+    body = {
+        "input": [{"role": "user", "content": "?", "id": question["id"]}],
+        "previous_response_id": "resp_1",
+    }
+    assert followed_responses(body) == ["resp_1"]  # an item sent whole is no reference
 
 
 def test_a_body_that_is_not_strict_json_has_no_keys() -> None:

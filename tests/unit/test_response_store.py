@@ -110,3 +110,30 @@ def test_two_connections_to_one_file_share_the_store(tmp_path: Path) -> None:
     other.close()
     reopened = ResponseStore(path, 2, 1 << 20)  # a file outlives the server that wrote it
     assert reopened.get("", "resp_3") is not None
+
+
+def with_id(item: dict[str, Any], item_id: str) -> dict[str, Any]:
+    return {**item, "id": item_id}
+
+
+def test_an_item_is_found_by_its_id_in_the_latest_conversation_that_holds_it() -> None:
+    store = ResponseStore(None, 10, 1 << 20)
+    first = [with_id(user("look", IMAGE_A), "msg_u1")]
+    answer = {"type": "message", "role": "assistant", "content": "a cat", "id": "msg_a1"}
+    store.put("", "resp_1", [*first, answer], response("resp_1"))
+    second = [*first, answer, with_id(user("and now?"), "msg_u2")]
+    store.put("", "resp_2", second, response("resp_2"))
+    found = store.get_items("", ["msg_u1", "msg_u2", "msg_a1", "msg_unknown"])
+    assert found == {"msg_u1": first[0], "msg_u2": second[2], "msg_a1": answer}  # its image in place
+    assert store.get_items("other-tenant", ["msg_u1"]) == {}
+    assert store.delete("", "resp_2")  # the latest holder of msg_u2: gone with it
+    assert store.get_items("", ["msg_u2"]) == {}
+    assert store._db.execute("SELECT COUNT(*) FROM items WHERE response_id = 'resp_2'").fetchone() == (0,)
+
+
+def test_an_evicted_conversations_items_are_not_found() -> None:
+    store = ResponseStore(None, 1, 1 << 20)
+    store.put("", "resp_1", [with_id(user("one"), "msg_1")], response("resp_1"))
+    store.put("", "resp_2", [with_id(user("two"), "msg_2")], response("resp_2"))  # evicts resp_1
+    assert store.get_items("", ["msg_1", "msg_2"]).keys() == {"msg_2"}
+    assert store._db.execute("SELECT COUNT(*) FROM items").fetchone() == (1,)

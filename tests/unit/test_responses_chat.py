@@ -48,7 +48,7 @@ def echoed_format(body: ResponsesRequest) -> dict[str, Any]:
         num_prompt_tokens=1, num_cached_tokens=0, want_logprobs=False,
         detok=SimpleNamespace(token_ids=[]),  # type: ignore[arg-type]
     )  # fmt: skip
-    text = response_object(_Turn(body, gen, "", [], False), [])["text"]
+    text = response_object(_Turn(body, gen, "", [], False, 1.0, 1.0), [])["text"]
     ResponseTextConfig.model_validate(text)  # OpenAI's shape
     return dict(text["format"])
 

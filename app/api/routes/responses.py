@@ -1,14 +1,15 @@
-"""POST /v1/responses; GET and DELETE /v1/responses/{response_id} (stored responses)."""
+"""POST /v1/responses and /v1/responses/input_tokens; GET and DELETE /v1/responses/{response_id}, its
+input items and its cancellation (stored responses)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 
 from app.api.json_body import StrictJSONRoute
-from app.api.responses_api_schemas import ResponsesRequest
+from app.api.responses_api_schemas import ResponsesInput, ResponsesRequest
 from app.api.state import State
 from app.errors import InvalidRequestError
 
@@ -19,6 +20,11 @@ ResponseId = Annotated[str, Path(min_length=1, max_length=128)]  # as previous_r
 @router.post("/v1/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request, state: State) -> Response:
     return await state.responses.create(body, request)
+
+
+@router.post("/v1/responses/input_tokens")
+async def count_input_tokens(body: ResponsesInput, request: Request, state: State) -> dict[str, Any]:
+    return await state.responses.count_input_tokens(body, request)
 
 
 @router.get("/v1/responses/{response_id}")
@@ -47,3 +53,25 @@ async def retrieve_response(
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: ResponseId, request: Request, state: State) -> dict[str, Any]:
     return await state.responses.delete(response_id, request)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(
+    response_id: ResponseId,
+    request: Request,
+    state: State,
+    after: Annotated[str | None, Query(min_length=1)] = None,
+    before: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    order: Literal["asc", "desc"] = "desc",
+) -> dict[str, Any]:
+    """OpenAI's query parameters (``include`` read by the service); ``before``, which older SDKs had, is
+    a 400 naming it rather than a page that ignores it."""
+    if before is not None:
+        raise InvalidRequestError("before is not supported: page with after and order.", param="before")
+    return await state.responses.list_input_items(response_id, request, after, limit, order)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_response(response_id: ResponseId, request: Request, state: State) -> dict[str, Any]:
+    return await state.responses.cancel(response_id, request)

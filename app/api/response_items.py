@@ -1,0 +1,113 @@
+"""A stored conversation's items as the Responses API names and lists them (docs/api.md, "Stored
+responses"): every item has an id (an input item the client sent without one is given one when its
+response is made), by which a later request may send it again as an ``item_reference``; and
+``GET /v1/responses/{id}/input_items`` lists the items a response was made from, in OpenAI's item
+shapes, a page at a time.
+
+An id mmserve gives names the response whose turn made the item (``msg_<response>_in0`` for its first
+input item, ``msg_<response>_out`` for its answer, ``fc_<response>_call0`` for its first call), so a
+reference finds the replica that stores it without a table of items (``made_by``; app/ray_serve/
+media_keys.py)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from app.errors import InvalidRequestError
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_GIVEN_ID = re.compile(r"(?:msg|fc|fco)_([0-9a-f]{32})_(?:in\d+|out|call\d+)")
+IMAGE_URLS = "message.input_image.image_url"  # the one ``include`` value the list takes
+
+
+def with_ids(items: list[dict[str, Any]], response_id: str) -> list[dict[str, Any]]:
+    """``items`` (the input items of the turn that makes ``response_id``), each with an id: its own, or
+    one that names the response."""
+    return [
+        item if "id" in item else {**item, "id": _item_id(_kind(item), response_id, f"in{index}")}
+        for index, item in enumerate(items)
+    ]
+
+
+def output_item_id(kind: Literal["message", "function_call"], response_id: str, index: int = 0) -> str:
+    """The id of a response's answer (its one message) or of its ``index``-th call."""
+    return _item_id(kind, response_id, "out" if kind == "message" else f"call{index}")
+
+
+def made_by(item_id: str) -> str | None:
+    """The id of the response whose turn made the item, for an id mmserve gave; None for another."""
+    given = _GIVEN_ID.fullmatch(item_id)
+    return None if given is None else f"resp_{given.group(1)}"
+
+
+def _item_id(kind: str, response_id: str, tag: str) -> str:
+    return f"{_ID_PREFIX[kind]}_{response_id.removeprefix('resp_')}_{tag}"
+
+
+def conversation_outputs(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What a stored conversation keeps of its response's output items: all but a call cut off by the max
+    tokens, whose arguments are no object to render or to answer."""
+    return [i for i in output if not (i["type"] == "function_call" and i["status"] == "incomplete")]
+
+
+def input_items(conversation: list[dict[str, Any]], response: dict[str, Any]) -> list[dict[str, Any]]:
+    """The items ``response`` was made from: its stored conversation without its own output (earlier
+    turns of a ``previous_response_id`` chain included, as the model read them)."""
+    return conversation[: len(conversation) - len(conversation_outputs(response["output"]))]
+
+
+def page(
+    items: list[dict[str, Any]],
+    after: str | None,
+    limit: int,
+    order: Literal["asc", "desc"],
+    image_urls: bool,
+) -> dict[str, Any]:
+    """OpenAI's list object of ``items``: ``limit`` of them after the item ``after``, oldest first
+    (``asc``) or newest first (``desc``); input images carry their URL only with ``image_urls``."""
+    listed = [_listed(item, index, image_urls) for index, item in enumerate(items)]
+    if order == "desc":
+        listed.reverse()
+    if after is not None:
+        ids = [item["id"] for item in listed]
+        if after not in ids:
+            raise InvalidRequestError(f"No input item with id '{after}' in this response.", param="after")
+        listed = listed[ids.index(after) + 1 :]
+    data = listed[:limit]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": len(listed) > limit,
+    }
+
+
+def _kind(item: dict[str, Any]) -> str:
+    return str(item.get("type") or "message")
+
+
+def _listed(item: dict[str, Any], index: int, image_urls: bool) -> dict[str, Any]:
+    """A stored item in the shape OpenAI lists it: a message's content always parts (an assistant's
+    ``output_text``), every item with its ``status``. An item stored before items had ids is named by
+    its place."""
+    kind = _kind(item)
+    listed = {"id": item.get("id", f"item_{index}"), "type": kind, "status": item.get("status", "completed")}
+    if kind != "message":
+        return {**listed, **{k: v for k, v in item.items() if k not in ("id", "type", "status")}}
+    role = item["role"]
+    content = item["content"]
+    if isinstance(content, str):
+        text_type = "output_text" if role == "assistant" else "input_text"
+        content = [{"type": text_type, "text": content}]
+    return {**listed, "role": role, "content": [_part(part, image_urls) for part in content]}
+
+
+def _part(part: dict[str, Any], image_urls: bool) -> dict[str, Any]:
+    if part["type"] == "output_text":
+        return {"annotations": [], **part}
+    if part["type"] == "input_image":
+        url = part.get("image_url") if image_urls else None
+        return {**part, "detail": part.get("detail", "auto"), "file_id": None, "image_url": url}
+    return part

@@ -1,0 +1,147 @@
+"""A response's output items (app/api/responses_service.py makes the response): the answer's text as a
+``message`` item and each call as a ``function_call`` item, in the order the answer began them, whole
+(``output_items``) or as the typed events of a stream builds them (``OutputStream``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from app.api.outputs import Generation
+from app.api.response_items import output_item_id
+from app.api.tool_calls import (
+    OPEN_TAG,
+    ContentDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStreamer,
+    parse_tool_calls,
+)
+
+
+def _message(message_id: str, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+    """The output item of a response's text: the assistant's message."""
+    return {"id": message_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def _function_call(
+    call: ToolCall, item_id: str, status: str = "completed", arguments: str | None = None
+) -> dict[str, Any]:
+    """The output item of one call: its ``call_id`` is what a ``function_call_output`` answers."""
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "status": status,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments if arguments is None else arguments,
+    }
+
+
+def output_items(gen: Generation) -> list[dict[str, Any]]:
+    """A finished answer's output items: its text as a message (unless a call-parsing answer has none)
+    and its calls (one cut off by the max tokens ``incomplete``), in the order the answer began them, as
+    the stream adds them."""
+    message_id = output_item_id("message", gen.response_id)
+    if not gen.parse_tool_calls:
+        return [_message(message_id, answer_status(gen), [_text_part(gen.text)])]
+    parsed = parse_tool_calls(gen.text)
+    items = [
+        _function_call(
+            call,
+            output_item_id("function_call", gen.response_id, index),
+            "completed" if call.complete else "incomplete",
+        )
+        for index, call in enumerate(parsed.tool_calls)
+    ]
+    if parsed.content is not None or not items:
+        text_first = not items or bool(gen.text[: gen.text.find(OPEN_TAG)].strip())
+        message = _message(message_id, answer_status(gen), [_text_part(parsed.content or "")])
+        items.insert(0 if text_first else len(items), message)
+    return items
+
+
+def answer_status(gen: Generation) -> str:
+    return "incomplete" if gen.finish_reason == "length" else "completed"
+
+
+Event = Callable[..., str]
+
+
+class OutputStream:
+    """A streamed answer's output-item events, built as its text arrives: the message opened with its
+    first text (at once for an answer that parses no calls) and each call once it closed (app/api/
+    tool_calls.py), in output order; ``finish`` closes what is open and returns the items, with the
+    ids the events used, for the final ``response`` object."""
+
+    def __init__(self, response_id: str, event: Event, calls: ToolCallStreamer | None) -> None:
+        self.response_id, self.event, self.calls = response_id, event, calls
+        self.message_id = output_item_id("message", response_id)
+        self.items: list[dict[str, Any]] = []
+        self.text: str | None = None  # the message's text, once opened
+        self.where: dict[str, Any] = {}
+        self.opened: list[str] = [] if calls is not None else self._open()
+
+    def _open(self) -> list[str]:
+        self.text = ""
+        self.where = {"item_id": self.message_id, "output_index": len(self.items), "content_index": 0}
+        self.items.append(_message(self.message_id, "in_progress", []))
+        return [
+            self.event("response.output_item.added", output_index=len(self.items) - 1, item=self.items[-1]),
+            self.event("response.content_part.added", part=_text_part(""), **self.where),
+        ]
+
+    def push(self, text: str, last: bool) -> list[str]:
+        events, self.opened = self.opened, []
+        pieces: list[ContentDelta | ToolCallDelta]
+        if self.calls is None:
+            pieces = [ContentDelta(text)] if text else []
+        else:
+            pieces = self.calls.push(text) + (self.calls.finish() if last else [])
+        for piece in pieces:
+            if isinstance(piece, ContentDelta):
+                if self.text is None:
+                    events += self._open()
+                self.text = (self.text or "") + piece.content
+                events.append(
+                    self.event("response.output_text.delta", delta=piece.content, logprobs=[], **self.where)
+                )
+            elif piece.id is not None:  # a call's first delta: its id and name
+                call = ToolCall(piece.id, piece.name or "", "")
+                item_id = output_item_id("function_call", self.response_id, piece.index)
+                self.items.append(_function_call(call, item_id, "in_progress", ""))
+                events.append(
+                    self.event(
+                        "response.output_item.added", output_index=len(self.items) - 1, item=self.items[-1]
+                    )
+                )
+            else:
+                index, item = len(self.items) - 1, self.items[-1]
+                item.update(arguments=piece.arguments, status="completed" if piece.complete else "incomplete")
+                where = {"item_id": item["id"], "output_index": index}
+                events.append(
+                    self.event("response.function_call_arguments.delta", delta=piece.arguments, **where)
+                )
+                events.append(
+                    self.event("response.function_call_arguments.done", arguments=piece.arguments, **where)
+                )
+                events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def finish(self, gen: Generation) -> tuple[list[str], list[dict[str, Any]]]:
+        events = self.opened
+        if self.text is None and not self.items:  # nothing at all: an empty message, as without calls
+            events += self._open()
+        if self.text is not None:
+            index = self.where["output_index"]
+            self.items[index] = _message(self.message_id, answer_status(gen), [_text_part(self.text)])
+            events += [
+                self.event("response.output_text.done", text=self.text, logprobs=[], **self.where),
+                self.event("response.content_part.done", part=_text_part(self.text), **self.where),
+                self.event("response.output_item.done", output_index=index, item=self.items[index]),
+            ]
+        return events, self.items
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
