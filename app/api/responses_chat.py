@@ -9,7 +9,9 @@ table of where each of their paths came from, and an error is named by the deepe
     messages[0]                                 instructions
     messages[1..k]                              previous_response_id   (the stored conversation)
     messages[k+1].content[1].image_url.url      input[0].content[1].image_url
-    messages[k+2].tool_calls[0], [1]            input[1], input[2]     (.function.arguments: .arguments)
+    messages[k+2].tool_calls[0], [1]            input[1], input[2]     (.function.arguments: .arguments;
+                                                                   the calls after an answer's text join
+                                                                   its message)
     messages[k+3].tool_call_id                  input[3].call_id       (a function_call_output)
 """
 
@@ -139,9 +141,11 @@ def _messages(body: ResponsesRequest, history: list[Any], params: ResponsesParam
     for origin, item in origins:
         if isinstance(item, FunctionCallItem):
             last = messages[-1] if messages else None
-            if last is None or last["role"] != "assistant" or "tool_calls" not in last:
+            if last is None or last["role"] != "assistant":
                 add({"role": "assistant", "content": None, "tool_calls": []}, origin, _WHOLE)
-            calls = messages[-1]["tool_calls"]  # calls made together: one assistant turn
+            # an answer's text and the calls after it, or calls made together: one assistant turn, as the
+            # model wrote it (and as chat's assistant message with content and tool_calls renders it)
+            calls = messages[-1].setdefault("tool_calls", [])
             params.add(f"messages[{len(messages) - 1}].tool_calls[{len(calls)}]", origin, _CALL)
             function = {"name": item.name, "arguments": item.arguments}
             calls.append({"id": item.call_id, "type": "function", "function": function})

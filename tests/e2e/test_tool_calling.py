@@ -458,3 +458,24 @@ def test_responses_call_a_function_streamed_or_not_and_take_its_output(
         ],
     )
     assert client.responses.create(**sdk_shaped).output_text == answer.output_text
+    # an answer's text and its call are one assistant turn, as on chat: the same prompt, token for token
+    said = {"role": "assistant", "content": [{"type": "output_text", "text": "Let me check."}]}
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    as_items = [*follow_up["input"][:1], said, call.model_dump(), result]
+    counted = client.responses.input_tokens.count(
+        model=follow_up["model"], input=as_items, tools=follow_up["tools"]
+    )
+    chat_call = {
+        "id": call.call_id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    as_messages = [
+        *messages(),
+        {"role": "assistant", "content": "Let me check.", "tool_calls": [chat_call]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+    ]
+    tokenized = httpx.post(
+        f"{server.base_url}/tokenize", json={"messages": as_messages, "tools": TOOLS}, timeout=60
+    )
+    assert tokenized.status_code == 200 and tokenized.json()["count"] == counted.input_tokens

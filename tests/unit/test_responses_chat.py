@@ -259,3 +259,23 @@ def test_an_error_message_names_the_responses_fields_and_leaves_prose_alone() ->
 def test_metadata_past_openais_bounds_is_a_400_naming_it(metadata: dict[str, str], param: str) -> None:
     assert refusal(metadata=metadata)[0] == param
     request(metadata={"k" * 64: "v" * 512})  # at the bounds
+
+
+def test_an_answers_text_and_its_calls_are_one_assistant_turn() -> None:
+    """As the model wrote them (text, then its calls) and as chat's assistant message with content and
+    ``tool_calls`` renders them: not a turn of text and then another of calls."""
+    answer = {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "Let me look."}],
+    }
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    result = {"type": "function_call_output", "call_id": "c1", "output": "ok"}
+    chat, params = chat_request(
+        request(input=[{"role": "user", "content": "hi"}, answer, call, call, result]), []
+    )
+    assert [message.role for message in chat.messages] == ["user", "assistant", "tool"]
+    turn = chat.messages[1].model_dump(exclude_none=True)
+    assert turn["content"] == [{"type": "text", "text": "Let me look."}] and len(turn["tool_calls"]) == 2
+    assert params.name("messages[1].tool_calls[1].function.arguments") == "input[3].arguments"
+    assert params.name("messages[1].content[0]") == "input[1].content[0]"
