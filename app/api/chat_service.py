@@ -23,7 +23,7 @@ from app.api.responses import chunk, completion, final_usage_chunk, sse, tool_st
 from app.api.sampling import SamplingDefaults, choice_sampling, sampling_params
 from app.api.schemas import ChatCompletionRequest
 from app.api.tool_calls import ToolCallStreamer
-from app.api.tool_schemas import check_tools, template_tools, tool_constraint
+from app.api.tool_schemas import check_tools, choice_name, template_tools, tool_constraint
 from app.errors import EngineUnavailableError, InvalidRequestError, MMServeError, ModelNotFoundError
 from app.inputs.engine_client import EngineClient
 from app.inputs.input_processor import InputProcessor
@@ -142,7 +142,7 @@ class ChatService:
         tool_cons = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls, parser)
         if tool_cons is not None and constraint is not None:
             raise InvalidRequestError(
-                f"tools with tool_choice {body.tool_choice or 'auto'!r} cannot be combined with "
+                f"tools with tool_choice {choice_name(body.tool_choice)!r} cannot be combined with "
                 f"{constraint.param}: both constrain the answer",
                 param=constraint.param,
             )

@@ -211,6 +211,14 @@ class NamedFunction(_Body):
     name: str
 
 
+class AllowedTools(_Body):
+    """OpenAI's ``ToolChoiceAllowed``: chat's ``allowed_tools``, flat (function tools only)."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[NamedFunction] = Field(min_length=1, max_length=128)
+
+
 class FormatText(_Body):
     """OpenAI's ``ResponseFormatText``: no constraint."""
 
@@ -283,7 +291,7 @@ class ResponsesInput(_Body):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, strict=True)
     mm_processor_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = Field(None, max_length=128)  # function tools (``_tool``), as on chat
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | AllowedTools | None = None
     parallel_tool_calls: bool | None = None
     # refused unless off (REFUSED)
     conversation: Any = None

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from app.api.error_handlers import validation_error_detail
 from app.api.responses_api_schemas import (
+    AllowedTools,
     FormatJsonObject,
     FormatJsonSchema,
     FunctionCallItem,
@@ -41,13 +42,15 @@ from app.errors import InvalidRequestError, MMServeError
 _FIELDS = (
     (re.compile(r"^response_format(\.json_schema)?"), "text.format"),
     (re.compile(r"^(tools\[\d+\])\.function"), r"\1"),
-    (re.compile(r"^tool_choice\.function"), "tool_choice"),
+    (re.compile(r"^tool_choice\.allowed_tools\.(tools\[\d+\])\.function"), r"tool_choice.\1"),
+    (re.compile(r"^tool_choice\.(function|allowed_tools)"), "tool_choice"),
     (re.compile(r"^max_completion_tokens"), "max_output_tokens"),
 )
 # a path in an error's message that the Responses request spells otherwise (a bare "messages" is prose)
 _CHAT_PATH = re.compile(
     r"(?<![\w.\]])"
-    r"(?:messages\[\d+\]|response_format|max_completion_tokens|tools\[\d+\]\.function|tool_choice\.function)"
+    r"(?:messages\[\d+\]|response_format|max_completion_tokens|tools\[\d+\]\.function"
+    r"|tool_choice\.function|tool_choice\.allowed_tools)"
     r"(?:\.\w+|\[\d+\])*"
 )
 _ROOT = re.compile(r"[.\[]")  # where a path's first name ends
@@ -177,9 +180,13 @@ def _tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
 
 
 def _tool_choice(body: ResponsesRequest) -> Any:
-    if isinstance(body.tool_choice, NamedFunction):
-        return {"type": "function", "function": {"name": body.tool_choice.name}}
-    return body.tool_choice
+    choice = body.tool_choice
+    if isinstance(choice, NamedFunction):
+        return {"type": "function", "function": {"name": choice.name}}
+    if isinstance(choice, AllowedTools):
+        refs = [{"type": "function", "function": {"name": tool.name}} for tool in choice.tools]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.mode, "tools": refs}}
+    return choice
 
 
 def _response_format(body: ResponsesRequest) -> dict[str, Any] | None:

@@ -5,7 +5,8 @@ constraint that makes a call well-formed.
 ``required`` makes the answer start with a call, a named function makes it that one call; ``auto``
 leaves the text free until the model opens a call, then constrains the call to a declared tool's name
 and arguments schema until it closes (xgrammar's structural tags, engine/structured/backend.py).
-``none`` renders the tools and constrains nothing; the answer is then plain content.
+``none`` renders the tools and constrains nothing; the answer is then plain content. ``allowed_tools``
+is ``auto`` or ``required`` over some of the tools, all of which the prompt still renders.
 """
 
 from __future__ import annotations
@@ -55,7 +56,21 @@ class NamedToolChoice(_Open):
     function: FunctionName
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+class AllowedTools(_Open):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1, max_length=MAX_TOOLS)
+
+
+class AllowedToolChoice(_Open):
+    """OpenAI's ``allowed_tools``: ``mode`` (``auto`` or ``required``) over these tools only, while the
+    prompt renders all of the request's tools, so a client that narrows the choice turn by turn keeps
+    one prompt prefix (and its cached KV)."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolChoice
 
 
 class FunctionCallParam(_Open):
@@ -91,11 +106,13 @@ def tools_json(tools: list[ChatTool]) -> str:
 def _declared(model: BaseModel) -> dict[str, Any]:
     """A declaration's fields that are set, nested ones too, without the keys its model does not declare."""
     fields = {name: getattr(model, name) for name in type(model).model_fields}
-    return {
-        name: _declared(value) if isinstance(value, BaseModel) else value
-        for name, value in fields.items()
-        if value is not None
-    }
+    return {name: _declared_value(value) for name, value in fields.items() if value is not None}
+
+
+def _declared_value(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return _declared(value)
+    return [_declared_value(v) for v in value] if isinstance(value, list) else value
 
 
 def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) -> None:
@@ -129,8 +146,22 @@ def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) ->
             f"tool_choice names {tool_choice.function.name!r}, which is not among the request's tools",
             param="tool_choice.function.name",
         )
+    if isinstance(tool_choice, AllowedToolChoice):
+        for i, ref in enumerate(tool_choice.allowed_tools.tools):
+            if ref.function.name not in names:
+                raise InvalidRequestError(
+                    f"tool_choice allows {ref.function.name!r}, which is not among the request's tools",
+                    param=f"tool_choice.allowed_tools.tools[{i}].function.name",
+                )
     if tool_choice == "required" and not names:
         raise InvalidRequestError("tool_choice 'required' needs tools", param="tool_choice")
+
+
+def choice_name(tool_choice: ToolChoice | None) -> str:
+    """How an error names the tool choice: ``auto`` (left out), ``required``, ``function``, …"""
+    if tool_choice is None or isinstance(tool_choice, str):
+        return tool_choice or "auto"
+    return tool_choice.type
 
 
 def check_tool_history(messages: list[Any]) -> bool:
@@ -182,6 +213,10 @@ def tool_constraint(
         return None
     if isinstance(tool_choice, NamedToolChoice):
         choice: Any = _declared(tool_choice)
+    elif isinstance(tool_choice, AllowedToolChoice):  # its mode over the allowed tools (as xgrammar's own)
+        allowed = {ref.function.name for ref in tool_choice.allowed_tools.tools}
+        tools = [tool for tool in tools if tool.function.name in allowed]
+        choice = tool_choice.allowed_tools.mode
     else:
         choice = tool_choice or "auto"
     functions = [

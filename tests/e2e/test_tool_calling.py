@@ -57,6 +57,9 @@ TEXT = "What is the weather where this picture was taken?"
 IMAGE = make_image(960, (320, 240))
 MAX_TOKENS = 96  # a call here is about 40 tokens
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+# the prompt renders both tools; the answer may call get_time only
+GET_TIME = {"type": "function", "function": {"name": "get_time"}}
+ALLOWED = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [GET_TIME]}}
 
 
 def messages(text: str = TEXT) -> list[dict[str, Any]]:
@@ -132,7 +135,7 @@ def calls_of(response: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("tool_choice", ["required", NAMED], ids=["required", "named"])
+@pytest.mark.parametrize("tool_choice", ["required", NAMED, ALLOWED], ids=["required", "named", "allowed"])
 def test_a_constrained_call_validates_and_equals_generate(
     family: str,
     tool_choice: Any,
@@ -144,8 +147,8 @@ def test_a_constrained_call_validates_and_equals_generate(
     response = ask(family_server(family), body(family, tool_choice, parallel_tool_calls=False))
     calls = calls_of(response)
     assert len(calls) == 1, response["choices"][0]
-    if tool_choice == NAMED:
-        assert calls[0][0] == "get_weather"
+    if tool_choice in (NAMED, ALLOWED):
+        assert calls[0][0] == ("get_weather" if tool_choice == NAMED else "get_time")
     assert response["choices"][0]["message"]["content"] is None
     assert response["choices"][0]["finish_reason"] == "tool_calls"
     hf_ids, hf_logprobs = oracle_answer(oracle, tool_choice, parallel=False)
@@ -285,6 +288,10 @@ def test_bad_tool_requests_are_400s_naming_their_field(family_server: Callable[.
     server = family_server("qwen2_5_vl")
     unknown = {"type": "function", "function": {"name": "nowhere"}}
     assert bad(server, body("qwen2_5_vl", unknown))["param"] == "tool_choice.function.name"
+    narrowed = body(
+        "qwen2_5_vl", {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [unknown]}}
+    )
+    assert bad(server, narrowed)["param"] == "tool_choice.allowed_tools.tools[0].function.name"
     schema = [
         {
             "type": "function",
@@ -405,6 +412,17 @@ def test_responses_call_a_function_streamed_or_not_and_take_its_output(
     assert response.status == "completed"
     [call] = [item for item in response.output if item.type == "function_call"]
     assert [item.type for item in response.output] == ["function_call"]  # no text besides the call
+    allowed = {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [{"type": "function", "name": "get_time"}],
+    }
+    narrowed = client.responses.create(**responses_body("qwen2_5_vl", allowed))
+    assert [item.name for item in narrowed.output if item.type == "function_call"] == ["get_time"]
+    assert (
+        narrowed.tool_choice.type == "allowed_tools"
+        and narrowed.usage.input_tokens == response.usage.input_tokens
+    )
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     arguments = json.loads(call.arguments)
     jsonschema.validate(arguments, WEATHER)

@@ -17,6 +17,7 @@ from app.api.outputs import Generation
 from app.api.responses_api_schemas import ResponsesRequest, parse_items
 from app.api.responses_chat import chat_request
 from app.api.responses_service import _Turn, response_object
+from app.api.tool_schemas import check_tools
 from app.errors import ContextLengthError, InvalidRequestError, MediaError, MMServeError
 
 IMAGE = "data:image/png;base64,iVBORw0KGgo="
@@ -279,3 +280,21 @@ def test_an_answers_text_and_its_calls_are_one_assistant_turn() -> None:
     assert turn["content"] == [{"type": "text", "text": "Let me look."}] and len(turn["tool_calls"]) == 2
     assert params.name("messages[1].tool_calls[1].function.arguments") == "input[3].arguments"
     assert params.name("messages[1].content[0]") == "input[1].content[0]"
+
+
+def test_allowed_tools_are_chats_and_their_errors_name_the_responses_fields() -> None:
+    refs = [{"type": "function", "name": "f"}, {"type": "function", "name": "g"}]
+    choice = {"type": "allowed_tools", "mode": "required", "tools": refs}
+    tools = [{"type": "function", "name": "f", "parameters": {}}]
+    chat, params = chat_request(request(tools=tools, tool_choice=choice), [])
+    assert chat.tool_choice is not None and not isinstance(chat.tool_choice, str)
+    assert chat.tool_choice.model_dump(exclude_none=True) == {
+        "type": "allowed_tools",
+        "allowed_tools": {
+            "mode": "required",
+            "tools": [{"type": "function", "function": {"name": n}} for n in "fg"],
+        },
+    }
+    with pytest.raises(InvalidRequestError) as caught:
+        check_tools(chat.tools, chat.tool_choice)
+    assert params.error(caught.value).param == "tool_choice.tools[1].name"

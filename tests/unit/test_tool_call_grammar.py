@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from app.api.tool_schemas import ChatTool, tool_constraint
-from engine.structured.backend import XGrammarBackend
+from app.api.tool_schemas import AllowedToolChoice, ChatTool, tool_constraint
+from engine.structured.backend import TOOL_CALL_MAX_WHITESPACE, XGrammarBackend
 from wire.protocol import Constraint, ConstraintKind
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
@@ -59,3 +59,58 @@ def test_arguments_are_an_object_whatever_the_schema_leaves_out(tiny_model: Call
         return bool(xgr.GrammarMatcher(compiled).accept_string(call))
 
     assert accepts('{"x": 1}') and not accepts("5") and not accepts("[1]")
+
+
+@pytest.mark.parametrize("mode", ["auto", "required"])
+def test_allowed_tools_constrain_calls_to_them_and_equal_xgrammars_own(
+    tiny_model: Callable[[str], Path], mode: str
+) -> None:
+    """``allowed_tools``: its mode over the allowed tools only; the grammar is xgrammar's own for the
+    same ``allowed_tools`` choice over all the tools (the same language, checked on calls of each)."""
+    import xgrammar as xgr
+
+    backend = XGrammarBackend(str(tiny_model("qwen2_5_vl")), 0)
+    tools = [TOOL, {**TOOL, "function": {**TOOL["function"], "name": "g"}}]  # type: ignore[dict-item]
+    refs = [{"type": "function", "function": {"name": "g"}}]
+    choice = {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": refs}}
+    chat_tools = [ChatTool.model_validate(tool) for tool in tools]
+    constraint = tool_constraint(chat_tools, AllowedToolChoice.model_validate(choice), False, "hermes")
+    assert constraint is not None
+    ours = backend.compile(constraint)
+    tag = xgr.get_model_structural_tag(
+        "qwen_3",
+        tools=tools,
+        tool_choice=choice,
+        reasoning="disabled",
+        max_whitespace_cnt=TOOL_CALL_MAX_WHITESPACE,
+        parallel_tool_calls=False,
+    )
+    theirs = backend._compiler.compile_structural_tag(tag)
+    call_g = CALL.replace('"f"', '"g"')
+    # answer -> (accepted whole under auto, under required)
+    answers = {
+        "Sure.": (True, False),
+        CALL: (False, False),  # f is declared, not allowed
+        call_g: (True, True),
+        "Sure. " + call_g: (True, False),
+        "Sure. " + CALL: (False, False),
+    }
+    for answer, expected in answers.items():
+        verdicts = []
+        for compiled in (ours, theirs):
+            matcher = xgr.GrammarMatcher(compiled)
+            verdicts.append(bool(matcher.accept_string(answer) and matcher.is_completed()))
+        assert verdicts == [expected[mode == "required"]] * 2, answer
+
+
+def test_allowed_tools_must_be_declared() -> None:
+    from app.api.tool_schemas import check_tools
+    from app.errors import InvalidRequestError
+
+    choice = {
+        "type": "allowed_tools",
+        "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "h"}}]},
+    }
+    with pytest.raises(InvalidRequestError) as caught:
+        check_tools([ChatTool.model_validate(TOOL)], AllowedToolChoice.model_validate(choice))
+    assert caught.value.param == "tool_choice.allowed_tools.tools[0].function.name"
