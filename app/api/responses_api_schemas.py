@@ -30,9 +30,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
         "conversation objects are not supported: chain responses by previous_response_id",
     ),
     "reasoning": ((None, {}, {"effort": None}, {"effort": "none"}), "the served model does not reason"),
-    "include": ((None, []), _LATER),
     "background": ((None, False), _LATER),
-    "top_logprobs": ((None, 0), _LATER),
     "max_tool_calls": ((None,), _LATER),
     "prompt": ((None,), "prompt templates are not supported"),
     "truncation": ((None, "disabled"), "only truncation 'disabled' is supported"),
@@ -278,6 +276,21 @@ class ResponsesStreamOptions(_Body):
     include_obfuscation: bool = True  # OpenAI pads events against side channels; mmserve sends none
 
 
+# OpenAI's ``ResponseIncludable``: the output text's logprobs; the others name what mmserve never makes
+# (reasoning, hosted tools' results) or no output holds (input images), so there is nothing to add
+LOGPROBS = "message.output_text.logprobs"
+Includable = Literal[
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "message.input_image.image_url",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+]
+
+
 class ResponsesInput(_Body):
     """What a response is made from: the fields ``POST /v1/responses/input_tokens`` counts, and every
     request's."""
@@ -340,9 +353,9 @@ class ResponsesRequest(ResponsesInput):
     store: bool | None = None  # None: true, as OpenAI's
     metadata: dict[_MetadataKey, _MetadataValue] | None = Field(None, max_length=16)  # OpenAI's bounds
     # refused unless off (REFUSED); then accepted without effect: labels and hosted-service options
-    include: Any = None
+    include: list[Includable] | None = None
     background: Any = None
-    top_logprobs: Any = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # alternatives per token, with LOGPROBS included
     max_tool_calls: Any = None
     prompt: Any = None
     user: Any = None

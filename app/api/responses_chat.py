@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from app.api.error_handlers import validation_error_detail
 from app.api.responses_api_schemas import (
+    LOGPROBS,
     AllowedTools,
     FormatJsonObject,
     FormatJsonSchema,
@@ -114,12 +115,20 @@ def chat_request(body: ResponsesRequest, history: list[Any]) -> tuple[ChatComple
         "tools": _tools(body),
         "tool_choice": _tool_choice(body),
         "parallel_tool_calls": body.parallel_tool_calls,
+        "logprobs": _logprobs(body),
+        "top_logprobs": body.top_logprobs if _logprobs(body) else None,
     }
     try:
         chat = ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
         detail = validation_error_detail(exc.errors())
         raise params.error(InvalidRequestError(detail.message, param=detail.param)) from exc
+    if chat.logprobs and chat.parses_tool_calls:  # which tokens were the text's and which a call's
+        raise InvalidRequestError(
+            f"include {LOGPROBS!r} gives the logprobs of a text answer: not with tools the answer may call "
+            "(tool_choice 'none' leaves the text alone)",
+            param="include",
+        )
     return chat, params
 
 
@@ -167,6 +176,19 @@ def _messages(body: ResponsesRequest, history: list[Any], params: ResponsesParam
                     params.add(f"{chat_path}.content[{p}]", f"{origin}.content[{p}]", _IMAGE_PART)
                     parts.append(part.chat_part())
     return messages
+
+
+def _logprobs(body: ResponsesRequest) -> bool | None:
+    """The output text's logprobs, where ``include`` asks for them (``top_logprobs`` alone is refused:
+    OpenAI gives none without it, and a silent nothing would look like a model that is sure)."""
+    if LOGPROBS in (body.include or ()):
+        return True
+    if body.top_logprobs:
+        raise InvalidRequestError(
+            f"top_logprobs gives alternatives to the logprobs that include {LOGPROBS!r} asks for",
+            param="top_logprobs",
+        )
+    return None
 
 
 def _tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:

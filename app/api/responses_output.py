@@ -44,7 +44,7 @@ def output_items(gen: Generation) -> list[dict[str, Any]]:
     the stream adds them."""
     message_id = output_item_id("message", gen.response_id)
     if not gen.parse_tool_calls:
-        return [_message(message_id, answer_status(gen), [_text_part(gen.text)])]
+        return [_message(message_id, answer_status(gen), [_text_part(gen.text, gen.logprobs)])]
     parsed = parse_tool_calls(gen.text)
     items = [
         _function_call(
@@ -91,11 +91,13 @@ class OutputStream:
             self.event("response.content_part.added", part=_text_part(""), **self.where),
         ]
 
-    def push(self, text: str, last: bool) -> list[str]:
+    def push(self, text: str, last: bool, logprobs: list[dict[str, Any]]) -> list[str]:
+        """Events for the answer's new ``text`` (its tokens' ``logprobs``, asked for only without calls to
+        parse; a token whose text is held back, as a stop string's start, has them with no text)."""
         events, self.opened = self.opened, []
         pieces: list[ContentDelta | ToolCallDelta]
         if self.calls is None:
-            pieces = [ContentDelta(text)] if text else []
+            pieces = [ContentDelta(text)] if text or logprobs else []
         else:
             pieces = self.calls.push(text) + (self.calls.finish() if last else [])
         for piece in pieces:
@@ -104,7 +106,9 @@ class OutputStream:
                     events += self._open()
                 self.text = (self.text or "") + piece.content
                 events.append(
-                    self.event("response.output_text.delta", delta=piece.content, logprobs=[], **self.where)
+                    self.event(
+                        "response.output_text.delta", delta=piece.content, logprobs=logprobs, **self.where
+                    )
                 )
             elif piece.id is not None:  # a call's first delta: its id and name
                 call = ToolCall(piece.id, piece.name or "", "")
@@ -134,14 +138,19 @@ class OutputStream:
             events += self._open()
         if self.text is not None:
             index = self.where["output_index"]
-            self.items[index] = _message(self.message_id, answer_status(gen), [_text_part(self.text)])
+            part = _text_part(self.text, gen.logprobs)
+            self.items[index] = _message(self.message_id, answer_status(gen), [part])
             events += [
-                self.event("response.output_text.done", text=self.text, logprobs=[], **self.where),
-                self.event("response.content_part.done", part=_text_part(self.text), **self.where),
+                self.event(
+                    "response.output_text.done", text=self.text, logprobs=part["logprobs"], **self.where
+                ),
+                self.event("response.content_part.done", part=part, **self.where),
                 self.event("response.output_item.done", output_index=index, item=self.items[index]),
             ]
         return events, self.items
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An ``output_text`` part: its tokens' logprobs where the request included them (chat's entries,
+    the shape of OpenAI's ``Logprob``), else none."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}

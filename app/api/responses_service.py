@@ -78,7 +78,7 @@ class ResponsesService:
             arrival=arrival,
             num_prompt_tokens=submitted.num_prompt_tokens,
             num_cached_tokens=submitted.choices[0].first.num_cached_tokens,
-            want_logprobs=False,
+            want_logprobs=chat_body.logprobs,
             detok=IncrementalDetokenizer(self.chat.tokenizer),
             parse_tool_calls=chat_body.parses_tool_calls,
             stop_token_ids=frozenset(self.chat.inputs.family.eos_token_ids),
@@ -228,7 +228,7 @@ class ResponsesService:
                 gen.response_id, event, ToolCallStreamer() if gen.parse_tool_calls else None
             )
             async for delta in outputs.deltas():
-                for text in stream.push(delta.text, last=delta.finish_reason is not None):
+                for text in stream.push(delta.text, delta.finish_reason is not None, delta.logprobs):
                     yield text
             closing, items = stream.finish(gen)
             for text in closing:

@@ -323,3 +323,36 @@ def test_responses_and_events_are_the_sdks_types_strictly_and_its_dumps_go_back_
         reasoning={"effort": None},
     )
     assert follow_up.usage is not None and follow_up.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]
+
+
+def test_included_logprobs_are_chats_streamed_or_not(server: Server) -> None:
+    """``include`` the output text's logprobs (with ``top_logprobs`` alternatives): chat's for the same
+    conversation, token for token, in the output_text part, and over the stream's text deltas; the
+    includables naming what mmserve never makes (reasoning, hosted tools' results) add nothing."""
+    from openai.types.responses import Response
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hello there"}]}]
+    chat = chat_text(server, messages, 6, logprobs=True, top_logprobs=3)["choices"][0]["logprobs"]["content"]
+    include = ["message.output_text.logprobs", "reasoning.encrypted_content", "web_search_call.results"]
+    body = {"model": "tiny-llava", "input": "Hello there", "max_output_tokens": 6, "temperature": 0}
+    resp = httpx.post(f"{server.base_url}/v1/responses", json={**body, "include": include, "top_logprobs": 3})
+    assert resp.status_code == 200, resp.text
+    response = Response.model_validate(resp.json(), strict=True)
+    [part] = response.output[0].content  # type: ignore[union-attr]
+    assert [lp.model_dump() for lp in part.logprobs] == chat  # type: ignore[union-attr]
+    assert all(len(lp["top_logprobs"]) == 3 for lp in chat)
+    streamed_body = {**body, "include": include, "top_logprobs": 3, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/responses", json=streamed_body) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
+    deltas = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    assert deltas == done["logprobs"] == chat
+    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == chat
+    plain = httpx.post(f"{server.base_url}/v1/responses", json=body).json()
+    assert plain["output"][0]["content"][0]["logprobs"] == []  # none unless included
+    for extra, param in (
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"include": ["nothing.real"]}, "include[0]"),
+    ):
+        refused = httpx.post(f"{server.base_url}/v1/responses", json={**body, **extra})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text

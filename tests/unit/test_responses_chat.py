@@ -298,3 +298,12 @@ def test_allowed_tools_are_chats_and_their_errors_name_the_responses_fields() ->
     with pytest.raises(InvalidRequestError) as caught:
         check_tools(chat.tools, chat.tool_choice)
     assert params.error(caught.value).param == "tool_choice.tools[1].name"
+
+
+def test_logprobs_are_for_a_text_answer_not_one_with_tools_to_call() -> None:
+    tools = [{"type": "function", "name": "f", "parameters": {}}]
+    include = ["message.output_text.logprobs"]
+    error = chat_error(request(tools=tools, include=include))
+    assert isinstance(error, InvalidRequestError) and error.param == "include"
+    chat, _ = chat_request(request(tools=tools, include=include, tool_choice="none", top_logprobs=2), [])
+    assert chat.logprobs and chat.top_logprobs == 2
