@@ -31,7 +31,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "reasoning": ((None, {}, {"effort": None}, {"effort": "none"}), "the served model does not reason"),
     "background": ((None, False), _LATER),
-    "max_tool_calls": ((None,), _LATER),
     "prompt": ((None,), "prompt templates are not supported"),
     "truncation": ((None, "disabled"), "only truncation 'disabled' is supported"),
 }
@@ -356,7 +355,7 @@ class ResponsesRequest(ResponsesInput):
     include: list[Includable] | None = None
     background: Any = None
     top_logprobs: int | None = Field(None, ge=0, le=20)  # alternatives per token, with LOGPROBS included
-    max_tool_calls: Any = None
+    max_tool_calls: int | None = Field(None, ge=1)  # a bound on built-in tools' calls: mmserve runs none
     prompt: Any = None
     user: Any = None
     safety_identifier: Any = None

@@ -116,6 +116,8 @@ NULLABLE = [
     "truncation",
     "include",
     "reasoning",
+    "top_logprobs",
+    "max_tool_calls",
 ]
 
 
@@ -307,3 +309,10 @@ def test_logprobs_are_for_a_text_answer_not_one_with_tools_to_call() -> None:
     assert isinstance(error, InvalidRequestError) and error.param == "include"
     chat, _ = chat_request(request(tools=tools, include=include, tool_choice="none", top_logprobs=2), [])
     assert chat.logprobs and chat.top_logprobs == 2
+
+
+def test_max_tool_calls_bounds_built_in_tools_so_changes_nothing_here() -> None:
+    """OpenAI's bound on calls to built-in tools, of which mmserve runs none: the request is the same."""
+    assert chat_request(request(max_tool_calls=1), []) == chat_request(request(), [])
+    with pytest.raises(ValidationError):
+        request(max_tool_calls=0)
