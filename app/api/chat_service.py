@@ -17,7 +17,7 @@ from app.api.detokenizer import IncrementalDetokenizer
 from app.api.disconnect import unless_client_leaves
 from app.api.error_handlers import sse_error_event
 from app.api.outputs import ChoiceOutputs, Generation
-from app.api.request_fields import UnknownFields, unknown_field_names
+from app.api.request_fields import UnknownFields, template_variables, unknown_field_names
 from app.api.request_guards import request_tenant
 from app.api.responses import chunk, completion, final_usage_chunk, sse, tool_stream_deltas
 from app.api.sampling import SamplingDefaults, choice_sampling, sampling_params
@@ -122,7 +122,12 @@ class ChatService:
             messages=body.messages,
             mm_processor_kwargs=body.mm_processor_kwargs or {},
             scope=scope,
-            template=TemplateOptions(body.add_generation_prompt, body.continue_final_message, tools.json),
+            template=TemplateOptions(
+                body.add_generation_prompt,
+                body.continue_final_message,
+                tools.json,
+                template_variables(self.inputs.family, body.chat_template_kwargs),
+            ),
             req_ids=[base_id, *(f"{base_id}-{index}" for index in range(1, body.n))],
             sampling=lambda num_prompt_tokens, index: self._sampling(body, num_prompt_tokens, index),
             constraint=constraint.constraint if constraint is not None else None,

@@ -7,12 +7,15 @@ per name (``UnknownFields``), as vLLM does.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Collection, Iterable
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from app.errors import InvalidRequestError
 
 log = logging.getLogger("mmserve.api")
 
@@ -60,7 +63,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "bad_words": ((None, []), _NOT_SUPPORTED),
     "documents": ((None,), _NOT_SUPPORTED),
     "chat_template": ((None,), "the model's own chat template is used"),
-    "chat_template_kwargs": ((None, {}), _NOT_SUPPORTED),
     "add_special_tokens": ((None, False), "the chat template adds the special tokens"),
     "media_io_kwargs": ((None,), "use mm_processor_kwargs"),
     "priority": ((None, 0), "requests are served first come, first served"),
@@ -155,3 +157,18 @@ class UnknownFields:
         log.warning("request fields mmserve does not know were ignored: %s%s", new[:MAX_NAMES_LOGGED], more)
         if len(self.warned) >= MAX_WARNED_FIELDS:
             log.warning("%d unknown field names logged: further ones are not", MAX_WARNED_FIELDS)
+
+
+def template_variables(family: Any, variables: dict[str, Any] | None) -> str | None:
+    """A request's ``chat_template_kwargs`` as ``TemplateOptions.variables`` (JSON text; None for none):
+    a name the template is given by the render itself (workers/families/template_variables.py) is a 400
+    naming it."""
+    if not variables:
+        return None
+    for name in variables:
+        if family.template_variables.refused_name(name):
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {name!r}: the chat template is given it by the server",
+                param=f"chat_template_kwargs.{name}",
+            )
+    return json.dumps(variables, sort_keys=True, ensure_ascii=False, separators=(",", ":"))

@@ -248,6 +248,7 @@ class ChatCompletionRequest(_Request):
     skip_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=_INT64_MAX)

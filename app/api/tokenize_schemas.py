@@ -18,6 +18,7 @@ MESSAGES_ONLY = (
     "mm_processor_kwargs",
     "cache_salt",
     "tools",
+    "chat_template_kwargs",
 )
 
 
@@ -39,6 +40,7 @@ class TokenizeRequest(BaseModel):
     mm_processor_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, strict=True)
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)  # rendered as the chat request does
+    chat_template_kwargs: dict[str, Any] | None = None  # as on chat
 
     @model_validator(mode="before")
     @classmethod

@@ -16,7 +16,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from fastapi import Request
 
-from app.api.request_fields import UnknownFields, unknown_field_names
+from app.api.request_fields import UnknownFields, template_variables, unknown_field_names
 from app.api.request_guards import request_tenant
 from app.api.tokenize_schemas import DetokenizeRequest, TokenizeRequest
 from app.api.tool_schemas import check_tools, template_tools
@@ -87,7 +87,8 @@ class TokenizeService:
         scope = self.inputs.cache_scope(request_tenant(raw.scope), body.cache_salt)
         check_tools(body.tools, None)
         tools = template_tools(self.inputs.family, body.tools, body.messages)
-        template = TemplateOptions(body.add_generation_prompt, body.continue_final_message, tools)
+        variables = template_variables(self.inputs.family, body.chat_template_kwargs)
+        template = TemplateOptions(body.add_generation_prompt, body.continue_final_message, tools, variables)
         return await prompt_token_ids(
             self.inputs, body.messages, body.mm_processor_kwargs or {}, scope, template
         )

@@ -110,3 +110,32 @@ def test_a_given_template_that_reads_the_clock_is_rendered_every_time(
     assert len({builder.render(messages) for _ in range(3)}) > 1
     cached = PromptBuilder(load_processing(tiny_model("llava"), chat_template=PLAIN))
     assert cached.render(messages) is cached.render(messages)
+
+
+def test_chat_template_kwargs_reach_the_template_by_the_names_it_reads(
+    tiny_model: Callable[[str], Path],
+) -> None:
+    """As vLLM passes them: a variable the template reads is set, one it does not read changes nothing,
+    and a name the render sets itself (the messages, the special tokens, …) is a 400 naming it."""
+    from app.api.request_fields import template_variables
+
+    styled = "{% if style %}({{ style }}) {% endif %}{{ bos_token }}" + PLAIN
+    family = load_processing(tiny_model("llava"), chat_template=styled)
+    messages = [{"role": "user", "content": "Hi"}]
+
+    def render(**variables: Any) -> str:
+        return family.render_prompt(
+            messages, TemplateOptions(variables=template_variables(family, variables))
+        )
+
+    plain = render()
+    assert render(style="terse") == "(terse) " + plain and render(enable_thinking=False) == plain
+    assert family.template_variables.read(styled) >= {"style", "bos_token", "messages"}
+    for name in ("messages", "add_generation_prompt", "bos_token", "tools", "_private", "not-a-name"):
+        with pytest.raises(InvalidRequestError) as refused:
+            render(**{name: "x"})
+        assert refused.value.param == f"chat_template_kwargs.{name}"
+    # the rendered prompt is cached by its template options too: a variable gives a prompt of its own
+    builder = PromptBuilder(family)
+    options = TemplateOptions(variables=template_variables(family, {"style": "a"}))
+    assert builder.render(messages, options) != builder.render(messages, TemplateOptions())

@@ -25,6 +25,7 @@ NOT_DEFAULT: dict[str, Any] = {
     "mm_processor_kwargs": {"bogus": 1},
     "cache_salt": "salt",
     "tools": [{"type": "function", "function": {"name": "f"}}],
+    "chat_template_kwargs": {"enable_thinking": True},
 }
 DEFAULT: dict[str, Any] = {
     "add_generation_prompt": True,
@@ -32,6 +33,7 @@ DEFAULT: dict[str, Any] = {
     "mm_processor_kwargs": None,
     "cache_salt": None,
     "tools": None,
+    "chat_template_kwargs": None,
 }
 
 
@@ -56,8 +58,8 @@ def test_a_messages_field_at_its_default_beside_a_prompt_or_set_beside_messages_
 
 def test_chat_only_fields_are_refused_by_name_as_on_chat() -> None:
     with pytest.raises(ValidationError) as raised:
-        TokenizeRequest.model_validate({"prompt": "x", "chat_template_kwargs": {"enable_thinking": True}})
-    assert validation_error_detail(raised.value.errors()).param == "chat_template_kwargs"
+        TokenizeRequest.model_validate({"prompt": "x", "chat_template": "{{ messages }}"})
+    assert validation_error_detail(raised.value.errors()).param == "chat_template"
 
 
 class RecordingTokenizer:

@@ -32,6 +32,7 @@ from PIL import Image
 from wire.hashing import canonical_option, framed_digest
 from workers.families import check_tool_call_parser
 from workers.families.errors import FamilyInputError
+from workers.families.template_variables import TemplateVariables
 
 MODEL_ID_DOMAIN = b"mmserve.model_id.v1"
 VIDEO_CONFIG_FILE = "video_preprocessor_config.json"  # as transformers writes a checkpoint's
@@ -102,13 +103,15 @@ class ProcessedItem:
 
 
 class TemplateOptions(NamedTuple):
-    """How a chat template ends the prompt (vLLM's request fields of the same names), and the request's
-    tools as JSON text: None renders with the processor's template; a list (``"[]"`` where only the
-    history has tool calls or results) with the family's template that has tools."""
+    """How a chat template ends the prompt (vLLM's request fields of the same names), the request's
+    tools as JSON text (None renders with the processor's template; a list, ``"[]"`` where only the
+    history has tool calls or results, with the family's template that has tools), and the request's
+    ``chat_template_kwargs`` as JSON text of an object (its variables for the template)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: str | None = None
+    variables: str | None = None
 
 
 DEFAULT_TEMPLATE = TemplateOptions()
@@ -171,6 +174,7 @@ class FamilyProcessor:
             else (self.hf_processor.chat_template, self.tokenizer.chat_template)
         )
         self.tool_chat_template: str | None = next((t for t in candidates if _has_tools(t)), None)
+        self.template_variables = TemplateVariables(frozenset(self.tokenizer.special_tokens_map))
         self.tool_call_parser: str | None = (
             check_tool_call_parser(tool_call_parser)
             if tool_call_parser is not None
@@ -246,6 +250,9 @@ class FamilyProcessor:
                 )
             chat_template = self.tool_chat_template
             tool_kwargs = {"tools": json.loads(template.tools) or None}
+        if template.variables is not None:
+            text = chat_template if chat_template is not None else self.hf_processor.chat_template
+            tool_kwargs |= self.template_variables.given(text, template.variables)
         try:
             return self.hf_processor.apply_chat_template(
                 messages,
