@@ -32,7 +32,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "reasoning": ((None, {}, {"effort": None}, {"effort": "none"}), "the served model does not reason"),
     "background": ((None, False), _LATER),
     "prompt": ((None,), "prompt templates are not supported"),
-    "truncation": ((None, "disabled"), "only truncation 'disabled' is supported"),
 }
 
 
@@ -305,10 +304,10 @@ class ResponsesInput(_Body):
     tools: list[Any] | None = Field(None, max_length=128)  # function tools (``_tool``), as on chat
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | AllowedTools | None = None
     parallel_tool_calls: bool | None = None
+    truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest items dropped to fit
     # refused unless off (REFUSED)
     conversation: Any = None
     reasoning: Any = None
-    truncation: Any = None
 
     @field_validator("input", mode="before")
     @classmethod

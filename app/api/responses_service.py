@@ -15,7 +15,7 @@ import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -40,15 +40,18 @@ from app.api.responses_api_schemas import (
 )
 from app.api.responses_chat import ResponsesParams, chat_request
 from app.api.responses_output import OutputStream, answer_status, output_items
+from app.api.responses_truncation import fitted
+from app.api.schemas import ChatCompletionRequest
 from app.api.tool_calls import ToolCallStreamer
 from app.errors import (
+    ContextLengthError,
     InvalidRequestError,
     MMServeError,
     ModelNotFoundError,
     NotFoundError,
     from_family_error,
 )
-from app.inputs.submission import prompt_token_ids, submit
+from app.inputs.submission import Submitted, prompt_token_ids, submit
 from workers.families.errors import FamilyInputError
 
 RequestBody = TypeVar("RequestBody", bound=ResponsesInput)
@@ -63,12 +66,15 @@ class ResponsesService:
         tenant = request_tenant(raw.scope)
         body = await self._resolved(body, tenant)
         history = await self._history(body, tenant)
-        chat_body, params = chat_request(body, parse_items(history))
-        self.chat.check_ready(chat_body)
-        with _named_by(params):
-            spec = self.chat.spec(chat_body, raw)
-            arrival = time.time()
-            submitted = await unless_client_leaves(raw, submit(self.chat.inputs, self.chat.engine, spec))
+        arrival = time.time()
+        try:
+            chat_body, submitted = await self._submit(body, history, raw)
+        except ContextLengthError:
+            if body.truncation != "auto":
+                raise
+            room = self.chat.max_model_len - (body.max_output_tokens or 1)
+            cut = await fitted(body, history, self._counter(raw), room)
+            chat_body, submitted = await self._submit(*cut, raw)
         self.chat.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
         gen = Generation(
             req_id=submitted.choices[0].req_id,
@@ -106,17 +112,40 @@ class ResponsesService:
         body = await self._resolved(body, tenant)
         history = await self._history(body, tenant)
         model = body.model or self.chat.model_name
+        if model != self.chat.model_name:
+            raise ModelNotFoundError(f"The model `{model}` does not exist.")
         request = ResponsesRequest.model_construct(**{**dict(body), "model": model})
-        chat_body, params = chat_request(request, parse_items(history))
-        if chat_body.model != self.chat.model_name:
-            raise ModelNotFoundError(f"The model `{chat_body.model}` does not exist.")
+        count = self._counter(raw)
+        num_tokens = await count(request, history)
+        if body.truncation == "auto" and num_tokens >= self.chat.max_model_len:  # (room for one token)
+            num_tokens = await count(*await fitted(request, history, count, self.chat.max_model_len - 1))
+        return {"object": "response.input_tokens", "input_tokens": num_tokens}
+
+    async def _submit(
+        self, body: ResponsesRequest, history: list[dict[str, Any]], raw: Request
+    ) -> tuple[ChatCompletionRequest, Submitted]:
+        """The request made from ``body`` after ``history``, sent to the engine; an error names the
+        Responses fields."""
+        chat_body, params = chat_request(body, parse_items(history))
+        self.chat.check_ready(chat_body)
         with _named_by(params):
             spec = self.chat.spec(chat_body, raw)
-            counting = prompt_token_ids(
-                self.chat.inputs, spec.messages, spec.mm_processor_kwargs, spec.scope, spec.template
-            )
-            token_ids = await unless_client_leaves(raw, counting)
-        return {"object": "response.input_tokens", "input_tokens": len(token_ids)}
+            submitted = await unless_client_leaves(raw, submit(self.chat.inputs, self.chat.engine, spec))
+        return chat_body, submitted
+
+    def _counter(self, raw: Request) -> Callable[[ResponsesRequest, list[dict[str, Any]]], Awaitable[int]]:
+        """Counts the prompt tokens of ``body`` after ``history``, as ``usage.input_tokens`` would."""
+
+        async def count(body: ResponsesRequest, history: list[dict[str, Any]]) -> int:
+            chat_body, params = chat_request(body, parse_items(history))
+            with _named_by(params):
+                spec = self.chat.spec(chat_body, raw)
+                counting = prompt_token_ids(
+                    self.chat.inputs, spec.messages, spec.mm_processor_kwargs, spec.scope, spec.template
+                )
+                return len(await unless_client_leaves(raw, counting))
+
+        return count
 
     async def retrieve(self, response_id: str, raw: Request) -> dict[str, Any]:
         return (await self._stored(response_id, raw)).response
@@ -310,7 +339,7 @@ def response_object(
         "tool_choice": _tool_choice(body),
         "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
         "text": {"format": text_format},
-        "truncation": "disabled",
+        "truncation": body.truncation or "disabled",
         "store": turn.store,
         "previous_response_id": body.previous_response_id,
         "usage": {

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 
 KEYS = ("sk-store-a", "sk-store-b")
 MAX_RESPONSES = 4
+MAX_MODEL_LEN = 2048  # three turns with an image each fit, four do not
 BLOCK_SIZE = 16  # the KV cache's default: a prefix is cached in whole blocks
 
 
@@ -30,6 +31,7 @@ BLOCK_SIZE = 16  # the KV cache's default: a prefix is cached in whole blocks
 def store_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     flags = ["--api-key", KEYS[0], "--api-key", KEYS[1], "--api-server-count", "2"]
     flags += ["--mm-preprocess-processes", "0", "--responses-store-entries", str(MAX_RESPONSES)]
+    flags += ["--max-model-len", str(MAX_MODEL_LEN)]
     with serving(tiny_model_dir, tmp_path_factory.mktemp("response-store"), *flags) as srv:
         # the first healthy answer speaks for one process: the other may not listen yet, and until it
         # does every new connection goes to the first
@@ -264,3 +266,27 @@ def test_a_stored_response_cannot_be_cancelled(store_server: Server) -> None:
         client(store_server).responses.cancel(stored.id)
     with pytest.raises(openai.NotFoundError):
         client(store_server).responses.cancel("resp_unknown")
+
+
+def test_truncation_auto_drops_the_oldest_turns_to_fit(store_server: Server) -> None:
+    one_process = client(store_server)  # (the turns' images stay in one processor cache)
+    response_id = None
+    for k in range(3):
+        fields = {"previous_response_id": response_id} if response_id else {}
+        response_id = ask(store_server, sdk=one_process, input=looking_at(7110 + k), **fields).id
+    fourth = {"input": looking_at(7113), "previous_response_id": response_id}
+    too_long = post(store_server, fourth)
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    fitted = ask(store_server, sdk=one_process, truncation="auto", **fourth)
+    assert fitted.truncation == "auto" and fitted.usage is not None
+    # the first turn (its question and answer) dropped: as the later turns sent alone
+    urls = ["message.input_image.image_url"]
+    whole = list(one_process.responses.input_items.list(fitted.id, order="asc", include=urls))
+    assert len(whole) == 7  # the stored conversation stays whole: four questions, three answers
+    resent = [item.model_dump(exclude_none=True) for item in whole[2:]]
+    counted = one_process.responses.input_tokens.count(input=resent)  # type: ignore[arg-type]
+    assert fitted.usage.input_tokens == counted.input_tokens < MAX_MODEL_LEN
+    assert (
+        one_process.responses.input_tokens.count(truncation="auto", **fourth).input_tokens
+        == counted.input_tokens
+    )  # type: ignore[arg-type]
