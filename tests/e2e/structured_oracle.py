@@ -11,7 +11,7 @@ import torch
 import xgrammar as xgr
 from transformers import GenerationConfig, LogitsProcessorList
 
-from engine.structured.backend import JSON_MAX_WHITESPACE
+from engine.structured.backend import JSON_MAX_WHITESPACE, TOOL_CALL_MAX_WHITESPACE
 from tests.e2e.conftest import Oracle
 from tests.e2e.parity import NEAR_TIE
 from tests.near_tie import accept_near_tie
@@ -113,3 +113,16 @@ def assert_matches_constrained(
         expected, skip_special_tokens=True
     )
     assert response["usage"]["completion_tokens"] == len(expected)
+
+
+def tool_calls_tag(tools: list[dict[str, Any]], tool_choice: Any, parallel: bool) -> Any:
+    """xgrammar's own structural tag for calls in the Hermes format the Qwen families write, as the
+    server asks for it (engine/structured/backend.py): the oracle's side of a tool constraint."""
+    return xgr.get_model_structural_tag(
+        "qwen_3",
+        tools=tools,
+        tool_choice=tool_choice,
+        reasoning="disabled",
+        max_whitespace_cnt=TOOL_CALL_MAX_WHITESPACE,
+        parallel_tool_calls=parallel,
+    )

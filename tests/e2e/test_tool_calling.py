@@ -22,10 +22,14 @@ import xgrammar as xgr
 from openai import OpenAI
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from engine.structured.backend import TOOL_CALL_MAX_WHITESPACE
 from tests.e2e.conftest import Oracle, data_url, make_image
 from tests.e2e.server import Server
-from tests.e2e.structured_oracle import constrained_greedy, eos_ids, served_tokens_are_the_oracles
+from tests.e2e.structured_oracle import (
+    constrained_greedy,
+    eos_ids,
+    served_tokens_are_the_oracles,
+    tool_calls_tag,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -111,14 +115,7 @@ def oracle_answer(oracle: Oracle, tool_choice: Any, parallel: bool = True) -> tu
     info = xgr.TokenizerInfo.from_huggingface(
         oracle.processor.tokenizer, vocab_size=vocab_size, stop_token_ids=eos_ids(oracle)
     )
-    tag = xgr.get_model_structural_tag(
-        "qwen_3",
-        tools=TOOLS,
-        tool_choice=tool_choice,
-        reasoning="disabled",
-        max_whitespace_cnt=TOOL_CALL_MAX_WHITESPACE,
-        parallel_tool_calls=parallel,
-    )
+    tag = tool_calls_tag(TOOLS, tool_choice, parallel)
     grammar = xgr.GrammarCompiler(info, cache_enabled=False).compile_structural_tag(tag)
     return constrained_greedy(oracle, inputs, grammar, MAX_TOKENS)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from app.api.tool_schemas import AllowedToolChoice, ChatTool, tool_constraint
-from engine.structured.backend import TOOL_CALL_MAX_WHITESPACE, XGrammarBackend
+from engine.structured.backend import XGrammarBackend
+from tests.e2e.structured_oracle import tool_calls_tag
 from wire.protocol import Constraint, ConstraintKind
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
@@ -77,15 +78,7 @@ def test_allowed_tools_constrain_calls_to_them_and_equal_xgrammars_own(
     constraint = tool_constraint(chat_tools, AllowedToolChoice.model_validate(choice), False, "hermes")
     assert constraint is not None
     ours = backend.compile(constraint)
-    tag = xgr.get_model_structural_tag(
-        "qwen_3",
-        tools=tools,
-        tool_choice=choice,
-        reasoning="disabled",
-        max_whitespace_cnt=TOOL_CALL_MAX_WHITESPACE,
-        parallel_tool_calls=False,
-    )
-    theirs = backend._compiler.compile_structural_tag(tag)
+    theirs = backend._compiler.compile_structural_tag(tool_calls_tag(tools, choice, parallel=False))
     call_g = CALL.replace('"f"', '"g"')
     # answer -> (accepted whole under auto, under required)
     answers = {
