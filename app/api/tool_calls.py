@@ -110,7 +110,14 @@ def _cut_call(body: str) -> tuple[str, str] | None:
         name = json.loads(match.group(1))
     except ValueError:
         return None
-    return (name, match.group(2).rstrip()) if name else None
+    if not name:
+        return None
+    written = match.group(2)
+    try:  # arguments whole, the call cut after them (in its closing brace or tag): only the arguments
+        arguments, _ = json.JSONDecoder().raw_decode(written.lstrip())
+    except (ValueError, RecursionError):
+        return name, written.rstrip()
+    return name, _compact_json(arguments) if isinstance(arguments, dict) else written.rstrip()
 
 
 def _compact_json(value: dict[str, Any]) -> str:

@@ -148,6 +148,12 @@ def test_a_call_cut_off_is_incomplete_once_named_and_dropped_before_never_conten
     assert parse('<tool_call>\n{"name": "b", "arguments": ') == ParsedOutput(
         None, [ToolCall("call_0", "b", "", complete=False)], cut_off=True
     )
+    # cut after its arguments closed (in the call's closing brace or tag): the arguments alone, whole
+    for tail in ("}", "}\n</", "}\n</tool_c"):
+        text = '<tool_call>\n{"name": "b", "arguments": {"city": "Paris"}' + tail
+        cut = ToolCall("call_0", "b", '{"city":"Paris"}', complete=False)
+        assert parse(text) == ParsedOutput(None, [cut], cut_off=True), tail
+        assert reassemble(*streamed([text[:20], text[20:]])) == parse(text), tail
 
 
 def test_stream_emits_id_and_name_first_then_arguments() -> None:
