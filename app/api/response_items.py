@@ -30,6 +30,24 @@ def with_ids(items: list[dict[str, Any]], response_id: str) -> list[dict[str, An
     ]
 
 
+def check_unique_ids(history: list[dict[str, Any]], items: list[Any]) -> None:
+    """The ids of a conversation's items are unique (an ``after`` cursor, a reference, name one item):
+    an input item repeating the id of another, or of one in the stored conversation it follows, is a
+    400 naming it, as OpenAI's "duplicate item"."""
+    seen = {item["id"] for item in history if "id" in item}
+    for index, item in enumerate(items):
+        item_id = getattr(item, "id", None)
+        if item_id is None:
+            continue
+        if item_id in seen:
+            raise InvalidRequestError(
+                f"Duplicate item found with id '{item_id}': an item of the conversation has it already "
+                "(the stored one previous_response_id continues, or this input). Remove the duplicate.",
+                param=f"input[{index}].id",
+            )
+        seen.add(item_id)
+
+
 def output_item_id(kind: Literal["message", "function_call"], response_id: str, index: int = 0) -> str:
     """The id of a response's answer (its one message) or of its ``index``-th call."""
     return _item_id(kind, response_id, "out" if kind == "message" else f"call{index}")

@@ -11,8 +11,9 @@ caches have evicted them, the text is all it takes to process them again. ``http
 (fetched again only where no cache holds their item, as a resent history would be).
 
 Every item of a stored conversation that has an id (all do: app/api/response_items.py) is found by it
-too (``get_items``, an ``item_reference``'s): a second table maps each id to the latest conversation
-that holds it, rewritten with every row and emptied of a row's ids with the row.
+too (``get_items``, an ``item_reference``'s): a second table lists the conversations that hold each id,
+written with every row and emptied of a row's ids with the row, so an item stays found while any
+conversation holding it is stored.
 
 Bounded in responses and in bytes (conversations, response objects and blobs together), least recently
 used out first: every write and every read of a response makes it the most recent. Each row belongs to
@@ -49,11 +50,11 @@ CREATE INDEX IF NOT EXISTS responses_by_use ON responses (used);
 CREATE TABLE IF NOT EXISTS blobs (
     digest TEXT PRIMARY KEY, url TEXT NOT NULL, refs INTEGER NOT NULL
 ) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS items (
+CREATE TABLE IF NOT EXISTS item_holders (
     tenant TEXT NOT NULL, id TEXT NOT NULL, response_id TEXT NOT NULL,
-    PRIMARY KEY (tenant, id)
+    PRIMARY KEY (tenant, id, response_id)
 ) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS items_by_response ON items (tenant, response_id);
+CREATE INDEX IF NOT EXISTS item_holders_by_response ON item_holders (tenant, response_id);
 CREATE TABLE IF NOT EXISTS totals (
     one INTEGER PRIMARY KEY CHECK (one = 1), num_responses INTEGER NOT NULL, num_bytes INTEGER NOT NULL
 );
@@ -106,8 +107,8 @@ class ResponseStore:
                 f"INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, {_NEXT_USE})",
                 (tenant, response_id, items_text, response_text, json.dumps(sorted(blobs)), num_bytes),
             )
-            self._db.executemany(  # each item id names the latest conversation that holds it
-                "INSERT OR REPLACE INTO items VALUES (?, ?, ?)",
+            self._db.executemany(  # every conversation that holds an item, by its id
+                "INSERT OR IGNORE INTO item_holders VALUES (?, ?, ?)",
                 {(tenant, item["id"], response_id) for item in items if "id" in item},
             )
             self._db.execute(
@@ -132,18 +133,25 @@ class ResponseStore:
             return self._get(tenant, response_id)
 
     def get_items(self, tenant: str, item_ids: list[str]) -> dict[str, dict[str, Any]]:
-        """The stored items by these ids (an ``item_reference``'s), each from the latest conversation that
-        holds it, now the most recently used; an id none holds (or another tenant's) is left out."""
+        """The stored items by these ids (an ``item_reference``'s), each from the most recently used
+        conversation that holds it, which is now used again (each read once, however many ids it
+        answers); an id none holds (or another tenant's) is left out."""
+        holders: dict[str, list[str]] = {}  # response id -> the ids it answers
         found: dict[str, dict[str, Any]] = {}
         with self._lock, self._transaction():
             for item_id in dict.fromkeys(item_ids):
                 row = self._db.execute(
-                    "SELECT response_id FROM items WHERE tenant = ? AND id = ?", (tenant, item_id)
+                    "SELECT h.response_id FROM item_holders h JOIN responses r"
+                    " ON r.tenant = h.tenant AND r.id = h.response_id"
+                    " WHERE h.tenant = ? AND h.id = ? ORDER BY r.used DESC LIMIT 1",
+                    (tenant, item_id),
                 ).fetchone()
-                stored = None if row is None else self._get(tenant, row[0])
-                held = [] if stored is None else [i for i in stored.items if i.get("id") == item_id]
-                if held:
-                    found[item_id] = held[-1]
+                if row is not None:
+                    holders.setdefault(row[0], []).append(item_id)
+            for response_id, wanted in holders.items():
+                stored = self._get(tenant, response_id)
+                by_id = {item.get("id"): item for item in stored.items} if stored is not None else {}
+                found.update({item_id: by_id[item_id] for item_id in wanted if item_id in by_id})
         return found
 
     def delete(self, tenant: str, response_id: str) -> bool:
@@ -194,7 +202,9 @@ class ResponseStore:
             if gone is not None:
                 num_freed += int(gone[0])
         self._db.execute("DELETE FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id))
-        self._db.execute("DELETE FROM items WHERE tenant = ? AND response_id = ?", (tenant, response_id))
+        self._db.execute(
+            "DELETE FROM item_holders WHERE tenant = ? AND response_id = ?", (tenant, response_id)
+        )
         self._db.execute(
             "UPDATE totals SET num_responses = num_responses - 1, num_bytes = num_bytes - ?", (num_freed,)
         )

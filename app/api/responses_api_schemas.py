@@ -6,7 +6,7 @@ name. An optional field sent as ``null`` is left out, as OpenAI takes it."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AliasChoices,
@@ -39,11 +39,15 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+ItemId = Annotated[str | None, Field(min_length=1, max_length=128)]  # as an item_reference's
+
+
 class InputText(_Body):
     type: Literal["input_text", "output_text"]  # output_text: an assistant turn of the history
     text: str
     annotations: list[Any] | None = None  # on output_text, as the SDK sends a previous answer back
     logprobs: list[Any] | None = None
+    prompt_cache_breakpoint: None = None  # what the SDK dumps of its own parts: only null
 
 
 class InputImage(_Body):
@@ -53,6 +57,8 @@ class InputImage(_Body):
     # an http(s) or data URL, under the chat request's media policy (no file ids); may be left out with a uuid
     image_url: str | None = Field(None, validate_default=True)
     detail: Literal["auto", "low", "high", "original"] | None = None  # accepted, not used
+    file_id: None = None  # no file ids; null as input_items lists it and the SDK dumps it
+    prompt_cache_breakpoint: None = None
 
     _check_media = field_validator("image_url")(media_or_uuid)
 
@@ -96,7 +102,7 @@ class InputMessage(_Body):
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[Annotated[InputText | InputImage, Field()]]
-    id: str | None = None  # an earlier output item sent back
+    id: ItemId = None  # an earlier output item sent back
     status: str | None = None
     phase: Literal["commentary", "final_answer"] | None = None  # a reasoning model's label: not used
 
@@ -115,12 +121,13 @@ class FunctionCallItem(_Body):
     call_id: str = Field(min_length=1)
     name: str
     arguments: str
-    id: str | None = None
+    id: ItemId = None
     status: str | None = None
     # what the SDK's own call objects carry, dumped: hosted tools' fields, none of which a call here has
     caller: None = None
     namespace: None = None
     async_: None = Field(None, validation_alias=AliasChoices("async", "async_"))  # the SDK dumps async_
+    created_by: None = None
 
 
 class FunctionCallOutputItem(_Body):
@@ -129,8 +136,13 @@ class FunctionCallOutputItem(_Body):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: str
-    id: str | None = None
+    id: ItemId = None
     status: str | None = None
+    # as on a call: what the SDK's listed output items carry, only null
+    caller: None = None
+    name: None = None
+    namespace: None = None
+    created_by: None = None
 
     @field_validator("output", mode="before")
     @classmethod
@@ -171,7 +183,7 @@ def dump_items(items: list[Any]) -> list[dict[str, Any]]:
 
 
 def _item(item: Any) -> Any:
-    kind = item.get("type", _untyped(item)) if isinstance(item, dict) else None
+    kind = (item.get("type") or _untyped(item)) if isinstance(item, dict) else None
     if isinstance(kind, str) and kind in _ITEMS:
         return _ITEMS[kind].model_validate(item)
     raise ValueError(
@@ -182,7 +194,7 @@ def _item(item: Any) -> Any:
 
 def _untyped(item: dict[str, Any]) -> str:
     """What an item without a ``type`` is, as OpenAI reads it: a message, or a reference (an id alone)."""
-    return "item_reference" if item.keys() == {"id"} else "message"
+    return "item_reference" if item.keys() - {"type"} == {"id"} else "message"
 
 
 class FunctionTool(_Body):
@@ -287,6 +299,9 @@ Includable = Literal[
     "computer_call_output.output.image_url",
     "code_interpreter_call.outputs",
 ]
+
+
+INCLUDABLE = frozenset(get_args(Includable))
 
 
 class ResponsesInput(_Body):

@@ -29,9 +29,17 @@ from app.api.disconnect import unless_client_leaves
 from app.api.error_handlers import error_detail
 from app.api.outputs import ChoiceOutputs, Generation
 from app.api.request_guards import request_tenant
-from app.api.response_items import IMAGE_URLS, conversation_outputs, input_items, page, with_ids
+from app.api.response_items import (
+    IMAGE_URLS,
+    check_unique_ids,
+    conversation_outputs,
+    input_items,
+    page,
+    with_ids,
+)
 from app.api.response_store import ResponseStore, StoredResponse
 from app.api.responses_api_schemas import (
+    INCLUDABLE,
     ItemReference,
     ResponsesInput,
     ResponsesRequest,
@@ -66,6 +74,7 @@ class ResponsesService:
         tenant = request_tenant(raw.scope)
         body = await self._resolved(body, tenant)
         history = await self._history(body, tenant)
+        check_unique_ids(history, body.input_items())
         arrival = time.time()
         try:
             chat_body, submitted = await self._submit(body, history, raw)
@@ -108,12 +117,13 @@ class ResponsesService:
     async def count_input_tokens(self, body: ResponsesInput, raw: Request) -> dict[str, Any]:
         """``POST /v1/responses/input_tokens``: the ``usage.input_tokens`` a response made from ``body``
         would have (its media processed through the processor cache; nothing reaches the engine)."""
+        model = self.chat.model_name if body.model is None else body.model
+        if model != self.chat.model_name:
+            raise ModelNotFoundError(f"The model `{model}` does not exist.")
         tenant = request_tenant(raw.scope)
         body = await self._resolved(body, tenant)
         history = await self._history(body, tenant)
-        model = body.model or self.chat.model_name
-        if model != self.chat.model_name:
-            raise ModelNotFoundError(f"The model `{model}` does not exist.")
+        check_unique_ids(history, body.input_items())
         request = ResponsesRequest.model_construct(**{**dict(body), "model": model})
         count = self._counter(raw)
         num_tokens = await count(request, history)
@@ -157,8 +167,8 @@ class ResponsesService:
         stored = await self._stored(response_id, raw)
         include = [*raw.query_params.getlist("include"), *raw.query_params.getlist("include[]")]
         for value in include:
-            if value != IMAGE_URLS:
-                msg = f"include {value!r} is not supported (only {IMAGE_URLS})"
+            if value not in INCLUDABLE:  # (all but the image URLs name what a stored item never lacks)
+                msg = f"include {value!r} is not one of {sorted(INCLUDABLE)}"
                 raise InvalidRequestError(msg, param="include")
         return page(input_items(stored.items, stored.response), after, limit, order, IMAGE_URLS in include)
 

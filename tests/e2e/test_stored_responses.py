@@ -208,7 +208,7 @@ def test_input_items_list_what_a_response_was_made_from(store_server: Server) ->
     assert with_urls.data[0].content[1].image_url == looking_at(7104)[0]["content"][1]["image_url"]  # type: ignore[union-attr]
     headers = {"Authorization": f"Bearer {KEYS[0]}"}
     refused = (
-        ({"include[]": "message.output_text.logprobs"}, "include"),
+        ({"include[]": "nothing.real"}, "include"),
         ({"after": "msg_x"}, "after"),
         ({"limit": "0"}, "limit"),
         ({"order": "up"}, "order"),
@@ -221,6 +221,16 @@ def test_input_items_list_what_a_response_was_made_from(store_server: Server) ->
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
     with pytest.raises(openai.NotFoundError):
         client(store_server, KEYS[1]).responses.input_items.list(follow_up.id)
+    # the listing goes back as input as it is (its null fields, file_id included), or as the SDK dumps it
+    raw_items = httpx.get(
+        f"{store_server.base_url}/v1/responses/{follow_up.id}/input_items",
+        params={"order": "asc", "include[]": "message.input_image.image_url"},
+        headers=headers,
+    ).json()["data"]
+    dumped = [item.model_dump() for item in with_urls.data]
+    for again in (raw_items, dumped):
+        resp = post(store_server, {"input": again, "store": False})
+        assert resp.status_code == 200, resp.text
 
 
 def test_an_item_reference_is_answered_as_the_item_it_names(store_server: Server) -> None:
@@ -235,6 +245,12 @@ def test_an_item_reference_is_answered_as_the_item_it_names(store_server: Server
     assert by_reference.output_text == follow_up.output_text
     assert by_reference.usage is not None and follow_up.usage is not None
     assert by_reference.usage.input_tokens == follow_up.usage.input_tokens
+    # an item the conversation holds already, referred to or sent again: a duplicate, refused
+    twice = [{"id": question.id}, {"role": "user", "content": "Again?", "id": question.id}]
+    for dup, where in (([{"id": question.id}], 0), (twice, 1)):
+        fields = {"previous_response_id": first.id} if where == 0 else {}
+        resp = post(store_server, {"input": dup, **fields})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == f"input[{where}].id", resp.text
     for key, item_id in ((KEYS[0], "msg_unknown"), (KEYS[1], question.id)):  # another key's item: not found
         resp = post(store_server, {"input": [{"type": "item_reference", "id": item_id}]}, key)
         assert resp.status_code == 404 and resp.json()["error"]["param"] == "input[0].id", resp.text

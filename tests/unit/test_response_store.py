@@ -116,7 +116,7 @@ def with_id(item: dict[str, Any], item_id: str) -> dict[str, Any]:
     return {**item, "id": item_id}
 
 
-def test_an_item_is_found_by_its_id_in_the_latest_conversation_that_holds_it() -> None:
+def test_an_item_is_found_by_its_id_while_any_conversation_that_holds_it_is_stored() -> None:
     store = ResponseStore(None, 10, 1 << 20)
     first = [with_id(user("look", IMAGE_A), "msg_u1")]
     answer = {"type": "message", "role": "assistant", "content": "a cat", "id": "msg_a1"}
@@ -126,9 +126,11 @@ def test_an_item_is_found_by_its_id_in_the_latest_conversation_that_holds_it() -
     found = store.get_items("", ["msg_u1", "msg_u2", "msg_a1", "msg_unknown"])
     assert found == {"msg_u1": first[0], "msg_u2": second[2], "msg_a1": answer}  # its image in place
     assert store.get_items("other-tenant", ["msg_u1"]) == {}
-    assert store.delete("", "resp_2")  # the latest holder of msg_u2: gone with it
+    assert store.delete("", "resp_2")  # the only holder of msg_u2: gone with it
     assert store.get_items("", ["msg_u2"]) == {}
-    assert store._db.execute("SELECT COUNT(*) FROM items WHERE response_id = 'resp_2'").fetchone() == (0,)
+    assert store.get_items("", ["msg_u1", "msg_a1"]) == {"msg_u1": first[0], "msg_a1": answer}  # in resp_1
+    holders = "SELECT COUNT(*) FROM item_holders WHERE response_id = 'resp_2'"
+    assert store._db.execute(holders).fetchone() == (0,)
 
 
 def test_an_evicted_conversations_items_are_not_found() -> None:
@@ -136,4 +138,21 @@ def test_an_evicted_conversations_items_are_not_found() -> None:
     store.put("", "resp_1", [with_id(user("one"), "msg_1")], response("resp_1"))
     store.put("", "resp_2", [with_id(user("two"), "msg_2")], response("resp_2"))  # evicts resp_1
     assert store.get_items("", ["msg_1", "msg_2"]).keys() == {"msg_2"}
-    assert store._db.execute("SELECT COUNT(*) FROM items").fetchone() == (1,)
+    assert store._db.execute("SELECT COUNT(*) FROM item_holders").fetchone() == (1,)
+
+
+def test_many_references_read_each_conversation_once() -> None:
+    """Thousands of ids held by one conversation: one read of it, not one per id."""
+    store = ResponseStore(None, 10, 64 << 20)
+    items = [with_id(user(f"turn {k}"), f"msg_{k}") for k in range(3000)]
+    store.put("", "resp_1", items, response("resp_1"))
+    reads: list[str] = []
+    read = store._get
+
+    def counted(tenant: str, response_id: str) -> Any:
+        reads.append(response_id)
+        return read(tenant, response_id)
+
+    store._get = counted  # type: ignore[method-assign]
+    found = store.get_items("", [f"msg_{k}" for k in range(3000)])
+    assert len(found) == 3000 and found["msg_7"] == items[7] and reads == ["resp_1"]

@@ -316,3 +316,13 @@ def test_max_tool_calls_bounds_built_in_tools_so_changes_nothing_here() -> None:
     assert chat_request(request(max_tool_calls=1), []) == chat_request(request(), [])
     with pytest.raises(ValidationError):
         request(max_tool_calls=0)
+
+
+def test_item_ids_are_bounded_and_a_null_type_is_no_type() -> None:
+    for item_id in ("", "x" * 129):
+        with pytest.raises(ValidationError):
+            request(input=[{"role": "user", "content": "hi", "id": item_id}])
+    [reference] = request(input=[{"type": None, "id": "msg_1"}]).input_items()
+    assert type(reference).__name__ == "ItemReference" and reference.id == "msg_1"
+    [message] = request(input=[{"type": None, "role": "user", "content": "hi"}]).input_items()
+    assert type(message).__name__ == "InputMessage"
