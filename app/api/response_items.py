@@ -17,7 +17,7 @@ from typing import Any, Literal
 from app.errors import InvalidRequestError
 
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
-_GIVEN_ID = re.compile(r"(?:msg|fc|fco)_([0-9a-f]{32})_(?:in\d+|out|call\d+)")
+_GIVEN_ID = re.compile(rf"(?:{'|'.join(_ID_PREFIX.values())})_([0-9a-f]{{32}})_(?:in\d+|out|call\d+)")
 IMAGE_URLS = "message.input_image.image_url"  # the one ``include`` value the list takes
 
 

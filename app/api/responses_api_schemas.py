@@ -365,12 +365,13 @@ class ResponsesRequest(ResponsesInput):
     stream: bool | None = None  # None: false
     store: bool | None = None  # None: true, as OpenAI's
     metadata: dict[_MetadataKey, _MetadataValue] | None = Field(None, max_length=16)  # OpenAI's bounds
-    # refused unless off (REFUSED); then accepted without effect: labels and hosted-service options
     include: list[Includable] | None = None
-    background: Any = None
     top_logprobs: int | None = Field(None, ge=0, le=20)  # alternatives per token, with LOGPROBS included
     max_tool_calls: int | None = Field(None, ge=1)  # a bound on built-in tools' calls: mmserve runs none
+    # refused unless off (REFUSED)
+    background: Any = None
     prompt: Any = None
+    # accepted without effect: labels and hosted-service options
     user: Any = None
     safety_identifier: Any = None
     prompt_cache_key: Any = None

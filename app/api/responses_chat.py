@@ -103,6 +103,7 @@ def chat_request(body: ResponsesRequest, history: list[Any]) -> tuple[ChatComple
     """The chat request with the meaning of ``body`` after ``history`` (a stored conversation's items, from
     ``parse_items``), and what names its errors' fields; its validation errors are raised named so."""
     params = ResponsesParams()
+    logprobs = _logprobs(body)
     fields = {
         "model": body.model,
         "messages": _messages(body, history, params),
@@ -115,8 +116,8 @@ def chat_request(body: ResponsesRequest, history: list[Any]) -> tuple[ChatComple
         "tools": _tools(body),
         "tool_choice": _tool_choice(body),
         "parallel_tool_calls": body.parallel_tool_calls,
-        "logprobs": _logprobs(body),
-        "top_logprobs": body.top_logprobs if _logprobs(body) else None,
+        "logprobs": logprobs,
+        "top_logprobs": body.top_logprobs if logprobs else None,
     }
     try:
         chat = ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})

@@ -106,13 +106,11 @@ def tools_json(tools: list[ChatTool]) -> str:
 def _declared(model: BaseModel) -> dict[str, Any]:
     """A declaration's fields that are set, nested ones too, without the keys its model does not declare."""
     fields = {name: getattr(model, name) for name in type(model).model_fields}
-    return {name: _declared_value(value) for name, value in fields.items() if value is not None}
-
-
-def _declared_value(value: Any) -> Any:
-    if isinstance(value, BaseModel):
-        return _declared(value)
-    return [_declared_value(v) for v in value] if isinstance(value, list) else value
+    return {
+        name: _declared(value) if isinstance(value, BaseModel) else value
+        for name, value in fields.items()
+        if value is not None
+    }
 
 
 def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) -> None:
