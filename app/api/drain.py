@@ -12,6 +12,9 @@ sends for a task it cancels. An answer already streaming ends with its endpoint'
 ``server_shutting_down`` (``on_cut_off``: the engine client ends every request's outputs), rather than
 a dropped connection.
 
+Background responses (app/api/responses_background.py) are waited for as requests are (``waits_for``);
+one still running at the deadline ends ``failed`` with the same message.
+
 With ``--api-server-count N`` the main ``serve`` process hooks its other API processes in: ``on_start``
 forwards the SIGTERM to them (they drain concurrently, each with its own deadline) and ``waits_for`` keeps
 its own drain, and so the engine, running until they exited (or the deadline passed).
@@ -83,10 +86,15 @@ class Drain:
                 callback()
 
     @property
+    def waiting(self) -> bool:
+        """Whether any other work the drain waits for is still busy."""
+        return any(busy() for busy in self.waits_for)
+
+    @property
     def finished(self) -> bool:
         if self.deadline is None:
             return False
-        idle = self.in_flight == 0 and not any(busy() for busy in self.waits_for)
+        idle = self.in_flight == 0 and not self.waiting
         return idle or time.monotonic() >= self.deadline
 
     def cut_off(self) -> int:
@@ -183,12 +191,13 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if self.drain.finished and not self.should_exit:
-            if self.drain.in_flight:
+            if self.drain.in_flight or self.drain.waiting:
                 answered = self.drain.cut_off()  # answered 503 within uvicorn's grace after the drain
                 log.warning(
-                    "shutdown timeout: %d request(s) in flight are cut off (%d not yet answered get 503)",
+                    "shutdown timeout: %d request(s) in flight are cut off (%d not yet answered get 503)%s",
                     self.drain.in_flight,
                     answered,
+                    ", and the other work still running" if self.drain.waiting else "",
                 )
             self.should_exit = True
         return await super().on_tick(counter)

@@ -15,13 +15,18 @@ too (``get_items``, an ``item_reference``'s): a second table lists the conversat
 written with every row and emptied of a row's ids with the row, so an item stays found while any
 conversation holding it is stored.
 
-Bounded in responses and in bytes (conversations, response objects and blobs together), least recently
-used out first: every write and every read of a response makes it the most recent. Each row belongs to
-the API key (tenant) that made it: another key's id is not found. One SQLite database: in memory for one
-API process, or a file every API process of a server opens (``--responses-store FILE``; ``serve
---api-server-count N`` sets one in its temporary folder), whose file locks serialise the writers. Calls
-block (a conversation may be megabytes): the service runs them on a thread (``asyncio.to_thread``), one
-at a time per process (``_lock``).
+A background response's row is written as it starts (``queued``, with the pid of the process making
+it) and replaced as it ends (``finish``, ``set_status``: only while it runs, so an end is written once);
+a streamed one keeps its events in a third table, its last one written with its end (docs/architecture.md,
+"Background responses").
+
+Bounded in responses and in bytes (conversations, response objects, event logs and blobs together), least
+recently used out first (a background response still running never): every write and every read of a response
+makes it the most recent. Each row belongs to the API key (tenant) that made it: another key's id is not
+found. One SQLite database: in memory for one API process, or a file every API process of a server opens
+(``--responses-store FILE``; ``serve --api-server-count N`` sets one in its temporary folder), whose file
+locks serialise the writers. Calls block (a conversation may be megabytes): the service runs them on a thread
+(``asyncio.to_thread``), one at a time per process (``_lock``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,18 +61,52 @@ CREATE TABLE IF NOT EXISTS item_holders (
     PRIMARY KEY (tenant, id, response_id)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS item_holders_by_response ON item_holders (tenant, response_id);
+CREATE TABLE IF NOT EXISTS response_events (
+    tenant TEXT NOT NULL, id TEXT NOT NULL, seq INTEGER NOT NULL, event TEXT NOT NULL,
+    PRIMARY KEY (tenant, id, seq)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS makers (
+    tenant TEXT NOT NULL, id TEXT NOT NULL, pid INTEGER NOT NULL, PRIMARY KEY (tenant, id)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS totals (
     one INTEGER PRIMARY KEY CHECK (one = 1), num_responses INTEGER NOT NULL, num_bytes INTEGER NOT NULL
 );
 INSERT OR IGNORE INTO totals VALUES (1, 0, 0);
 """
 _NEXT_USE = "(SELECT COALESCE(MAX(used), 0) + 1 FROM responses)"
+_STATUS = "COALESCE(json_extract(response, '$.status'), '')"
+RUNNING = ("queued", "in_progress")  # a background response's statuses before it ends
+_NOT_RUNNING = f"{_STATUS} NOT IN {RUNNING}"
+
+Event = tuple[int, str]  # a streamed background response's event: its sequence number and SSE text
+Closing = Callable[[dict[str, Any]], Event]  # a log's last event, made from the response's final object
 
 
 @dataclass(frozen=True)
 class StoredResponse:
     items: list[dict[str, Any]]  # the conversation as input items, its data URLs back in place
     response: dict[str, Any]  # the response object GET returns
+
+
+@dataclass(frozen=True)
+class _Row:
+    """A response as its row stores it: texts, the blobs its data URLs moved out to, its items' ids."""
+
+    items_text: str
+    response_text: str
+    blobs: dict[str, str]  # digest -> data URL
+    item_ids: frozenset[str]
+
+    @property
+    def num_bytes(self) -> int:
+        return len(self.items_text) + len(self.response_text)
+
+    @classmethod
+    def of(cls, items: list[dict[str, Any]], response: dict[str, Any]) -> _Row:
+        blobs: dict[str, str] = {}
+        items_text = json.dumps(_moved_out(items, blobs), separators=(",", ":"))
+        response_text = json.dumps(response, separators=(",", ":"))
+        return cls(items_text, response_text, blobs, frozenset(i["id"] for i in items if "id" in i))
 
 
 class ResponseStore:
@@ -82,49 +122,122 @@ class ResponseStore:
         return self.max_responses > 0 and self.max_bytes > 0
 
     def put(
-        self, tenant: str, response_id: str, items: list[dict[str, Any]], response: dict[str, Any]
+        self,
+        tenant: str,
+        response_id: str,
+        items: list[dict[str, Any]],
+        response: dict[str, Any],
+        events: list[Event] | None = None,
+        maker: int | None = None,
     ) -> int | None:
-        """Store a finished response; then evict least recently used ones past the bounds. How many were
-        evicted; None (nothing stored) where the store is off or this one alone is over the byte bound."""
+        """Store a response (a finished one, or a background one as it starts, with the first ``events``
+        of its log and the pid of the process that makes it, ``maker``); then evict least recently used
+        ones past the bounds. How many were evicted; None (nothing stored) where the store is off or
+        this one alone is over the byte bound."""
         if not self.enabled:
             return None
-        blobs: dict[str, str] = {}
-        items_text = json.dumps(_moved_out(items, blobs), separators=(",", ":"))
-        response_text = json.dumps(response, separators=(",", ":"))
-        num_bytes = len(items_text) + len(response_text)
-        if num_bytes + sum(len(url) for url in blobs.values()) > self.max_bytes:
+        row = _Row.of(items, response)
+        if row.num_bytes + sum(len(url) for url in row.blobs.values()) > self.max_bytes:
             return None
-        num_evicted = 0
         with self._lock, self._transaction():
             self._delete(tenant, response_id)  # an id is unique; a replay replaces
-            num_new_bytes = num_bytes
-            for digest, url in blobs.items():
-                known = self._db.execute("UPDATE blobs SET refs = refs + 1 WHERE digest = ?", (digest,))
-                if known.rowcount == 0:
-                    self._db.execute("INSERT INTO blobs VALUES (?, ?, 1)", (digest, url))
-                    num_new_bytes += len(url)
-            self._db.execute(
-                f"INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, {_NEXT_USE})",
-                (tenant, response_id, items_text, response_text, json.dumps(sorted(blobs)), num_bytes),
-            )
-            self._db.executemany(  # every conversation that holds an item, by its id
-                "INSERT OR IGNORE INTO item_holders VALUES (?, ?, ?)",
-                {(tenant, item["id"], response_id) for item in items if "id" in item},
-            )
-            self._db.execute(
-                "UPDATE totals SET num_responses = num_responses + 1, num_bytes = num_bytes + ?",
-                (num_new_bytes,),
-            )
-            while True:
-                num_responses, total_bytes = self._totals()
-                if num_responses <= self.max_responses and total_bytes <= self.max_bytes:
-                    break
-                oldest = self._db.execute(
-                    "SELECT tenant, id FROM responses WHERE used = (SELECT MIN(used) FROM responses)"
-                ).fetchone()
-                self._delete(*oldest)
-                num_evicted += 1
-        return num_evicted
+            self._insert(tenant, response_id, row, 0)
+            if events:
+                self._append(tenant, response_id, events)
+            if maker is not None:
+                self._db.execute("INSERT INTO makers VALUES (?, ?, ?)", (tenant, response_id, maker))
+            return self._evict()
+
+    def finish(
+        self,
+        tenant: str,
+        response_id: str,
+        items: list[dict[str, Any]],
+        response: dict[str, Any],
+        closing: Closing | None = None,
+    ) -> int | None:
+        """A background response's end: its conversation and final object replace the running ones,
+        and ``closing`` (made from that object) is its event log's last event, in one transaction, so a
+        reader that sees the status ended has every event. Over the byte bound it ends ``failed``
+        instead. How many were evicted; None (nothing written) where it is no longer running: cancelled,
+        deleted or evicted."""
+        row = _Row.of(items, response)
+        with self._lock, self._transaction():
+            found = self._db.execute(
+                f"SELECT {_STATUS} FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id)
+            ).fetchone()
+            if found is None or found[0] not in RUNNING:
+                return None
+            if row.num_bytes + sum(len(url) for url in row.blobs.values()) > self.max_bytes:
+                error = {"code": "server_error", "message": "The response is larger than the store holds."}
+                self._set_status(tenant, response_id, "failed", error, closing)
+                return 0
+            (event_bytes,) = self._db.execute(
+                "SELECT COALESCE(SUM(length(event)), 0) FROM response_events WHERE tenant = ? AND id = ?",
+                (tenant, response_id),
+            ).fetchone()
+            self._delete(tenant, response_id, keep_events=True)
+            self._insert(tenant, response_id, row, int(event_bytes))
+            if closing is not None:
+                self._append(tenant, response_id, [closing(response)])
+            return self._evict()
+
+    def set_status(
+        self,
+        tenant: str,
+        response_id: str,
+        status: str,
+        error: dict[str, Any] | None = None,
+        closing: Closing | None = None,
+    ) -> dict[str, Any] | None:
+        """A running background response's status becomes ``status`` (``in_progress``; or it ends,
+        ``cancelled``, or ``failed`` with its ``error``, with no output and ``closing`` its event log's
+        last event); one no longer running is left as it is. Its object after that; None if absent."""
+        with self._lock, self._transaction():
+            return self._set_status(tenant, response_id, status, error, closing)
+
+    def append_events(self, tenant: str, response_id: str, events: list[Event]) -> bool:
+        """Adds to a running background response's event log (counted in its bytes); False where it is
+        no longer running."""
+        with self._lock, self._transaction():
+            if self._status(tenant, response_id) not in RUNNING:
+                return False
+            self._append(tenant, response_id, events)
+            return True
+
+    def read_events(self, tenant: str, response_id: str, after: int) -> tuple[list[Event], str | None]:
+        """The events of a background response's log numbered past ``after``, and its status as it was
+        when they were read (None: absent)."""
+        with self._lock, self._transaction():
+            status = self._status(tenant, response_id)
+            events = self._db.execute(
+                "SELECT seq, event FROM response_events WHERE tenant = ? AND id = ? AND seq > ? ORDER BY seq",
+                (tenant, response_id, after),
+            ).fetchall()
+        return [(int(seq), str(text)) for seq, text in events], status
+
+    def fail_orphans(self, alive: Callable[[int], bool]) -> int:
+        """Background responses whose maker process is no longer ``alive`` (it was killed: nothing else
+        would end them) end ``failed``; how many did."""
+        with self._lock, self._transaction():
+            makers = self._db.execute("SELECT tenant, id, pid FROM makers").fetchall()
+            orphans = [(tenant, response_id) for tenant, response_id, pid in makers if not alive(pid)]
+            error = {"code": "server_error", "message": "The API process making the response stopped."}
+            for tenant, response_id in orphans:
+                self._set_status(tenant, response_id, "failed", error, None)
+        return len(orphans)
+
+    def has_event_log(self, tenant: str, response_id: str) -> bool:
+        """Whether the response was made as a streamed background one (its log starts at 0)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT 1 FROM response_events WHERE tenant = ? AND id = ? AND seq = 0", (tenant, response_id)
+            ).fetchone()
+        return row is not None
+
+    def status(self, tenant: str, response_id: str) -> str | None:
+        with self._lock:
+            return self._status(tenant, response_id)
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         """The response and its conversation, now the most recently used; None if absent (never stored,
@@ -166,6 +279,100 @@ class ResponseStore:
     def close(self) -> None:
         self._db.close()
 
+    def _insert(self, tenant: str, response_id: str, row: _Row, extra_bytes: int) -> None:
+        """Within a transaction: the row, its blobs (shared), its ids, and the totals."""
+        num_new_bytes = row.num_bytes + extra_bytes
+        for digest, url in row.blobs.items():
+            known = self._db.execute("UPDATE blobs SET refs = refs + 1 WHERE digest = ?", (digest,))
+            if known.rowcount == 0:
+                self._db.execute("INSERT INTO blobs VALUES (?, ?, 1)", (digest, url))
+                num_new_bytes += len(url)
+        self._db.execute(
+            f"INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, {_NEXT_USE})",
+            (
+                tenant,
+                response_id,
+                row.items_text,
+                row.response_text,
+                json.dumps(sorted(row.blobs)),
+                row.num_bytes + extra_bytes,
+            ),
+        )
+        self._db.executemany(  # every conversation that holds an item, by its id
+            "INSERT OR IGNORE INTO item_holders VALUES (?, ?, ?)",
+            {(tenant, item_id, response_id) for item_id in row.item_ids},
+        )
+        self._db.execute(
+            "UPDATE totals SET num_responses = num_responses + 1, num_bytes = num_bytes + ?",
+            (num_new_bytes,),
+        )
+
+    def _evict(self) -> int:
+        """Within a transaction: least recently used responses out until the totals are within the
+        bounds; a background response still running is not evicted. How many were."""
+        num_evicted = 0
+        while True:
+            num_responses, total_bytes = self._totals()
+            if num_responses <= self.max_responses and total_bytes <= self.max_bytes:
+                return num_evicted
+            oldest = self._db.execute(
+                f"SELECT tenant, id FROM responses WHERE {_NOT_RUNNING} ORDER BY used LIMIT 1"
+            ).fetchone()
+            if oldest is None:
+                return num_evicted
+            self._delete(*oldest)
+            num_evicted += 1
+
+    def _set_status(
+        self,
+        tenant: str,
+        response_id: str,
+        status: str,
+        error: dict[str, Any] | None,
+        closing: Closing | None,
+    ) -> dict[str, Any] | None:
+        """Within a transaction: ``set_status``."""
+        row = self._db.execute(
+            "SELECT response FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id)
+        ).fetchone()
+        if row is None:
+            return None
+        response: dict[str, Any] = json.loads(row[0])
+        if response["status"] not in RUNNING:
+            return response
+        response.update(status=status, error=error)
+        if status not in RUNNING:
+            self._db.execute("DELETE FROM makers WHERE tenant = ? AND id = ?", (tenant, response_id))
+        text = json.dumps(response, separators=(",", ":"))
+        grown = len(text) - len(row[0])
+        self._db.execute(
+            "UPDATE responses SET response = ?, num_bytes = num_bytes + ? WHERE tenant = ? AND id = ?",
+            (text, grown, tenant, response_id),
+        )
+        self._db.execute("UPDATE totals SET num_bytes = num_bytes + ?", (grown,))
+        if closing is not None:
+            self._append(tenant, response_id, [closing(response)])
+        return response
+
+    def _append(self, tenant: str, response_id: str, events: list[Event]) -> None:
+        """Within a transaction: events into the log, their bytes the response's."""
+        self._db.executemany(
+            "INSERT OR REPLACE INTO response_events VALUES (?, ?, ?, ?)",
+            [(tenant, response_id, seq, text) for seq, text in events],
+        )
+        num_bytes = sum(len(text) for _, text in events)
+        self._db.execute(
+            "UPDATE responses SET num_bytes = num_bytes + ? WHERE tenant = ? AND id = ?",
+            (num_bytes, tenant, response_id),
+        )
+        self._db.execute("UPDATE totals SET num_bytes = num_bytes + ?", (num_bytes,))
+
+    def _status(self, tenant: str, response_id: str) -> str | None:
+        row = self._db.execute(
+            f"SELECT {_STATUS} FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id)
+        ).fetchone()
+        return None if row is None else str(row[0])
+
     def _get(self, tenant: str, response_id: str) -> StoredResponse | None:
         """Within a transaction: ``get``."""
         row = self._db.execute(
@@ -186,8 +393,9 @@ class ResponseStore:
         num_responses, num_bytes = self._db.execute("SELECT num_responses, num_bytes FROM totals").fetchone()
         return int(num_responses), int(num_bytes)
 
-    def _delete(self, tenant: str, response_id: str) -> bool:
-        """Within a transaction: the row, its share of its blobs, and blobs no row references any more."""
+    def _delete(self, tenant: str, response_id: str, keep_events: bool = False) -> bool:
+        """Within a transaction: the row, its share of its blobs, blobs no row references any more, and
+        its event log (unless ``keep_events``: the row is being replaced, its bytes with the log's)."""
         row = self._db.execute(
             "SELECT blobs, num_bytes FROM responses WHERE tenant = ? AND id = ?", (tenant, response_id)
         ).fetchone()
@@ -205,6 +413,9 @@ class ResponseStore:
         self._db.execute(
             "DELETE FROM item_holders WHERE tenant = ? AND response_id = ?", (tenant, response_id)
         )
+        self._db.execute("DELETE FROM makers WHERE tenant = ? AND id = ?", (tenant, response_id))
+        if not keep_events:
+            self._db.execute("DELETE FROM response_events WHERE tenant = ? AND id = ?", (tenant, response_id))
         self._db.execute(
             "UPDATE totals SET num_responses = num_responses - 1, num_bytes = num_bytes - ?", (num_freed,)
         )

@@ -22,7 +22,6 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from app.api.request_fields import is_default
 from app.api.schemas import MAX_CACHE_SALT_CHARS, MediaUuid, media_or_uuid
 
-_LATER = "not supported yet"
 # field -> (values accepted as "off", why it is refused otherwise)
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "conversation": (
@@ -30,7 +29,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
         "conversation objects are not supported: chain responses by previous_response_id",
     ),
     "reasoning": ((None, {}, {"effort": None}, {"effort": "none"}), "the served model does not reason"),
-    "background": ((None, False), _LATER),
     "prompt": ((None,), "prompt templates are not supported"),
 }
 
@@ -282,6 +280,13 @@ _MetadataKey = Annotated[str, Field(max_length=64)]
 _MetadataValue = Annotated[str, Field(max_length=512)]
 
 
+class BackgroundOptions(_Body):
+    """Every window is met by running at once, as a background response does; labels beside it."""
+
+    completion_window: Literal["soonest", "2h", "8h"] | None = None
+    continuation_id: str | None = None
+
+
 class ResponsesStreamOptions(_Body):
     include_obfuscation: bool = True  # OpenAI pads events against side channels; mmserve sends none
 
@@ -368,8 +373,9 @@ class ResponsesRequest(ResponsesInput):
     include: list[Includable] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)  # alternatives per token, with LOGPROBS included
     max_tool_calls: int | None = Field(None, ge=1)  # a bound on built-in tools' calls: mmserve runs none
+    background: bool | None = None  # run after the answer: the queued response is returned at once
+    background_options: BackgroundOptions | None = None
     # refused unless off (REFUSED)
-    background: Any = None
     prompt: Any = None
     # accepted without effect: labels and hosted-service options
     user: Any = None

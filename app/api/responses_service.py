@@ -6,18 +6,21 @@ path (``submit``) and output path (``ChoiceOutputs``), and the answer is formatt
 
 A response asked to be stored (``store``, true by default) is kept with its conversation in the response
 store (app/api/response_store.py) before its object is returned (or its ``response.completed`` event
-sent), so a follow-up by ``previous_response_id`` is that conversation plus its own input."""
+sent), so a follow-up by ``previous_response_id`` is that conversation plus its own input. A background
+one (``background``) is stored ``queued`` and returned at once; a task makes it through the same output
+path and stores it in its place (app/api/responses_background.py; docs/architecture.md, "Background
+responses")."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
+import contextlib
+import dataclasses
+import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from fastapi import Request
@@ -37,7 +40,7 @@ from app.api.response_items import (
     page,
     with_ids,
 )
-from app.api.response_store import ResponseStore, StoredResponse
+from app.api.response_store import RUNNING, Closing, Event, ResponseStore, StoredResponse
 from app.api.responses_api_schemas import (
     INCLUDABLE,
     ItemReference,
@@ -46,8 +49,10 @@ from app.api.responses_api_schemas import (
     dump_items,
     parse_items,
 )
+from app.api.responses_background import BackgroundResponses
 from app.api.responses_chat import ResponsesParams, chat_request
-from app.api.responses_output import OutputStream, answer_status, output_items
+from app.api.responses_object import Events, Turn, response_object
+from app.api.responses_output import OutputStream, output_items
 from app.api.responses_truncation import fitted
 from app.api.schemas import ChatCompletionRequest
 from app.api.tool_calls import ToolCallStreamer
@@ -66,40 +71,60 @@ RequestBody = TypeVar("RequestBody", bound=ResponsesInput)
 
 
 class ResponsesService:
-    def __init__(self, chat: ChatService, store: ResponseStore) -> None:
+    def __init__(self, chat: ChatService, store: ResponseStore, background: BackgroundResponses) -> None:
         self.chat = chat
         self.store = store
+        self.background = background
 
     async def create(self, body: ResponsesRequest, raw: Request) -> Response:
         tenant = request_tenant(raw.scope)
+        self._check_background(body)
         body = await self._resolved(body, tenant)
         history = await self._history(body, tenant)
         check_unique_ids(history, body.input_items())
-        arrival = time.time()
-        try:
-            chat_body, submitted = await self._submit(body, history, raw)
-        except ContextLengthError:
-            if body.truncation != "auto":
-                raise
-            room = self.chat.max_model_len - (body.max_output_tokens or 1)
-            cut = await fitted(body, history, self._counter(raw), room)
-            chat_body, submitted = await self._submit(*cut, raw)
-        self.chat.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
-        gen = Generation(
-            req_id=submitted.choices[0].req_id,
-            response_id=f"resp_{uuid.uuid4().hex}",
+        arrival, response_id = time.time(), f"resp_{uuid.uuid4().hex}"
+        if body.background:
+            await self._check_input(body, history, raw)
+            turn = self._turn(body, history, tenant, self._generation(response_id, arrival))
+            return await self._start_background(turn, history, raw)
+        chat_body, submitted = await self._submit(body, history, raw)
+        gen = self._generation(response_id, arrival, chat_body, submitted)
+        turn = self._turn(body, history, tenant, gen)
+        outputs = ChoiceOutputs([gen], submitted, self.chat.engine, self.chat.metrics)
+        if body.stream:
+            return StreamingResponse(self._stream(turn, outputs), media_type="text/event-stream")
+        await outputs.collect_while_connected(raw)
+        return JSONResponse(await self._finished(turn, output_items(gen)))
+
+    def _generation(
+        self,
+        response_id: str,
+        arrival: float,
+        chat_body: ChatCompletionRequest | None = None,
+        submitted: Submitted | None = None,
+    ) -> Generation:
+        """The answer's state; before it is submitted (a background response's queued object), empty."""
+        if submitted is not None:
+            self.chat.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
+        return Generation(
+            req_id=submitted.choices[0].req_id if submitted is not None else "",
+            response_id=response_id,
             index=0,
             model_name=self.chat.model_name,
             arrival=arrival,
-            num_prompt_tokens=submitted.num_prompt_tokens,
-            num_cached_tokens=submitted.choices[0].first.num_cached_tokens,
-            want_logprobs=chat_body.logprobs,
+            num_prompt_tokens=submitted.num_prompt_tokens if submitted is not None else 0,
+            num_cached_tokens=submitted.choices[0].first.num_cached_tokens if submitted is not None else 0,
+            want_logprobs=chat_body is not None and chat_body.logprobs,
             detok=IncrementalDetokenizer(self.chat.tokenizer),
-            parse_tool_calls=chat_body.parses_tool_calls,
+            parse_tool_calls=chat_body is not None and chat_body.parses_tool_calls,
             stop_token_ids=frozenset(self.chat.inputs.family.eos_token_ids),
         )
+
+    def _turn(
+        self, body: ResponsesRequest, history: list[dict[str, Any]], tenant: str, gen: Generation
+    ) -> Turn:
         defaults = self.chat.defaults
-        turn = _Turn(
+        return Turn(
             body,
             gen,
             tenant,
@@ -107,12 +132,8 @@ class ResponsesService:
             body.store is not False and self.store.enabled,
             defaults.temperature if body.temperature is None else body.temperature,
             defaults.top_p if body.top_p is None else body.top_p,
+            background=body.background is True,
         )
-        outputs = ChoiceOutputs([gen], submitted, self.chat.engine, self.chat.metrics)
-        if body.stream:
-            return StreamingResponse(self._stream(turn, outputs), media_type="text/event-stream")
-        await outputs.collect_while_connected(raw)
-        return JSONResponse(await self._finished(turn, output_items(gen)))
 
     async def count_input_tokens(self, body: ResponsesInput, raw: Request) -> dict[str, Any]:
         """``POST /v1/responses/input_tokens``: the ``usage.input_tokens`` a response made from ``body``
@@ -132,18 +153,52 @@ class ResponsesService:
         return {"object": "response.input_tokens", "input_tokens": num_tokens}
 
     async def _submit(
-        self, body: ResponsesRequest, history: list[dict[str, Any]], raw: Request
+        self, body: ResponsesRequest, history: list[dict[str, Any]], raw: Request, watched: bool = True
     ) -> tuple[ChatCompletionRequest, Submitted]:
-        """The request made from ``body`` after ``history``, sent to the engine; an error names the
-        Responses fields."""
+        """The request made from ``body`` after ``history``, sent to the engine (with ``truncation``
+        auto, its oldest turns dropped to fit); an error names the Responses fields. ``watched``: the
+        work stops if the client leaves (not for a background response, whose client left at once)."""
+        try:
+            return await self._submit_as_is(body, history, raw, watched)
+        except ContextLengthError:
+            if body.truncation != "auto":
+                raise
+            room = self.chat.max_model_len - (body.max_output_tokens or 1)
+            cut = await fitted(body, history, self._counter(raw, watched), room)
+            return await self._submit_as_is(*cut, raw, watched)
+
+    async def _submit_as_is(
+        self, body: ResponsesRequest, history: list[dict[str, Any]], raw: Request, watched: bool
+    ) -> tuple[ChatCompletionRequest, Submitted]:
         chat_body, params = chat_request(body, parse_items(history))
         self.chat.check_ready(chat_body)
         with _named_by(params):
             spec = self.chat.spec(chat_body, raw)
-            submitted = await unless_client_leaves(raw, submit(self.chat.inputs, self.chat.engine, spec))
+            submitting = submit(self.chat.inputs, self.chat.engine, spec)
+            submitted = await (unless_client_leaves(raw, submitting) if watched else submitting)
         return chat_body, submitted
 
-    def _counter(self, raw: Request) -> Callable[[ResponsesRequest, list[dict[str, Any]]], Awaitable[int]]:
+    async def _check_input(self, body: ResponsesRequest, history: list[dict[str, Any]], raw: Request) -> None:
+        """What submitting would refuse before the engine (the template, the media, the sampling, a
+        prompt too long without ``truncation`` auto) as the 400 it is: a background response is
+        submitted by its task, after its object was returned."""
+        chat_body, params = chat_request(body, parse_items(history))
+        self.chat.check_ready(chat_body)
+        with _named_by(params):
+            spec = self.chat.spec(chat_body, raw)
+            counting = prompt_token_ids(
+                self.chat.inputs, spec.messages, spec.mm_processor_kwargs, spec.scope, spec.template
+            )
+            num_tokens = len(await unless_client_leaves(raw, counting))
+            try:
+                spec.sampling(num_tokens, 0)
+            except ContextLengthError:
+                if body.truncation != "auto":
+                    raise
+
+    def _counter(
+        self, raw: Request, watched: bool = True
+    ) -> Callable[[ResponsesRequest, list[dict[str, Any]]], Awaitable[int]]:
         """Counts the prompt tokens of ``body`` after ``history``, as ``usage.input_tokens`` would."""
 
         async def count(body: ResponsesRequest, history: list[dict[str, Any]]) -> int:
@@ -153,7 +208,7 @@ class ResponsesService:
                 counting = prompt_token_ids(
                     self.chat.inputs, spec.messages, spec.mm_processor_kwargs, spec.scope, spec.template
                 )
-                return len(await unless_client_leaves(raw, counting))
+                return len(await (unless_client_leaves(raw, counting) if watched else counting))
 
         return count
 
@@ -173,14 +228,35 @@ class ResponsesService:
         return page(input_items(stored.items, stored.response), after, limit, order, IMAGE_URLS in include)
 
     async def cancel(self, response_id: str, raw: Request) -> dict[str, Any]:
-        """``POST /v1/responses/{id}/cancel``: only a background response can be; mmserve runs none, so a
-        stored response is one already finished."""
+        """``POST /v1/responses/{id}/cancel``: a background response still running ends ``cancelled``
+        (its request aborted in the engine); one that ended is returned as it is, as OpenAI's. Any other
+        response finished before it was returned: nothing to cancel."""
+        key = (request_tenant(raw.scope), response_id)
+        stored = await self._stored(response_id, raw)
+        if not stored.response.get("background"):
+            raise InvalidRequestError(
+                "Only a background response can be cancelled: this one finished before it was returned.",
+                param="response_id",
+            )
+        response = await asyncio.to_thread(self.store.set_status, *key, "cancelled")
+        if response is None:  # deleted or evicted meanwhile
+            raise _not_found(response_id)
+        self.background.forget(key)
+        return response
+
+    async def stream_again(self, response_id: str, raw: Request, starting_after: int | None) -> Response:
+        """``GET /v1/responses/{id}?stream=true``: a streamed background response's events numbered past
+        ``starting_after`` (all without), then each as it comes, until it ends."""
+        key = (request_tenant(raw.scope), response_id)
         await self._stored(response_id, raw)
-        raise InvalidRequestError(
-            "Only a background response can be cancelled, and mmserve runs none: this response finished "
-            "before it was returned.",
-            param="response_id",
-        )
+        if not await asyncio.to_thread(self.store.has_event_log, *key):
+            raise InvalidRequestError(
+                "Only a background response created with stream true can be streamed again; this one is "
+                "retrieved whole.",
+                param="stream",
+            )
+        after = -1 if starting_after is None else starting_after
+        return StreamingResponse(self.background.events(key, after), media_type="text/event-stream")
 
     async def _stored(self, response_id: str, raw: Request) -> StoredResponse:
         stored = await asyncio.to_thread(self.store.get, request_tenant(raw.scope), response_id)
@@ -189,8 +265,10 @@ class ResponsesService:
         return stored
 
     async def delete(self, response_id: str, raw: Request) -> dict[str, Any]:
-        if not await asyncio.to_thread(self._delete, request_tenant(raw.scope), response_id):
+        key = (request_tenant(raw.scope), response_id)
+        if not await asyncio.to_thread(self._delete, *key):
             raise _not_found(response_id)
+        self.background.forget(key)  # a background response still running stops
         return {"id": response_id, "object": "response", "deleted": True}
 
     async def _resolved(self, body: RequestBody, tenant: str) -> RequestBody:
@@ -219,21 +297,116 @@ class ResponsesService:
                 param="previous_response_id",
                 code="previous_response_not_found",
             )
+        status = stored.response["status"]
+        if status in (*RUNNING, "cancelled", "failed"):
+            wait = ": wait until it ends" if status in RUNNING else ", with no answer to follow"
+            raise InvalidRequestError(
+                f"Previous response with id '{body.previous_response_id}' is {status}{wait}.",
+                param="previous_response_id",
+            )
         return stored.items
 
-    async def _finished(self, turn: _Turn, items: list[dict[str, Any]]) -> dict[str, Any]:
+    def _check_background(self, body: ResponsesRequest) -> None:
+        """A background response is kept in the store, where its client finds it."""
+        if body.background:
+            if body.store is False:
+                raise InvalidRequestError(
+                    "A background response is stored: store must be true.", param="store"
+                )
+            if not self.store.enabled:
+                raise InvalidRequestError(
+                    "A background response is stored, and this server stores no responses.",
+                    param="background",
+                )
+        elif body.background_options and body.background_options.completion_window not in (None, "soonest"):
+            raise InvalidRequestError(
+                "A completion window of 2h or 8h is for background responses.",
+                param="background_options.completion_window",
+            )
+
+    async def _start_background(self, turn: Turn, history: list[dict[str, Any]], raw: Request) -> Response:
+        """Stores the response ``queued`` (a streamed one with its log's first events), starts its task,
+        and answers with the stored object, or with its log's events as they are written."""
+        key = (turn.tenant, turn.gen.response_id)
+        queued = response_object(turn, [], status="queued", with_output=False)
+        events = Events(0)
+        first = [events.make(kind, response=queued) for kind in ("response.created", "response.queued")]
+        log = first if turn.body.stream else None
+        if not await asyncio.to_thread(self._put, turn, turn.items, queued, log, None, os.getpid()):
+            raise InvalidRequestError(
+                "The request is larger than the response store holds, so it cannot run in the background.",
+                param="background",
+            )
+        self.background.run(key, self._make_background(turn, history, raw, events))
+        if turn.body.stream:
+            return StreamingResponse(self.background.events(key, -1), media_type="text/event-stream")
+        return JSONResponse(queued)
+
+    async def _make_background(
+        self, turn: Turn, history: list[dict[str, Any]], raw: Request, events: Events
+    ) -> None:
+        """A background response's task: submitted, answered (a streamed one's events into its log as
+        they come) and stored in place of the running one; an error (the engine's) ends it failed."""
+        key = (turn.tenant, turn.gen.response_id)
+        closing = events.closing if turn.body.stream else None
+        try:
+            chat_body, submitted = await self._submit(turn.body, history, raw, watched=False)
+        except MMServeError as exc:
+            await asyncio.to_thread(self.store.set_status, *key, "failed", _error(exc), closing)
+            return
+        gen = self._generation(turn.gen.response_id, turn.gen.arrival, chat_body, submitted)
+        turn = dataclasses.replace(turn, gen=gen)
+        outputs = ChoiceOutputs([gen], submitted, self.chat.engine, self.chat.metrics)
+        await asyncio.to_thread(self.store.set_status, *key, "in_progress")
+        if turn.body.stream:
+            async with contextlib.aclosing(self._events(turn, outputs, events)) as stream:
+                async for event in stream:
+                    if not await asyncio.to_thread(self.store.append_events, *key, [event]):
+                        return  # cancelled or deleted (its task is being cancelled too)
+                    self.background.notify(key)
+            return
+        try:
+            await outputs.collect()
+            await self._finished(turn, output_items(gen))
+        except MMServeError as exc:
+            await asyncio.to_thread(self.store.set_status, *key, "failed", _error(exc))
+        finally:
+            outputs.release()
+
+    async def _finished(
+        self,
+        turn: Turn,
+        items: list[dict[str, Any]],
+        closing: Callable[[dict[str, Any]], Event] | None = None,
+    ) -> dict[str, Any]:
         """The finished ``response`` object, stored first (with its conversation) where asked for, so a
-        client that reads it may chain on it at once. A call cut off by the max tokens stays out of the
+        client that reads it may chain on it at once; a background response's replaces its running one
+        (with ``closing`` its log's last event). A call cut off by the max tokens stays out of the
         conversation: its arguments are no object to render or to answer."""
         response = response_object(turn, items)
         if turn.store:
             conversation = [*turn.items, *conversation_outputs(items)]
-            response["store"] = await asyncio.to_thread(self._put, turn, conversation, response)
+            response["store"] = await asyncio.to_thread(
+                self._put, turn, conversation, response, None, closing
+            )
         return response
 
-    def _put(self, turn: _Turn, conversation: list[dict[str, Any]], response: dict[str, Any]) -> bool:
-        """On a thread: store the response, then count what that did."""
-        num_evicted = self.store.put(turn.tenant, turn.gen.response_id, conversation, response)
+    def _put(
+        self,
+        turn: Turn,
+        conversation: list[dict[str, Any]],
+        response: dict[str, Any],
+        events: list[Event] | None = None,
+        closing: Closing | None = None,
+        maker: int | None = None,
+    ) -> bool:
+        """On a thread: store the response (a running background one: as it starts with its first
+        ``events``; as it ends, replacing it, with ``closing``), then count what that did."""
+        key = (turn.tenant, turn.gen.response_id)
+        if turn.background and response["status"] not in RUNNING:
+            num_evicted = self.store.finish(*key, conversation, response, closing)
+        else:
+            num_evicted = self.store.put(*key, conversation, response, events, maker)
         self._count(num_evicted or 0)
         return num_evicted is not None
 
@@ -251,48 +424,48 @@ class ResponsesService:
         metrics.responses_stored.set(num_responses)
         metrics.responses_stored_bytes.set(num_bytes)
 
-    async def _stream(self, turn: _Turn, outputs: ChoiceOutputs) -> AsyncIterator[str]:
-        sequence = itertools.count()
+    async def _stream(self, turn: Turn, outputs: ChoiceOutputs) -> AsyncIterator[str]:
+        async with contextlib.aclosing(self._events(turn, outputs, Events(0))) as events:
+            async for _, text in events:
+                yield text
 
-        def event(kind: str, **fields: Any) -> str:
-            payload = {"type": kind, "sequence_number": next(sequence), **fields}
-            return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
+    async def _events(self, turn: Turn, outputs: ChoiceOutputs, events: Events) -> AsyncGenerator[Event]:
+        """The events of a streamed answer (a background response's from ``response.in_progress`` on: the
+        ones before are stored with it). Its last one (``response.completed``, ``incomplete`` or
+        ``failed``) is written with a background response's end, not yielded."""
         gen = turn.gen
         try:
             started = response_object(turn, [], status="in_progress", with_output=False)
-            yield event("response.created", response=started)
-            yield event("response.in_progress", response=started)
+            if not turn.background:
+                events.make("response.created", response=started)
+            events.make("response.in_progress", response=started)
+            for event in events.taken():
+                yield event
             stream = OutputStream(
-                gen.response_id, event, ToolCallStreamer() if gen.parse_tool_calls else None
+                gen.response_id, events.text, ToolCallStreamer() if gen.parse_tool_calls else None
             )
             async for delta in outputs.deltas():
-                for text in stream.push(delta.text, delta.finish_reason is not None, delta.logprobs):
-                    yield text
-            closing, items = stream.finish(gen)
-            for text in closing:
-                yield text
+                stream.push(delta.text, delta.finish_reason is not None, delta.logprobs)
+                for event in events.taken():
+                    yield event
+            _, items = stream.finish(gen)
+            for event in events.taken():
+                yield event
+            if turn.background:
+                await self._finished(turn, items, events.closing)
+                return
             finished = await self._finished(turn, items)
-            kind = "response.completed" if finished["status"] == "completed" else "response.incomplete"
-            yield event(kind, response=finished)
+            yield events.make(events.ending(finished), response=finished)
+            events.taken()
         except MMServeError as exc:
+            if turn.background:
+                key = (turn.tenant, gen.response_id)
+                await asyncio.to_thread(self.store.set_status, *key, "failed", _error(exc), events.closing)
+                return
             _, detail = error_detail(exc)
-            yield event("error", code=detail.code, message=detail.message, param=detail.param)
+            yield events.make("error", code=detail.code, message=detail.message, param=detail.param)
         finally:
             outputs.release()
-
-
-@dataclass(frozen=True)
-class _Turn:
-    """One response being made: its request, its answer, and what storing it takes."""
-
-    body: ResponsesRequest
-    gen: Generation
-    tenant: str
-    items: list[dict[str, Any]]  # the conversation up to this turn's input, as input items
-    store: bool  # asked for, and the store is on
-    temperature: float  # in effect: the request's, or the model's default
-    top_p: float
 
 
 @contextmanager
@@ -307,64 +480,15 @@ def _named_by(params: ResponsesParams) -> Iterator[None]:
         raise params.error(from_family_error(exc)) from exc
 
 
+def _error(exc: MMServeError) -> dict[str, Any]:
+    """A failed response's ``error``: OpenAI's codes name what failed, the message says why."""
+    _, detail = error_detail(exc)
+    return {"code": "server_error", "message": detail.message}
+
+
 def _dumped(item: Any) -> dict[str, Any]:
     return item if isinstance(item, dict) else dump_items([item])[0]
 
 
 def _not_found(response_id: str) -> NotFoundError:
     return NotFoundError(f"No response found with id '{response_id}'.", param="response_id")
-
-
-def response_object(
-    turn: _Turn, items: list[dict[str, Any]], status: str | None = None, with_output: bool = True
-) -> dict[str, Any]:
-    """OpenAI's ``response`` object for the turn's answer with its output ``items``: ``completed``, or
-    ``incomplete`` when the answer reached ``max_output_tokens`` (or the context length)."""
-    body, gen = turn.body, turn.gen
-    if status is None:
-        status = answer_status(gen)
-    text_format = (
-        body.text.format.model_dump(by_alias=True, exclude_none=True)
-        if body.text and body.text.format
-        else {"type": "text"}
-    )
-    if text_format["type"] == "json_schema":
-        text_format.setdefault("name", "response")  # the name applied where left out (OpenAI requires one)
-    num_output = len(gen.token_ids)
-    return {
-        "id": gen.response_id,
-        "object": "response",
-        "created_at": gen.created,
-        "status": status,
-        "model": gen.model_name,
-        "output": items if with_output else [],
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "error": None,
-        "instructions": body.instructions,
-        "max_output_tokens": body.max_output_tokens,
-        "temperature": turn.temperature,
-        "top_p": turn.top_p,
-        "metadata": body.metadata or {},
-        "parallel_tool_calls": body.parallel_tool_calls is not False,
-        "tool_choice": _tool_choice(body),
-        "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
-        "text": {"format": text_format},
-        "truncation": body.truncation or "disabled",
-        "store": turn.store,
-        "previous_response_id": body.previous_response_id,
-        "usage": {
-            "input_tokens": gen.num_prompt_tokens,
-            "input_tokens_details": {"cached_tokens": gen.num_cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": num_output,
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": gen.num_prompt_tokens + num_output,
-        }
-        if with_output
-        else None,
-    }
-
-
-def _tool_choice(body: ResponsesRequest) -> Any:
-    if body.tool_choice is None:
-        return "auto"
-    return body.tool_choice if isinstance(body.tool_choice, str) else body.tool_choice.model_dump()

@@ -19,6 +19,7 @@ from app.api.http_metrics import HttpMetrics
 from app.api.openapi_errors import document_error_envelope
 from app.api.request_guards import RequestGuards
 from app.api.response_store import ResponseStore
+from app.api.responses_background import BACKGROUND_POLL_S, BackgroundResponses
 from app.api.responses_service import ResponsesService
 from app.api.routes import chat, models, ops
 from app.api.routes import responses as responses_routes
@@ -37,6 +38,7 @@ from app.media.fetch import MediaFetcher
 from app.media.url_policy import MediaPolicy
 from app.metrics import ApiMetrics
 from app.settings import Settings
+from wire.shm_ring import pid_alive
 from workers.families import load_processing
 
 log = logging.getLogger("mmserve.api")
@@ -99,7 +101,14 @@ def create_app(
         response_store = ResponseStore(
             settings.responses_store, settings.responses_store_entries, settings.responses_store_mb << 20
         )
-        responses = ResponsesService(chat_service, response_store)
+        # another API process may change a shared store's responses: their tasks and readers poll it
+        background = BackgroundResponses(
+            response_store, BACKGROUND_POLL_S if settings.responses_store else None
+        )
+        drain.waits_for.append(lambda: background.busy)
+        if settings.responses_store:  # a file: responses an API process killed was making end failed
+            await asyncio.to_thread(response_store.fail_orphans, pid_alive)
+        responses = ResponsesService(chat_service, response_store, background)
         app.state.mmserve = ApiState(
             settings, max_model_len, metrics, engine, chat_service, drain, tokenize, responses
         )
@@ -120,6 +129,7 @@ def create_app(
             await pool.close()
             if shm is not None:
                 shm.close()
+            await background.close()  # (a drain waited for them: those left end failed)
             response_store.close()
 
     app = FastAPI(title="mmserve", version="0.1.0", lifespan=lifespan)

@@ -16,7 +16,7 @@ from app.api.error_handlers import validation_error_detail
 from app.api.outputs import Generation
 from app.api.responses_api_schemas import ResponsesRequest, parse_items
 from app.api.responses_chat import chat_request
-from app.api.responses_service import _Turn, response_object
+from app.api.responses_object import Turn, response_object
 from app.api.tool_schemas import check_tools
 from app.errors import ContextLengthError, InvalidRequestError, MediaError, MMServeError
 
@@ -49,7 +49,7 @@ def echoed_format(body: ResponsesRequest) -> dict[str, Any]:
         num_prompt_tokens=1, num_cached_tokens=0, want_logprobs=False,
         detok=SimpleNamespace(token_ids=[]),  # type: ignore[arg-type]
     )  # fmt: skip
-    text = response_object(_Turn(body, gen, "", [], False, 1.0, 1.0), [])["text"]
+    text = response_object(Turn(body, gen, "", [], False, 1.0, 1.0), [])["text"]
     ResponseTextConfig.model_validate(text)  # OpenAI's shape
     return dict(text["format"])
 

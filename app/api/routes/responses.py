@@ -27,26 +27,25 @@ async def count_input_tokens(body: ResponsesInput, request: Request, state: Stat
     return await state.responses.count_input_tokens(body, request)
 
 
-@router.get("/v1/responses/{response_id}")
+@router.get("/v1/responses/{response_id}", response_model=None)
 async def retrieve_response(
     response_id: ResponseId,
     request: Request,
     state: State,
     stream: bool = False,
-    starting_after: int | None = None,
-    include_obfuscation: bool = True,  # (no stream here to pad)
-) -> dict[str, Any]:
-    """The stored response. OpenAI's query parameters for streaming a background response again, and
-    ``include`` (``include[]=`` as the openai SDK sends it), do something mmserve does not: a 400 naming
-    them, not an answer that ignores them."""
-    if stream or starting_after is not None:
-        raise InvalidRequestError(
-            "A stored response is retrieved whole: streaming it again (stream, starting_after) is for "
-            "background responses, which mmserve does not run.",
-            param="stream" if stream else "starting_after",
-        )
+    starting_after: Annotated[int | None, Query(ge=-1)] = None,
+    include_obfuscation: bool = True,  # (mmserve pads no events)
+) -> dict[str, Any] | Response:
+    """The stored response; with ``stream``, a streamed background response's events (those past
+    ``starting_after``) until it ends. ``include`` (``include[]=`` as the openai SDK sends it) does
+    something mmserve does not: a 400 naming it, not an answer that ignores it."""
     if any(request.query_params.getlist(name) for name in ("include", "include[]")):
         raise InvalidRequestError("include is not supported.", param="include")
+    if stream:
+        return await state.responses.stream_again(response_id, request, starting_after)
+    if starting_after is not None:
+        msg = "starting_after is a cursor into a streamed response's events: it needs stream true."
+        raise InvalidRequestError(msg, param="starting_after")
     return await state.responses.retrieve(response_id, request)
 
 
