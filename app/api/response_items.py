@@ -18,7 +18,7 @@ from app.errors import InvalidRequestError
 
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 _GIVEN_ID = re.compile(rf"(?:{'|'.join(_ID_PREFIX.values())})_([0-9a-f]{{32}})_(?:in\d+|out|call\d+)")
-IMAGE_URLS = "message.input_image.image_url"  # the one ``include`` value the list takes
+IMAGE_URLS = "message.input_image.image_url"  # ``include`` values the list takes (with chat's logprobs)
 
 
 def with_ids(items: list[dict[str, Any]], response_id: str) -> list[dict[str, Any]]:
@@ -81,10 +81,12 @@ def page(
     limit: int,
     order: Literal["asc", "desc"],
     image_urls: bool,
+    logprobs: bool = False,
 ) -> dict[str, Any]:
     """OpenAI's list object of ``items``: ``limit`` of them after the item ``after``, oldest first
-    (``asc``) or newest first (``desc``); input images carry their URL only with ``image_urls``."""
-    listed = [_listed(item, index, image_urls) for index, item in enumerate(items)]
+    (``asc``) or newest first (``desc``); input images carry their URL only with ``image_urls``, an
+    answer's text its tokens' logprobs (where its request included them) only with ``logprobs``."""
+    listed = [_listed(item, index, image_urls, logprobs) for index, item in enumerate(items)]
     if order == "desc":
         listed.reverse()
     if after is not None:
@@ -106,7 +108,7 @@ def _kind(item: dict[str, Any]) -> str:
     return str(item.get("type") or "message")
 
 
-def _listed(item: dict[str, Any], index: int, image_urls: bool) -> dict[str, Any]:
+def _listed(item: dict[str, Any], index: int, image_urls: bool, logprobs: bool) -> dict[str, Any]:
     """A stored item in the shape OpenAI lists it: a message's content always parts (an assistant's
     ``output_text``), every item with its ``status``. An item stored before items had ids is named by
     its place."""
@@ -119,12 +121,12 @@ def _listed(item: dict[str, Any], index: int, image_urls: bool) -> dict[str, Any
     if isinstance(content, str):
         text_type = "output_text" if role == "assistant" else "input_text"
         content = [{"type": text_type, "text": content}]
-    return {**listed, "role": role, "content": [_part(part, image_urls) for part in content]}
+    return {**listed, "role": role, "content": [_part(part, image_urls, logprobs) for part in content]}
 
 
-def _part(part: dict[str, Any], image_urls: bool) -> dict[str, Any]:
+def _part(part: dict[str, Any], image_urls: bool, logprobs: bool) -> dict[str, Any]:
     if part["type"] == "output_text":
-        return {"annotations": [], **part}
+        return {"annotations": [], **part} if logprobs else {"annotations": [], **part, "logprobs": []}
     if part["type"] == "input_image":
         url = part.get("image_url") if image_urls else None
         return {**part, "detail": part.get("detail", "auto"), "file_id": None, "image_url": url}

@@ -43,6 +43,7 @@ from app.api.response_items import (
 from app.api.response_store import RUNNING, Closing, Event, ResponseStore, StoredResponse
 from app.api.responses_api_schemas import (
     INCLUDABLE,
+    LOGPROBS,
     ItemReference,
     ResponsesInput,
     ResponsesRequest,
@@ -225,7 +226,8 @@ class ResponsesService:
             if value not in INCLUDABLE:  # (all but the image URLs name what a stored item never lacks)
                 msg = f"include {value!r} is not one of {sorted(INCLUDABLE)}"
                 raise InvalidRequestError(msg, param="include")
-        return page(input_items(stored.items, stored.response), after, limit, order, IMAGE_URLS in include)
+        listed = input_items(stored.items, stored.response)
+        return page(listed, after, limit, order, IMAGE_URLS in include, LOGPROBS in include)
 
     async def cancel(self, response_id: str, raw: Request) -> dict[str, Any]:
         """``POST /v1/responses/{id}/cancel``: a background response still running ends ``cancelled``

@@ -1,6 +1,7 @@
 """A stored conversation's items as ``GET /v1/responses/{id}/input_items`` lists them (app/api/
 response_items.py): ids given where the client sent none, OpenAI's item shapes (checked with the openai
-SDK's own types), a response's own output left out, and pages by ``after``, ``limit`` and ``order``."""
+SDK's own types), a response's own output left out, logprobs and image URLs only where ``include`` asks
+for them, and pages by ``after``, ``limit`` and ``order``."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ from app.api.response_items import input_items, made_by, output_item_id, page, w
 from app.errors import InvalidRequestError
 
 IMAGE = "data:image/png;base64,AAAA"
+LOGPROBS = [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}]  # its request included them
 CONVERSATION = [
     {"role": "user",
      "content": [{"type": "input_text", "text": "look"}, {"type": "input_image", "image_url": IMAGE}]},
     {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
-     "content": [{"type": "output_text", "text": "a call", "annotations": [], "logprobs": []}]},
+     "content": [{"type": "output_text", "text": "a call", "annotations": [], "logprobs": LOGPROBS}]},
     {"type": "function_call", "call_id": "call_1", "name": "click", "arguments": "{}", "id": "fc_1"},
     {"type": "function_call_output", "call_id": "call_1", "output": "done"},
     {"role": "assistant", "content": "resent as a string"},
@@ -73,7 +75,10 @@ def test_the_list_is_the_input_in_openais_shapes_without_the_output() -> None:
         "detail": "auto",
         "file_id": None,
     }
-    assert data[4]["content"] == [{"type": "output_text", "text": "resent as a string", "annotations": []}]
+    assert data[4]["content"] == [
+        {"type": "output_text", "text": "resent as a string", "annotations": [], "logprobs": []}
+    ]
+    assert data[1]["content"][0]["logprobs"] == []  # only with include message.output_text.logprobs
     assert data[5]["content"] == [{"type": "input_text", "text": "and now?"}]
     assert data[3]["status"] == "completed" and data[3]["output"] == "done"
     assert (listed["first_id"], listed["last_id"], listed["has_more"]) == (
@@ -83,6 +88,9 @@ def test_the_list_is_the_input_in_openais_shapes_without_the_output() -> None:
     )
     with_urls = page(input_items(items, {"output": OUTPUT}), None, 100, "asc", image_urls=True)
     assert with_urls["data"][0]["content"][1]["image_url"] == IMAGE
+    assert with_urls["data"][1]["content"][0]["logprobs"] == []
+    with_logprobs = page(input_items(items, {"output": OUTPUT}), None, 100, "asc", False, logprobs=True)
+    assert with_logprobs["data"][1]["content"][0]["logprobs"] == LOGPROBS
 
 
 def test_pages_follow_after_in_either_order() -> None:
