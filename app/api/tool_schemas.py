@@ -162,29 +162,31 @@ def choice_name(tool_choice: ToolChoice | None) -> str:
     return tool_choice.type
 
 
-def check_tool_history(messages: list[Any]) -> bool:
+def check_tool_history(messages: list[Any]) -> str | None:
     """Each tool message answers a call an earlier assistant message made (``InvalidRequestError``
-    naming its ``tool_call_id`` otherwise). Returns whether the history has tool calls or results."""
+    naming its ``tool_call_id`` otherwise). Returns where the history's first tool call or result is
+    (``messages[2].tool_calls[0]``, ``messages[3]``), None where it has none."""
     made: set[str] = set()
-    found = False
+    first: str | None = None
     for i, message in enumerate(messages):
         for call in message.tool_calls or []:
             made.add(call.id)
-            found = True
+            first = first or f"messages[{i}].tool_calls[0]"
         if message.role == "tool":
-            found = True
+            first = first or f"messages[{i}]"
             if message.tool_call_id not in made:
                 raise InvalidRequestError(
                     f"no earlier assistant message made a tool call with id {message.tool_call_id!r}",
                     param=f"messages[{i}].tool_call_id",
                 )
-    return found
+    return first
 
 
 def template_tools(family: Any, tools: list[ChatTool] | None, messages: list[Any]) -> str | None:
     """``TemplateOptions.tools`` for a request with these tools and messages: None without tools or calls
     in the history, else the tools as JSON text (``"[]"``: only the history has calls). A family whose
-    template renders no tools refuses either (``InvalidRequestError`` naming ``tools`` or ``messages``)."""
+    template renders no tools refuses either (``InvalidRequestError`` naming ``tools``, or the history's
+    first call or result)."""
     in_history = check_tool_history(messages)
     if not tools and not in_history:
         return None
@@ -197,7 +199,7 @@ def template_tools(family: Any, tools: list[ChatTool] | None, messages: list[Any
         raise InvalidRequestError(
             f"This model ({family.config.get('model_type')}) has no tool format: {missing} (the server "
             "gives it one with --chat-template and --tool-call-parser).",
-            param="tools" if tools else "messages",
+            param="tools" if tools else in_history,
         )
     return tools_json(tools or [])
 

@@ -17,7 +17,7 @@ from app.api.outputs import Generation
 from app.api.responses_api_schemas import ResponsesRequest, parse_items
 from app.api.responses_chat import chat_request
 from app.api.responses_object import Turn, response_object
-from app.api.tool_schemas import check_tools
+from app.api.tool_schemas import check_tools, template_tools
 from app.errors import ContextLengthError, InvalidRequestError, MediaError, MMServeError
 
 IMAGE = "data:image/png;base64,iVBORw0KGgo="
@@ -326,3 +326,17 @@ def test_item_ids_are_bounded_and_a_null_type_is_no_type() -> None:
     assert type(reference).__name__ == "ItemReference" and reference.id == "msg_1"
     [message] = request(input=[{"type": None, "role": "user", "content": "hi"}]).input_items()
     assert type(message).__name__ == "InputMessage"
+
+
+def test_a_call_in_the_history_of_a_model_without_a_tool_format_is_named() -> None:
+    llava = SimpleNamespace(tool_chat_template=None, tool_call_parser=None, config={"model_type": "llava"})
+    items = [
+        {"role": "user", "content": "Click it."},
+        {"type": "function_call", "call_id": "c1", "name": "click", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "done"},
+    ]
+    chat, params = chat_request(request(input=items), [])
+    with pytest.raises(InvalidRequestError) as refused:
+        template_tools(llava, None, chat.messages)
+    assert refused.value.param == "messages[1].tool_calls[0]" and "no tool format" in refused.value.message
+    assert params.error(refused.value).param == "input[1]"
