@@ -101,6 +101,11 @@ class _Row:
     def num_bytes(self) -> int:
         return len(self.items_text) + len(self.response_text)
 
+    @property
+    def num_bytes_alone(self) -> int:
+        """Its bytes with every blob it references, as if no other row shared them."""
+        return self.num_bytes + sum(len(url) for url in self.blobs.values())
+
     @classmethod
     def of(cls, items: list[dict[str, Any]], response: dict[str, Any]) -> _Row:
         blobs: dict[str, str] = {}
@@ -137,7 +142,7 @@ class ResponseStore:
         if not self.enabled:
             return None
         row = _Row.of(items, response)
-        if row.num_bytes + sum(len(url) for url in row.blobs.values()) > self.max_bytes:
+        if row.num_bytes_alone > self.max_bytes:
             return None
         with self._lock, self._transaction():
             self._delete(tenant, response_id)  # an id is unique; a replay replaces
@@ -168,7 +173,7 @@ class ResponseStore:
             ).fetchone()
             if found is None or found[0] not in RUNNING:
                 return None
-            if row.num_bytes + sum(len(url) for url in row.blobs.values()) > self.max_bytes:
+            if row.num_bytes_alone > self.max_bytes:
                 error = {"code": "server_error", "message": "The response is larger than the store holds."}
                 self._set_status(tenant, response_id, "failed", error, closing)
                 return 0
