@@ -66,8 +66,7 @@ def chunk_bytes(size: int) -> int:
     return HEADER_BYTES + round_up(size)
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this machine runs (a zombie does not)."""
+def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):
@@ -113,7 +112,7 @@ def _orphan(name: str, path: str) -> bool:
         age_s = time.time() - os.lstat(path).st_mtime
     except FileNotFoundError:
         return False
-    return age_s > ORPHAN_MIN_AGE_S and not pid_alive(int(m.group(1)))
+    return age_s > ORPHAN_MIN_AGE_S and not _pid_alive(int(m.group(1)))
 
 
 def remove_orphans(directory: str = SHM_DIR) -> list[str]:

@@ -66,7 +66,7 @@ CREATE TABLE IF NOT EXISTS response_events (
     PRIMARY KEY (tenant, id, seq)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS makers (
-    tenant TEXT NOT NULL, id TEXT NOT NULL, pid INTEGER NOT NULL, PRIMARY KEY (tenant, id)
+    tenant TEXT NOT NULL, id TEXT NOT NULL, maker TEXT NOT NULL, PRIMARY KEY (tenant, id)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS totals (
     one INTEGER PRIMARY KEY CHECK (one = 1), num_responses INTEGER NOT NULL, num_bytes INTEGER NOT NULL
@@ -79,7 +79,8 @@ RUNNING = ("queued", "in_progress")  # a background response's statuses before i
 _NOT_RUNNING = f"{_STATUS} NOT IN {RUNNING}"
 
 Event = tuple[int, str]  # a streamed background response's event: its sequence number and SSE text
-Closing = Callable[[dict[str, Any]], Event]  # a log's last event, made from the response's final object
+# the text of a log's last event, made from its sequence number and the response's final object
+Closing = Callable[[int, dict[str, Any]], str]
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,10 @@ class ResponseStore:
         items: list[dict[str, Any]],
         response: dict[str, Any],
         events: list[Event] | None = None,
-        maker: int | None = None,
+        maker: str | None = None,
     ) -> int | None:
         """Store a response (a finished one, or a background one as it starts, with the first ``events``
-        of its log and the pid of the process that makes it, ``maker``); then evict least recently used
+        of its log and the identity of the process that makes it, ``maker``); then evict least recently used
         ones past the bounds. How many were evicted; None (nothing stored) where the store is off or
         this one alone is over the byte bound."""
         if not self.enabled:
@@ -151,7 +152,7 @@ class ResponseStore:
                 self._append(tenant, response_id, events)
             if maker is not None:
                 self._db.execute("INSERT INTO makers VALUES (?, ?, ?)", (tenant, response_id, maker))
-            return self._evict()
+            return self._evict(tenant, response_id)
 
     def finish(
         self,
@@ -162,10 +163,10 @@ class ResponseStore:
         closing: Closing | None = None,
     ) -> int | None:
         """A background response's end: its conversation and final object replace the running ones,
-        and ``closing`` (made from that object) is its event log's last event, in one transaction, so a
-        reader that sees the status ended has every event. Over the byte bound it ends ``failed``
-        instead. How many were evicted; None (nothing written) where it is no longer running: cancelled,
-        deleted or evicted."""
+        and ``closing`` (made from that object) is its event log's last event (where it has one), in
+        one transaction, so a reader that sees the status ended has every event. Over the byte bound it
+        ends ``failed`` instead. How many were evicted; None (nothing written) where it is no longer
+        running: cancelled, deleted or evicted."""
         row = _Row.of(items, response)
         with self._lock, self._transaction():
             found = self._db.execute(
@@ -183,9 +184,8 @@ class ResponseStore:
             ).fetchone()
             self._delete(tenant, response_id, keep_events=True)
             self._insert(tenant, response_id, row, int(event_bytes))
-            if closing is not None:
-                self._append(tenant, response_id, [closing(response)])
-            return self._evict()
+            self._close_log(tenant, response_id, response, closing)
+            return self._evict(tenant, response_id)
 
     def set_status(
         self,
@@ -221,15 +221,15 @@ class ResponseStore:
             ).fetchall()
         return [(int(seq), str(text)) for seq, text in events], status
 
-    def fail_orphans(self, alive: Callable[[int], bool]) -> int:
+    def fail_orphans(self, alive: Callable[[str], bool], closing: Closing) -> int:
         """Background responses whose maker process is no longer ``alive`` (it was killed: nothing else
         would end them) end ``failed``; how many did."""
         with self._lock, self._transaction():
-            makers = self._db.execute("SELECT tenant, id, pid FROM makers").fetchall()
-            orphans = [(tenant, response_id) for tenant, response_id, pid in makers if not alive(pid)]
+            makers = self._db.execute("SELECT tenant, id, maker FROM makers").fetchall()
+            orphans = [(tenant, response_id) for tenant, response_id, maker in makers if not alive(maker)]
             error = {"code": "server_error", "message": "The API process making the response stopped."}
             for tenant, response_id in orphans:
-                self._set_status(tenant, response_id, "failed", error, None)
+                self._set_status(tenant, response_id, "failed", error, closing)
         return len(orphans)
 
     def has_event_log(self, tenant: str, response_id: str) -> bool:
@@ -312,16 +312,19 @@ class ResponseStore:
             (num_new_bytes,),
         )
 
-    def _evict(self) -> int:
+    def _evict(self, tenant: str, response_id: str) -> int:
         """Within a transaction: least recently used responses out until the totals are within the
-        bounds; a background response still running is not evicted. How many were."""
+        bounds; neither the one just written (``response_id``) nor a background response still running
+        (the bounds wait for them). How many were."""
         num_evicted = 0
         while True:
             num_responses, total_bytes = self._totals()
             if num_responses <= self.max_responses and total_bytes <= self.max_bytes:
                 return num_evicted
             oldest = self._db.execute(
-                f"SELECT tenant, id FROM responses WHERE {_NOT_RUNNING} ORDER BY used LIMIT 1"
+                f"SELECT tenant, id FROM responses WHERE {_NOT_RUNNING} AND NOT (tenant = ? AND id = ?)"
+                " ORDER BY used LIMIT 1",
+                (tenant, response_id),
             ).fetchone()
             if oldest is None:
                 return num_evicted
@@ -355,9 +358,18 @@ class ResponseStore:
             (text, grown, tenant, response_id),
         )
         self._db.execute("UPDATE totals SET num_bytes = num_bytes + ?", (grown,))
-        if closing is not None:
-            self._append(tenant, response_id, [closing(response)])
+        self._close_log(tenant, response_id, response, closing)
         return response
+
+    def _close_log(
+        self, tenant: str, response_id: str, response: dict[str, Any], closing: Closing | None
+    ) -> None:
+        """Within a transaction: where the response has an event log, its last event, numbered next."""
+        (last,) = self._db.execute(
+            "SELECT MAX(seq) FROM response_events WHERE tenant = ? AND id = ?", (tenant, response_id)
+        ).fetchone()
+        if closing is not None and last is not None:
+            self._append(tenant, response_id, [(last + 1, closing(last + 1, response))])
 
     def _append(self, tenant: str, response_id: str, events: list[Event]) -> None:
         """Within a transaction: events into the log, their bytes the response's."""

@@ -20,17 +20,20 @@ another process's. A task that is still running when the process stops ends its 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from app.api.response_store import RUNNING, ResponseStore
+from app.api.responses_object import closing_event
 
 log = logging.getLogger("mmserve.api")
 
 Key = tuple[str, str]  # (tenant, response id)
 BACKGROUND_POLL_S = 0.1  # with a shared store file
+RESUBMIT_MAX_DELAY_S = 1.0  # between tries to submit while the engine is too busy to take a request
 SHUTTING_DOWN = {"code": "server_error", "message": "The server shut down before the response ended."}
 
 
@@ -42,6 +45,7 @@ class BackgroundResponses:
         self.poll_s = poll_s
         self._tasks: dict[Key, asyncio.Task[None]] = {}
         self._changed: dict[Key, asyncio.Event] = {}
+        self._readers: collections.Counter[Key] = collections.Counter()
 
     @property
     def busy(self) -> bool:
@@ -69,16 +73,23 @@ class BackgroundResponses:
     async def events(self, key: Key, after: int) -> AsyncIterator[str]:
         """The events of ``key``'s log numbered past ``after``, then each as it is written, until the
         response ended (its last event is written with its end) or is gone."""
-        while True:
-            changed = self._changed.setdefault(key, asyncio.Event())
-            events, status = await asyncio.to_thread(self.store.read_events, *key, after)
-            for number, text in events:
-                yield text
-                after = number
-            if status not in RUNNING:
-                return
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), self.poll_s)
+        self._readers[key] += 1
+        try:
+            while True:
+                changed = self._changed.setdefault(key, asyncio.Event())
+                events, status = await asyncio.to_thread(self.store.read_events, *key, after)
+                for number, text in events:
+                    yield text
+                    after = number
+                if status not in RUNNING:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), self.poll_s)
+        finally:
+            self._readers[key] -= 1
+            if not self._readers[key]:
+                del self._readers[key]
+                self._changed.pop(key, None)
 
     async def close(self) -> None:
         """Stops every task still running; their responses end ``failed``."""
@@ -93,11 +104,12 @@ class BackgroundResponses:
             await work
         except asyncio.CancelledError:
             # cancelled here or elsewhere (already ended: left as it is), or the process is stopping
-            self.store.set_status(*key, "failed", SHUTTING_DOWN)
+            self.store.set_status(*key, "failed", SHUTTING_DOWN, closing_event)
             raise
         except Exception:
             log.exception("background response %s failed", key[1])
-            self.store.set_status(*key, "failed", {"code": "server_error", "message": "Internal error."})
+            error = {"code": "server_error", "message": "Internal error."}
+            self.store.set_status(*key, "failed", error, closing_event)
         finally:
             self.notify(key)
             if watch is not None:
@@ -111,3 +123,19 @@ class BackgroundResponses:
             if await asyncio.to_thread(self.store.status, *key) not in RUNNING:
                 self.forget(key)
                 return
+
+
+def process_identity(pid: int) -> str | None:
+    """``pid`` with its start time (in clock ticks since boot), which a reused pid does not share:
+    what a stored background response records of the process making it. None: no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+    except FileNotFoundError:
+        return None
+    return f"{pid}:{int(fields[19])}"  # starttime, the stat file's 22nd field
+
+
+def maker_alive(identity: str) -> bool:
+    """Whether the process a stored identity names still runs (the same pid, started at the same time)."""
+    return process_identity(int(identity.partition(":")[0])) == identity

@@ -37,8 +37,7 @@ class Events:
 
     def make(self, kind: str, **fields: Any) -> Event:
         number = next(self._numbers)
-        payload = {"type": kind, "sequence_number": number, **fields}
-        event = number, f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+        event = number, sse_event(kind, number, **fields)
         self._made.append(event)
         return event
 
@@ -51,14 +50,21 @@ class Events:
         made, self._made = self._made, []
         return made
 
-    @staticmethod
-    def ending(response: dict[str, Any]) -> str:
-        status = response["status"]
-        return "response.completed" if status == "completed" else f"response.{status}"
 
-    def closing(self, response: dict[str, Any]) -> Event:
-        """The last event of a background response's log, made from its final object."""
-        return self.make(self.ending(response), response=response)
+def sse_event(kind: str, number: int, **fields: Any) -> str:
+    payload = {"type": kind, "sequence_number": number, **fields}
+    return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def ending(response: dict[str, Any]) -> str:
+    """The kind of the event that ends a stream with ``response`` (``response.completed``, ...)."""
+    status = response["status"]
+    return "response.completed" if status == "completed" else f"response.{status}"
+
+
+def closing_event(number: int, response: dict[str, Any]) -> str:
+    """The last event of a background response's log, made from its final object (``Closing``)."""
+    return sse_event(ending(response), number, response=response)
 
 
 def response_object(

@@ -21,7 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -33,27 +33,23 @@ from app.api.error_handlers import error_detail
 from app.api.outputs import ChoiceOutputs, Generation
 from app.api.request_guards import request_tenant
 from app.api.response_items import (
-    IMAGE_URLS,
     check_unique_ids,
     conversation_outputs,
-    input_items,
-    page,
     with_ids,
 )
-from app.api.response_store import RUNNING, Closing, Event, ResponseStore, StoredResponse
+from app.api.response_store import RUNNING, Event, ResponseStore
 from app.api.responses_api_schemas import (
-    INCLUDABLE,
-    LOGPROBS,
     ItemReference,
     ResponsesInput,
     ResponsesRequest,
     dump_items,
     parse_items,
 )
-from app.api.responses_background import BackgroundResponses
+from app.api.responses_background import RESUBMIT_MAX_DELAY_S, BackgroundResponses, process_identity
 from app.api.responses_chat import ResponsesParams, chat_request
-from app.api.responses_object import Events, Turn, response_object
+from app.api.responses_object import Events, Turn, closing_event, ending, response_object
 from app.api.responses_output import OutputStream, output_items
+from app.api.responses_stored import StoredResponses
 from app.api.responses_truncation import fitted
 from app.api.schemas import ChatCompletionRequest
 from app.api.tool_calls import ToolCallStreamer
@@ -63,6 +59,7 @@ from app.errors import (
     MMServeError,
     ModelNotFoundError,
     NotFoundError,
+    TooManyRequestsError,
     from_family_error,
 )
 from app.inputs.submission import Submitted, prompt_token_ids, submit
@@ -76,6 +73,7 @@ class ResponsesService:
         self.chat = chat
         self.store = store
         self.background = background
+        self.stored = StoredResponses(store, background, chat.metrics)
 
     async def create(self, body: ResponsesRequest, raw: Request) -> Response:
         tenant = request_tenant(raw.scope)
@@ -181,8 +179,17 @@ class ResponsesService:
 
     async def _check_input(self, body: ResponsesRequest, history: list[dict[str, Any]], raw: Request) -> None:
         """What submitting would refuse before the engine (the template, the media, the sampling, a
-        prompt too long without ``truncation`` auto) as the 400 it is: a background response is
+        prompt too long even cut with ``truncation`` auto) as the 400 it is: a background response is
         submitted by its task, after its object was returned."""
+        try:
+            await self._check_as_is(body, history, raw)
+        except ContextLengthError:
+            if body.truncation != "auto":
+                raise
+            room = self.chat.max_model_len - (body.max_output_tokens or 1)
+            await self._check_as_is(*await fitted(body, history, self._counter(raw), room), raw)
+
+    async def _check_as_is(self, body: ResponsesRequest, history: list[dict[str, Any]], raw: Request) -> None:
         chat_body, params = chat_request(body, parse_items(history))
         self.chat.check_ready(chat_body)
         with _named_by(params):
@@ -190,12 +197,7 @@ class ResponsesService:
             counting = prompt_token_ids(
                 self.chat.inputs, spec.messages, spec.mm_processor_kwargs, spec.scope, spec.template
             )
-            num_tokens = len(await unless_client_leaves(raw, counting))
-            try:
-                spec.sampling(num_tokens, 0)
-            except ContextLengthError:
-                if body.truncation != "auto":
-                    raise
+            spec.sampling(len(await unless_client_leaves(raw, counting)), 0)
 
     def _counter(
         self, raw: Request, watched: bool = True
@@ -212,66 +214,6 @@ class ResponsesService:
                 return len(await (unless_client_leaves(raw, counting) if watched else counting))
 
         return count
-
-    async def retrieve(self, response_id: str, raw: Request) -> dict[str, Any]:
-        return (await self._stored(response_id, raw)).response
-
-    async def list_input_items(
-        self, response_id: str, raw: Request, after: str | None, limit: int, order: Literal["asc", "desc"]
-    ) -> dict[str, Any]:
-        """``GET /v1/responses/{id}/input_items``: the items the response was made from, a page of them."""
-        stored = await self._stored(response_id, raw)
-        include = [*raw.query_params.getlist("include"), *raw.query_params.getlist("include[]")]
-        for value in include:
-            if value not in INCLUDABLE:  # (all but the image URLs name what a stored item never lacks)
-                msg = f"include {value!r} is not one of {sorted(INCLUDABLE)}"
-                raise InvalidRequestError(msg, param="include")
-        listed = input_items(stored.items, stored.response)
-        return page(listed, after, limit, order, IMAGE_URLS in include, LOGPROBS in include)
-
-    async def cancel(self, response_id: str, raw: Request) -> dict[str, Any]:
-        """``POST /v1/responses/{id}/cancel``: a background response still running ends ``cancelled``
-        (its request aborted in the engine); one that ended is returned as it is, as OpenAI's. Any other
-        response finished before it was returned: nothing to cancel."""
-        key = (request_tenant(raw.scope), response_id)
-        stored = await self._stored(response_id, raw)
-        if not stored.response.get("background"):
-            raise InvalidRequestError(
-                "Only a background response can be cancelled: this one finished before it was returned.",
-                param="response_id",
-            )
-        response = await asyncio.to_thread(self.store.set_status, *key, "cancelled")
-        if response is None:  # deleted or evicted meanwhile
-            raise _not_found(response_id)
-        self.background.forget(key)
-        return response
-
-    async def stream_again(self, response_id: str, raw: Request, starting_after: int | None) -> Response:
-        """``GET /v1/responses/{id}?stream=true``: a streamed background response's events numbered past
-        ``starting_after`` (all without), then each as it comes, until it ends."""
-        key = (request_tenant(raw.scope), response_id)
-        await self._stored(response_id, raw)
-        if not await asyncio.to_thread(self.store.has_event_log, *key):
-            raise InvalidRequestError(
-                "Only a background response created with stream true can be streamed again; this one is "
-                "retrieved whole.",
-                param="stream",
-            )
-        after = -1 if starting_after is None else starting_after
-        return StreamingResponse(self.background.events(key, after), media_type="text/event-stream")
-
-    async def _stored(self, response_id: str, raw: Request) -> StoredResponse:
-        stored = await asyncio.to_thread(self.store.get, request_tenant(raw.scope), response_id)
-        if stored is None:
-            raise _not_found(response_id)
-        return stored
-
-    async def delete(self, response_id: str, raw: Request) -> dict[str, Any]:
-        key = (request_tenant(raw.scope), response_id)
-        if not await asyncio.to_thread(self._delete, *key):
-            raise _not_found(response_id)
-        self.background.forget(key)  # a background response still running stops
-        return {"id": response_id, "object": "response", "deleted": True}
 
     async def _resolved(self, body: RequestBody, tenant: str) -> RequestBody:
         """``body`` with each ``item_reference`` of its input replaced by the stored item it names."""
@@ -334,7 +276,9 @@ class ResponsesService:
         events = Events(0)
         first = [events.make(kind, response=queued) for kind in ("response.created", "response.queued")]
         log = first if turn.body.stream else None
-        if not await asyncio.to_thread(self._put, turn, turn.items, queued, log, None, os.getpid()):
+        if not await asyncio.to_thread(
+            self._put, turn, turn.items, queued, log, process_identity(os.getpid())
+        ):
             raise InvalidRequestError(
                 "The request is larger than the response store holds, so it cannot run in the background.",
                 param="background",
@@ -347,50 +291,49 @@ class ResponsesService:
     async def _make_background(
         self, turn: Turn, history: list[dict[str, Any]], raw: Request, events: Events
     ) -> None:
-        """A background response's task: submitted, answered (a streamed one's events into its log as
-        they come) and stored in place of the running one; an error (the engine's) ends it failed."""
+        """A background response's task: submitted (again while the engine is too busy to take it: it
+        stays queued), answered (a streamed one's events into its log as they come) and stored in place
+        of the running one; an error (the engine's) ends it failed."""
         key = (turn.tenant, turn.gen.response_id)
-        closing = events.closing if turn.body.stream else None
+        outputs = None
         try:
-            chat_body, submitted = await self._submit(turn.body, history, raw, watched=False)
+            delay = 0.05
+            while True:  # (a cancel or the process's end cancels the wait)
+                try:
+                    chat_body, submitted = await self._submit(turn.body, history, raw, watched=False)
+                    break
+                except TooManyRequestsError:
+                    await asyncio.sleep(delay)
+                    delay = min(2 * delay, RESUBMIT_MAX_DELAY_S)
+            gen = self._generation(turn.gen.response_id, turn.gen.arrival, chat_body, submitted)
+            turn = dataclasses.replace(turn, gen=gen)
+            outputs = ChoiceOutputs([gen], submitted, self.chat.engine, self.chat.metrics)
+            await asyncio.to_thread(self.store.set_status, *key, "in_progress")
+            if turn.body.stream:
+                async with contextlib.aclosing(self._events(turn, outputs, events)) as stream:
+                    async for event in stream:
+                        if not await asyncio.to_thread(self.store.append_events, *key, [event]):
+                            return  # cancelled or deleted (its task is being cancelled too)
+                        self.background.notify(key)
+            else:
+                await outputs.collect()
+                await self._finished(turn, output_items(gen))
         except MMServeError as exc:
-            await asyncio.to_thread(self.store.set_status, *key, "failed", _error(exc), closing)
-            return
-        gen = self._generation(turn.gen.response_id, turn.gen.arrival, chat_body, submitted)
-        turn = dataclasses.replace(turn, gen=gen)
-        outputs = ChoiceOutputs([gen], submitted, self.chat.engine, self.chat.metrics)
-        await asyncio.to_thread(self.store.set_status, *key, "in_progress")
-        if turn.body.stream:
-            async with contextlib.aclosing(self._events(turn, outputs, events)) as stream:
-                async for event in stream:
-                    if not await asyncio.to_thread(self.store.append_events, *key, [event]):
-                        return  # cancelled or deleted (its task is being cancelled too)
-                    self.background.notify(key)
-            return
-        try:
-            await outputs.collect()
-            await self._finished(turn, output_items(gen))
-        except MMServeError as exc:
-            await asyncio.to_thread(self.store.set_status, *key, "failed", _error(exc))
+            await asyncio.to_thread(self.store.set_status, *key, "failed", failure(exc), closing_event)
         finally:
-            outputs.release()
+            if outputs is not None:
+                outputs.release()  # (aborted in the engine if it did not end)
+            await asyncio.to_thread(self.stored.count, 0)
 
-    async def _finished(
-        self,
-        turn: Turn,
-        items: list[dict[str, Any]],
-        closing: Callable[[dict[str, Any]], Event] | None = None,
-    ) -> dict[str, Any]:
+    async def _finished(self, turn: Turn, items: list[dict[str, Any]]) -> dict[str, Any]:
         """The finished ``response`` object, stored first (with its conversation) where asked for, so a
         client that reads it may chain on it at once; a background response's replaces its running one
-        (with ``closing`` its log's last event). A call cut off by the max tokens stays out of the
-        conversation: its arguments are no object to render or to answer."""
+        (with its log's last event). A call cut off by the max tokens stays out of the conversation: its
+        arguments are no object to render or to answer."""
         response = response_object(turn, items)
         if turn.store:
             conversation = [*turn.items, *conversation_outputs(items)]
-            response["store"] = await asyncio.to_thread(
-                self._put, turn, conversation, response, None, closing
-            )
+            response["store"] = await asyncio.to_thread(self._put, turn, conversation, response)
         return response
 
     def _put(
@@ -399,32 +342,17 @@ class ResponsesService:
         conversation: list[dict[str, Any]],
         response: dict[str, Any],
         events: list[Event] | None = None,
-        closing: Closing | None = None,
-        maker: int | None = None,
+        maker: str | None = None,
     ) -> bool:
         """On a thread: store the response (a running background one: as it starts with its first
-        ``events``; as it ends, replacing it, with ``closing``), then count what that did."""
+        ``events`` and its ``maker``; as it ends, replacing it), then count what that did."""
         key = (turn.tenant, turn.gen.response_id)
         if turn.background and response["status"] not in RUNNING:
-            num_evicted = self.store.finish(*key, conversation, response, closing)
+            num_evicted = self.store.finish(*key, conversation, response, closing_event)
         else:
             num_evicted = self.store.put(*key, conversation, response, events, maker)
-        self._count(num_evicted or 0)
+        self.stored.count(num_evicted or 0)
         return num_evicted is not None
-
-    def _delete(self, tenant: str, response_id: str) -> bool:
-        """On a thread: delete the response, then count what that left."""
-        deleted = self.store.delete(tenant, response_id)
-        self._count(0)
-        return deleted
-
-    def _count(self, num_evicted: int) -> None:
-        """The store's figures on /metrics; called on the store's thread (``totals`` takes its lock)."""
-        metrics = self.chat.metrics
-        metrics.responses_evicted.inc(num_evicted)
-        num_responses, num_bytes = self.store.totals()
-        metrics.responses_stored.set(num_responses)
-        metrics.responses_stored_bytes.set(num_bytes)
 
     async def _stream(self, turn: Turn, outputs: ChoiceOutputs) -> AsyncIterator[str]:
         async with contextlib.aclosing(self._events(turn, outputs, Events(0))) as events:
@@ -453,17 +381,13 @@ class ResponsesService:
             _, items = stream.finish(gen)
             for event in events.taken():
                 yield event
-            if turn.background:
-                await self._finished(turn, items, events.closing)
-                return
             finished = await self._finished(turn, items)
-            yield events.make(events.ending(finished), response=finished)
-            events.taken()
+            if not turn.background:  # (a background response's last event was written with its end)
+                yield events.make(ending(finished), response=finished)
+                events.taken()
         except MMServeError as exc:
             if turn.background:
-                key = (turn.tenant, gen.response_id)
-                await asyncio.to_thread(self.store.set_status, *key, "failed", _error(exc), events.closing)
-                return
+                raise  # (its task ends it failed)
             _, detail = error_detail(exc)
             yield events.make("error", code=detail.code, message=detail.message, param=detail.param)
         finally:
@@ -482,15 +406,19 @@ def _named_by(params: ResponsesParams) -> Iterator[None]:
         raise params.error(from_family_error(exc)) from exc
 
 
-def _error(exc: MMServeError) -> dict[str, Any]:
-    """A failed response's ``error``: OpenAI's codes name what failed, the message says why."""
-    _, detail = error_detail(exc)
-    return {"code": "server_error", "message": detail.message}
+def failure(exc: MMServeError) -> dict[str, Any]:
+    """A failed background response's ``error``, in OpenAI's codes: the engine refusing the request
+    (``invalid_prompt``), too busy (``rate_limit_exceeded``), or failing (``server_error``); the
+    message says which."""
+    status, detail = error_detail(exc)
+    if detail.code in ("invalid_image", "image_too_large"):  # (codes OpenAI's have too)
+        code = detail.code
+    elif status == 429:
+        code = "rate_limit_exceeded"
+    else:
+        code = "invalid_prompt" if status < 500 else "server_error"
+    return {"code": code, "message": detail.message}
 
 
 def _dumped(item: Any) -> dict[str, Any]:
     return item if isinstance(item, dict) else dump_items([item])[0]
-
-
-def _not_found(response_id: str) -> NotFoundError:
-    return NotFoundError(f"No response found with id '{response_id}'.", param="response_id")

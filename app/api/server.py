@@ -19,7 +19,8 @@ from app.api.http_metrics import HttpMetrics
 from app.api.openapi_errors import document_error_envelope
 from app.api.request_guards import RequestGuards
 from app.api.response_store import ResponseStore
-from app.api.responses_background import BACKGROUND_POLL_S, BackgroundResponses
+from app.api.responses_background import BACKGROUND_POLL_S, BackgroundResponses, maker_alive
+from app.api.responses_object import closing_event
 from app.api.responses_service import ResponsesService
 from app.api.routes import chat, models, ops
 from app.api.routes import responses as responses_routes
@@ -38,7 +39,6 @@ from app.media.fetch import MediaFetcher
 from app.media.url_policy import MediaPolicy
 from app.metrics import ApiMetrics
 from app.settings import Settings
-from wire.shm_ring import pid_alive
 from workers.families import load_processing
 
 log = logging.getLogger("mmserve.api")
@@ -107,7 +107,7 @@ def create_app(
         )
         drain.waits_for.append(lambda: background.busy)
         if settings.responses_store:  # a file: responses an API process killed was making end failed
-            await asyncio.to_thread(response_store.fail_orphans, pid_alive)
+            await asyncio.to_thread(response_store.fail_orphans, maker_alive, closing_event)
         responses = ResponsesService(chat_service, response_store, background)
         app.state.mmserve = ApiState(
             settings, max_model_len, metrics, engine, chat_service, drain, tokenize, responses

@@ -8,8 +8,8 @@ waits for its previous response to end; and what cannot be is a 400 naming its f
 from __future__ import annotations
 
 import json
+import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,17 +32,10 @@ ENDED = ("completed", "incomplete", "failed", "cancelled")
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    # one sequence at a time: a second request waits in the engine's queue while the first runs
-    flags = [
-        "--api-key",
-        KEY,
-        "--api-server-count",
-        "2",
-        "--mm-preprocess-processes",
-        "0",
-        "--max-num-seqs",
-        "1",
-    ]
+    # one sequence at a time: a second request waits in the engine's queue while the first runs, and a
+    # third finds the engine too busy to take it
+    flags = ["--api-key", KEY, "--api-server-count", "2", "--mm-preprocess-processes", "0"]
+    flags += ["--max-num-seqs", "1", "--max-waiting-requests", "1"]
     with serving(tiny_model_dir, tmp_path_factory.mktemp("background"), *flags) as srv:
         wait_api_processes(srv, 2)
         yield srv
@@ -218,6 +211,7 @@ def test_what_a_background_response_cannot_be_is_a_400(server: Server) -> None:
         # what input processing refuses is refused before the response is queued, as in the foreground
         ({"input": broken, "background": True}, "input[0].content[0].image_url"),
         ({"input": "Hi " * 5000, "background": True}, "input"),
+        ({"input": "Hi " * 5000, "background": True, "truncation": "auto"}, "input"),  # no cut fits
     ]
     for fields, param in cases:
         resp = create(server, **fields)
@@ -270,11 +264,10 @@ def test_a_drain_waits_for_background_responses_and_ends_the_rest_failed(
     assert ended[soon].response["output"][0]["content"][0]["text"]
     assert ended[never] is not None and ended[never].response["status"] == "failed"
     assert "shut down" in ended[never].response["error"]["message"]
-    # a response an API process was making when it was killed (no drain ran): the next start ends it
-    killed = subprocess.Popen(["true"])
-    killed.wait()
+    # a response an API process was making when it was killed (no drain ran): the next start ends it,
+    # even where its pid is a live process's now (the maker is this test's pid with another start time)
     orphan = {**ended[never].response, "id": "resp_orphan", "status": "in_progress", "error": None}
-    store.put("", "resp_orphan", ended[never].items, orphan, maker=killed.pid)
+    store.put("", "resp_orphan", ended[never].items, orphan, maker=f"{os.getpid()}:1")
     store.close()
     with serving(tiny_model_dir, tmp_path, *flags) as restarted:
         found = httpx.get(f"{restarted.base_url}/v1/responses/resp_orphan", timeout=30).json()
@@ -286,9 +279,14 @@ def test_a_background_response_is_returned_before_the_engine_takes_it(server: Se
     busy = create(server, input="Tell me a story.", background=True, max_output_tokens=4000).json()["id"]
     waiting = create(server, input=looking_at(8103), background=True)  # the engine runs the other one
     assert waiting.status_code == 200 and waiting.json()["status"] == "queued"
+    # a third: the engine's queue is full (a foreground request gets 429), so it stays queued and waits
+    refused = create(server, input="Hi")
+    assert refused.status_code == 429, refused.text
+    third = create(server, input="And a third.", background=True, max_output_tokens=3)
+    assert third.status_code == 200
     time.sleep(0.5)
-    assert client.responses.retrieve(waiting.json()["id"]).status == "queued"  # still in the engine's queue
+    for response_id in (waiting.json()["id"], third.json()["id"]):
+        assert client.responses.retrieve(response_id).status == "queued"  # not yet taken by the engine
     client.responses.cancel(busy)
-    assert (
-        polled(client, waiting.json()["id"]).status == "incomplete"
-    )  # its 8 tokens, once the engine took it
+    assert polled(client, waiting.json()["id"]).status == "incomplete"  # its 8 tokens, once taken
+    assert polled(client, third.json()["id"]).status == "incomplete"

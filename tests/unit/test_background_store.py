@@ -1,10 +1,11 @@
 """Background responses in the response store and their tasks (app/api/response_store.py,
 app/api/responses_background.py), without a server: a running response's event log is read from any
-cursor and ends with its final object in one write; an end comes once (a cancel is not overwritten by the
-answer, a second cancel changes nothing); a running response is never evicted; the log's bytes are the
-response's; a task stopped by the process's end leaves its response failed, and readers stop with it; a
-shared store file tells one process's task of another's cancel; a response whose maker process died
-ends failed."""
+cursor and ends with its final object in one write, numbered after its last event; an end comes once (a
+cancel is not overwritten by the answer, a second cancel changes nothing); neither a running response
+nor one that just ended is evicted; the log's bytes are the response's; a task stopped by the process's
+end leaves its response failed, and readers stop with it; a shared store file tells one process's task
+of another's cancel; a response whose maker process died (its pid reused or not) ends failed; readers
+leave nothing behind."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from app.api.response_store import ResponseStore
-from app.api.responses_background import SHUTTING_DOWN, BackgroundResponses
-from wire.shm_ring import pid_alive
+from app.api.responses_background import SHUTTING_DOWN, BackgroundResponses, maker_alive, process_identity
+from app.api.responses_object import closing_event
 
 ITEMS = [{"type": "message", "role": "user", "content": "Hi", "id": "msg_1"}]
 
@@ -41,10 +42,11 @@ def test_a_log_is_read_from_any_cursor_and_ends_with_the_final_object() -> None:
     assert [number for number, _ in events] == [2, 3] and status == "in_progress"
     final = response("resp_1", "completed", [{"type": "message", "content": "ab"}])
     answer = [*ITEMS, {"type": "message", "role": "assistant", "content": "ab", "id": "msg_out"}]
-    assert store.finish("", "resp_1", answer, final, lambda r: event(4, "completed", response=r)) == 0
+    assert store.finish("", "resp_1", answer, final, closing_event) == 0
     events, status = store.read_events("", "resp_1", 3)
-    assert status == "completed" and len(events) == 1
-    assert json.loads(events[0][1].split("data: ")[1])["response"] == final
+    assert status == "completed" and [number for number, _ in events] == [4]  # numbered next
+    closing = json.loads(events[0][1].split("data: ")[1])
+    assert closing["type"] == "response.completed" and closing["response"] == final
     stored = store.get("", "resp_1")
     assert stored is not None and stored.response == final and stored.items == answer
     # the log's bytes are the response's: deleting it leaves nothing counted
@@ -65,7 +67,7 @@ def test_an_end_comes_once() -> None:
     assert store.set_status("", "resp_unknown", "cancelled") is None
 
 
-def test_a_running_response_is_not_evicted() -> None:
+def test_a_running_response_is_not_evicted_nor_the_one_just_written() -> None:
     store = ResponseStore(None, 2, 1 << 20)
     store.put("", "resp_running", ITEMS, response("resp_running", "in_progress"))
     for k in range(3):
@@ -76,6 +78,16 @@ def test_a_running_response_is_not_evicted() -> None:
     for k in (3, 4):
         store.put("", f"resp_{k}", ITEMS, response(f"resp_{k}", "completed"))
     assert store.status("", "resp_running") is None and store.totals()[0] == 2  # now it may go
+    # running ones fill the bound: one that ends (or a new one) stays, past the bound, with its end
+    full = ResponseStore(None, 2, 1 << 20)
+    for name in ("a", "b", "c"):
+        log = [event(0, "created")]
+        full.put("", f"resp_{name}", ITEMS, response(f"resp_{name}", "in_progress"), log)
+    assert full.finish("", "resp_a", ITEMS, response("resp_a", "completed"), closing_event) == 0
+    assert full.status("", "resp_a") == "completed"
+    assert [n for n, _ in full.read_events("", "resp_a", -1)[0]] == [0, 1]  # its last event written
+    full.put("", "resp_d", ITEMS, response("resp_d", "completed"))
+    assert full.status("", "resp_d") == "completed" and full.status("", "resp_a") is None
 
 
 def test_an_answer_over_the_byte_bound_ends_failed() -> None:
@@ -103,7 +115,7 @@ def test_a_task_stopped_by_the_process_end_leaves_its_response_failed() -> None:
 
     stored, texts = asyncio.run(scenario())
     assert stored.response["status"] == "failed" and stored.response["error"] == SHUTTING_DOWN
-    assert len(texts) == 1  # the log as it was
+    assert [json.loads(text.split("data: ")[1])["type"] for text in texts] == ["created", "response.failed"]
 
 
 def test_a_shared_file_tells_a_task_of_another_process_cancel(tmp_path: Path) -> None:
@@ -138,12 +150,29 @@ def test_a_response_whose_maker_process_died_ends_failed() -> None:
     store = ResponseStore(None, 10, 1 << 20)
     dead = subprocess.Popen(["true"])
     dead.wait()
-    store.put("", "resp_orphan", ITEMS, response("resp_orphan", "in_progress"), maker=dead.pid)
-    store.put("", "resp_mine", ITEMS, response("resp_mine", "in_progress"), maker=os.getpid())
+    mine = process_identity(os.getpid())
+    assert mine is not None and maker_alive(mine) and process_identity(dead.pid) is None
+    makers = {"orphan": f"{dead.pid}:1", "reused": f"{os.getpid()}:1", "mine": mine}  # a reused pid
+    for name, maker in makers.items():
+        store.put("", f"resp_{name}", ITEMS, response(f"resp_{name}", "in_progress"), [event(0, "x")], maker)
     store.put("", "resp_done", ITEMS, response("resp_done", "completed"))
-    assert store.fail_orphans(pid_alive) == 1
-    statuses = [store.status("", f"resp_{name}") for name in ("orphan", "mine", "done")]
-    assert statuses == ["failed", "in_progress", "completed"]
+    assert store.fail_orphans(maker_alive, closing_event) == 2
+    statuses = [store.status("", f"resp_{name}") for name in ("orphan", "reused", "mine", "done")]
+    assert statuses == ["failed", "failed", "in_progress", "completed"]
+    last = store.read_events("", "resp_orphan", 0)[0][0][1]
+    assert json.loads(last.split("data: ")[1])["type"] == "response.failed"  # its followers stop there
     # an ended response has no maker left to outlive
     store.set_status("", "resp_mine", "cancelled")
-    assert store.fail_orphans(lambda pid: False) == 0
+    assert store.fail_orphans(lambda maker: False, closing_event) == 0
+
+
+def test_a_reader_leaves_nothing_behind() -> None:
+    async def scenario() -> int:
+        store = ResponseStore(None, 10, 1 << 20)
+        store.put("", "resp_1", ITEMS, response("resp_1", "completed"), [event(0, "created")])
+        background = BackgroundResponses(store, 0.01)
+        for _ in range(3):
+            await collect(background.events(("", "resp_1"), -1))
+        return len(background._changed) + len(background._readers)
+
+    assert asyncio.run(scenario()) == 0

@@ -42,16 +42,16 @@ async def retrieve_response(
     if any(request.query_params.getlist(name) for name in ("include", "include[]")):
         raise InvalidRequestError("include is not supported.", param="include")
     if stream:
-        return await state.responses.stream_again(response_id, request, starting_after)
+        return await state.responses.stored.stream_again(response_id, request, starting_after)
     if starting_after is not None:
         msg = "starting_after is a cursor into a streamed response's events: it needs stream true."
         raise InvalidRequestError(msg, param="starting_after")
-    return await state.responses.retrieve(response_id, request)
+    return await state.responses.stored.retrieve(response_id, request)
 
 
 @router.delete("/v1/responses/{response_id}")
 async def delete_response(response_id: ResponseId, request: Request, state: State) -> dict[str, Any]:
-    return await state.responses.delete(response_id, request)
+    return await state.responses.stored.delete(response_id, request)
 
 
 @router.get("/v1/responses/{response_id}/input_items")
@@ -68,9 +68,9 @@ async def list_input_items(
     a 400 naming it rather than a page that ignores it."""
     if before is not None:
         raise InvalidRequestError("before is not supported: page with after and order.", param="before")
-    return await state.responses.list_input_items(response_id, request, after, limit, order)
+    return await state.responses.stored.list_input_items(response_id, request, after, limit, order)
 
 
 @router.post("/v1/responses/{response_id}/cancel")
 async def cancel_response(response_id: ResponseId, request: Request, state: State) -> dict[str, Any]:
-    return await state.responses.cancel(response_id, request)
+    return await state.responses.stored.cancel(response_id, request)
