@@ -22,6 +22,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from app.api.error_handlers import sse_error_event
+from app.api.response_ids import ResponseIdWatch
 from app.errors import MMServeError
 
 # An encoder-only instance answers once the items are saved; on an ordinary instance one token is the
@@ -187,19 +188,26 @@ async def open_upstream(
         ) from exc
 
 
-async def relay(upstream: httpx.Response, on_stream_error: Callable[[BaseException], None]) -> Response:
+async def relay(
+    upstream: httpx.Response,
+    on_stream_error: Callable[[BaseException], None],
+    learn_id: Callable[[str], None] | None = None,
+) -> Response:
     """The client's response for an opened upstream response: same status and body. An SSE answer is
     passed through chunk by chunk as it arrives; anything else is read whole first. Either way the
     upstream response is closed: closing it mid-stream drops the connection, which makes the LM
     instance abort the request. ``on_stream_error``: called when the upstream fails after the
-    client's response started (the status was sent; an SSE error event ends the stream)."""
+    client's response started (the status was sent; an SSE error event ends the stream). ``learn_id``:
+    told the response id of a Responses API answer that succeeded, streamed or not."""
     if not 100 <= upstream.status_code < 600:  # uvicorn cannot send it: the client would get no answer
         await upstream.aclose()
         raise UpstreamUnavailableError(f"The LM instance answered with HTTP status {upstream.status_code}.")
     headers = {name: upstream.headers[name] for name in RELAYED_RESPONSE_HEADERS if name in upstream.headers}
-    if upstream.headers.get("content-type", "").startswith("text/event-stream"):
+    streamed = upstream.headers.get("content-type", "").startswith("text/event-stream")
+    watch = ResponseIdWatch(learn_id, streamed) if learn_id is not None and upstream.is_success else None
+    if streamed:
         return StreamingResponse(
-            _pass_through(upstream, on_stream_error),
+            _pass_through(upstream, on_stream_error, watch),
             status_code=upstream.status_code,
             headers=headers,
             # the generator's own ``finally`` does not run when the client left while a chunk was
@@ -214,14 +222,19 @@ async def relay(upstream: httpx.Response, on_stream_error: Callable[[BaseExcepti
         raise UpstreamUnavailableError(f"The LM instance failed mid-answer ({describe(exc)}).") from exc
     finally:
         await upstream.aclose()
+    if watch is not None:
+        watch.feed(content)
+        watch.finish()
     return Response(content, status_code=upstream.status_code, headers=headers)
 
 
 async def _pass_through(
-    upstream: httpx.Response, on_error: Callable[[BaseException], None]
+    upstream: httpx.Response, on_error: Callable[[BaseException], None], watch: ResponseIdWatch | None
 ) -> AsyncIterator[bytes]:
     try:
         async for chunk in upstream.aiter_bytes():  # decoded: Content-Encoding is not relayed
+            if watch is not None:
+                watch.feed(chunk)
             yield chunk
     except httpx.HTTPError as exc:
         on_error(exc)

@@ -4,7 +4,8 @@ to the shared store; LM instances (``serve --ec-role consumer``) load them inste
 sends each distinct image or video to an encoder first, then the original request to an LM instance, and
 relays the answer (app/proxy/forward.py has the diagram).
 
-Routes: ``POST /v1/chat/completions``, ``GET /v1/models`` and ``/v1/models/{model}`` (an LM's answer),
+Routes: ``POST /v1/chat/completions``; ``POST /v1/responses`` and what reads a stored response (app/proxy/
+responses.py); ``GET /v1/models`` and ``/v1/models/{model}`` (an LM's answer),
 ``GET /health`` (every upstream's ``/health``), ``GET /metrics`` (the proxy's own figures). Errors use the
 OpenAI envelope.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,13 +23,15 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from app.api.disconnect import CLIENT_CLOSED_REQUEST, ClientLeft, unless_client_leaves
 from app.api.error_handlers import install_error_handlers
 from app.api.json_body import decode_json
 from app.api.request_guards import RequestGuards
+from app.api.response_ids import followed_responses
+from app.api.responses_api_schemas import ResponsesRequest
 from app.api.schemas import ChatCompletionRequest
 from app.errors import MMServeError
 from app.proxy.cli import ProxyConfig
@@ -41,6 +44,7 @@ from app.proxy.forward import (
     open_upstream,
     relay,
 )
+from app.proxy.responses import ResponseHolders, responses_media_parts
 
 log = logging.getLogger("mmserve.proxy")
 
@@ -55,7 +59,9 @@ class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("mmserve_proxy_requests", "Chat-completion requests received.", registry=r)
+        self.requests = Counter(
+            "mmserve_proxy_requests", "Chat-completion and Responses requests received.", registry=r
+        )
         self.encoder_requests = Counter(
             "mmserve_proxy_encoder_requests",
             "Requests sent to encoder instances (one per image or video).",
@@ -87,6 +93,7 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
     ``transport``: where that client sends (tests pass fake upstreams; None: the network)."""
     metrics = ProxyMetrics()
     encoders, lms = RoundRobin(config.encoder_urls), RoundRobin(config.lm_urls)
+    holders = ResponseHolders()
     clients: list[httpx.AsyncClient] = []  # the lifespan's one client: nothing opens before the app starts
 
     @asynccontextmanager
@@ -112,63 +119,111 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
         metrics.upstream_errors.inc()
         log.warning("LM instance failed mid-stream: %s", describe(exc))
 
-    async def prepare_and_forward(raw: bytes, headers: dict[str, str]) -> Response:
-        client = clients[0]
-        body = await _parse(raw)
-        parts = media_parts(body) if body is not None else []
-        # checked only where media would be encoded: a text-only request goes on as it is
-        if body is not None and parts and not await _valid_request(body, len(raw)):
-            parts = []
-        if body is not None and parts:
-            metrics.encoder_requests.inc(len(parts))
-            start = time.perf_counter()
-            outcomes = await encode_media(client, encoders, body, parts, headers, config.timeout_s)
-            metrics.encoder_seconds.observe(time.perf_counter() - start)
-            for outcome in outcomes:
-                if outcome.error is not None:
-                    metrics.encoder_failures.inc()
-                    log.warning(
-                        "encoder %s failed; the LM will encode: %s", outcome.encoder_url, outcome.error
-                    )
-        lm_url = lms.next()
+    async def encode(
+        body: dict[str, Any] | None, parts: list[dict[str, Any]], headers: dict[str, str]
+    ) -> None:
+        """Each of ``parts`` (a valid request's distinct images and videos) to an encoder instance."""
+        if body is None or not parts:
+            return
+        metrics.encoder_requests.inc(len(parts))
+        start = time.perf_counter()
+        outcomes = await encode_media(clients[0], encoders, body, parts, headers, config.timeout_s)
+        metrics.encoder_seconds.observe(time.perf_counter() - start)
+        for outcome in outcomes:
+            if outcome.error is not None:
+                metrics.encoder_failures.inc()
+                log.warning("encoder %s failed; the LM will encode: %s", outcome.encoder_url, outcome.error)
+
+    async def forward(
+        method: str,
+        lm_url: str,
+        path: str,
+        raw: bytes | None,
+        headers: dict[str, str],
+        learn_id: Callable[[str], None] | None = None,
+    ) -> Response:
         try:
             upstream = await open_upstream(
-                client, "POST", f"{lm_url}/v1/chat/completions", content=raw, headers=headers
+                clients[0], method, f"{lm_url}{path}", content=raw, headers=headers
             )
-            return await relay(upstream, upstream_failed)
+            return await relay(upstream, upstream_failed, learn_id)
         except Exception:
             metrics.upstream_errors.inc()
             raise
 
+    async def holder(response_ids: list[str], headers: dict[str, str]) -> str:
+        """The LM instance holding the first of ``response_ids`` it finds, else the next in turn."""
+        for response_id in response_ids:
+            found = await holders.find(clients[0], lms.urls, response_id, headers, config.health_timeout_s)
+            if found is not None:
+                return found
+        return lms.next()
+
+    async def chat(raw: bytes, headers: dict[str, str]) -> Response:
+        body = await _parse(raw)
+        parts = media_parts(body) if body is not None else []
+        # checked only where media would be encoded: a text-only request goes on as it is
+        if body is not None and parts and not await _valid(ChatCompletionRequest, body, len(raw)):
+            parts = []
+        await encode(body, parts, headers)
+        return await forward("POST", lms.next(), "/v1/chat/completions", raw, headers)
+
+    async def respond(raw: bytes, headers: dict[str, str]) -> Response:
+        body = await _parse(raw)
+        parts = responses_media_parts(body) if body is not None else []
+        if body is not None and parts and not await _valid(ResponsesRequest, body, len(raw)):
+            parts = []
+        await encode(body, parts, headers)
+        lm_url = await holder(followed_responses(body), headers)
+        return await forward(
+            "POST", lm_url, "/v1/responses", raw, headers, lambda made: holders.learn(made, lm_url)
+        )
+
+    async def body_of(request: Request) -> bytes | Response:
+        try:
+            return await request.body()  # RequestGuards refuses it with 413 past the cap
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         metrics.requests.inc()
-        try:
-            raw = await request.body()  # RequestGuards refuses it with 413 past the cap
-        except ClientDisconnect:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return await _unless_client_leaves(
-            request, prepare_and_forward(raw, forwarded_headers(request.headers))
-        )
+        raw = await body_of(request)
+        if isinstance(raw, Response):
+            return raw
+        return await _unless_client_leaves(request, chat(raw, forwarded_headers(request.headers)))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        metrics.requests.inc()
+        raw = await body_of(request)
+        if isinstance(raw, Response):
+            return raw
+        return await _unless_client_leaves(request, respond(raw, forwarded_headers(request.headers)))
+
+    @app.post("/v1/responses/input_tokens")
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    @app.get("/v1/responses/{response_id}/input_items")
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def stored_responses(request: Request) -> Response:
+        """What reads a stored response goes to the LM instance that holds it (its id in the path, or
+        the responses an ``input_tokens`` body follows)."""
+        raw = await body_of(request)
+        if isinstance(raw, Response):
+            return raw
+        headers = forwarded_headers(request.headers)
+        response_id = request.path_params.get("response_id")
+        followed = [response_id] if response_id is not None else followed_responses(await _parse(raw))
+        path = request.scope["raw_path"].decode() + (f"?{request.url.query}" if request.url.query else "")
+        work = forward(request.method, await holder(followed, headers), path, raw or None, headers)
+        return await _unless_client_leaves(request, work)
 
     @app.get("/v1/models")
     @app.get("/v1/models/{model:path}")
     async def models(request: Request) -> Response:
         """An LM instance's answer: the list, or one model's card (``models.retrieve``)."""
-        lm_url = lms.next()
-        headers = forwarded_headers(request.headers)
-        try:
-            upstream = await open_upstream(
-                clients[0],
-                "GET",
-                f"{lm_url}{request.scope['raw_path'].decode()}",
-                content=None,
-                headers=headers,
-            )
-            return await relay(upstream, upstream_failed)
-        except Exception:
-            metrics.upstream_errors.inc()
-            raise
+        path = request.scope["raw_path"].decode()
+        return await forward("GET", lms.next(), path, None, forwarded_headers(request.headers))
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health() -> JSONResponse:
@@ -194,15 +249,14 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
     return app
 
 
-async def _valid_request(body: dict[str, Any], size: int) -> bool:
-    """Whether the body is a chat request as the LM's API reads it (``ChatCompletionRequest``). One it
-    refuses goes to the LM unencoded: its media would be encoded for nothing, and the LM's 400 is the
-    answer either way."""
+async def _valid(schema: type[BaseModel], body: dict[str, Any], size: int) -> bool:
+    """Whether the body is a request as the LM's API reads it (``schema``). One it refuses goes to the
+    LM unencoded: its media would be encoded for nothing, and the LM's 400 is the answer either way."""
     try:
         if size > PARSE_IN_THREAD_BYTES:
-            await asyncio.to_thread(ChatCompletionRequest.model_validate, body)
+            await asyncio.to_thread(schema.model_validate, body)
         else:
-            ChatCompletionRequest.model_validate(body)
+            schema.model_validate(body)
     except (ValidationError, ValueError, MMServeError):
         return False
     return True

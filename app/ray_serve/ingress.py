@@ -32,12 +32,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from app.api.drain import Drain, DrainGuard
 from app.api.error_handlers import error_response, install_error_handlers, sse_error_event
 from app.api.request_guards import RequestGuards, request_tenant
+from app.api.response_ids import ResponseIdWatch, followed_responses, json_or_none
 from app.proxy.forward import UpstreamUnavailableError, describe, forwarded_headers
 from app.ray_serve import router_state
 from app.ray_serve.grpc_binding import bind_to_node_address
-from app.ray_serve.media_keys import followed_responses, media_keys, response_key, stored_response_keys
+from app.ray_serve.media_keys import media_keys, response_key, stored_response_keys
 from app.ray_serve.messages import ReplicaHead, ReplicaRequest
-from app.ray_serve.response_ids import ResponseIdWatch, json_or_none
 
 REPLICA_HEADER = "x-mmserve-replica"
 TRIES = 3  # a replica that died before answering: the request goes to another (the router forgot it)

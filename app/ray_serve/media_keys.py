@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from app.api.response_items import made_by
+from app.api.response_ids import followed_responses
 from app.inputs.media_ids import CacheScope
 from wire.hashing import framed_digest
 
@@ -56,22 +56,6 @@ def media_keys(body: Any, *, tenant: str, isolate_tenants: bool) -> tuple[str, .
         if uuid is not None:
             keys[framed_digest(MEDIA_ID_KEY_DOMAIN, tenant, uuid)[:KEY_CHARS]] = None
     return tuple(keys)
-
-
-def followed_responses(body: Any) -> list[str]:
-    """The stored responses a body reads: the one it follows, and those that made the items it refers
-    to (where mmserve gave their ids)."""
-    if not isinstance(body, Mapping):
-        return []
-    previous = body.get("previous_response_id")
-    followed = [previous] if isinstance(previous, str) else []
-    items = body.get("input")
-    for item in items if isinstance(items, list) else ():
-        if isinstance(item, Mapping) and item.get("type", "item_reference") == "item_reference":
-            item_id = item.get("id")
-            made = made_by(item_id) if isinstance(item_id, str) and "role" not in item else None
-            followed += [made] if made is not None else []
-    return followed
 
 
 def _media_parts(body: Mapping[str, Any]) -> Iterator[tuple[str, str | None, str | None]]:

@@ -39,12 +39,12 @@ import httpx
 from ray import serve
 
 from app.api.error_handlers import error_response, sse_error_event
+from app.api.response_ids import ResponseIdWatch
 from app.errors import MMServeError
 from app.proxy.forward import RELAYED_RESPONSE_HEADERS, UpstreamUnavailableError, describe, open_upstream
 from app.ray_serve.grpc_binding import bind_to_node_address
 from app.ray_serve.media_keys import response_key
 from app.ray_serve.messages import ReplicaHead, ReplicaRequest
-from app.ray_serve.response_ids import ResponseIdWatch
 from app.ray_serve.stream_batching import DEFAULT_INTERVAL_S, batched
 
 log = logging.getLogger("mmserve.ray")

@@ -255,11 +255,16 @@ def start_serve(model_dir: Path, log_dir: Path, *flags: str, env: dict[str, str]
     return server
 
 
-def start_proxy(log_dir: Path, encoder_url: str, lm_url: str, port: int | None = None) -> Server:
-    """``mmserve proxy`` on ``port`` (a free one when None), returned once it serves (its ``/metrics``:
-    its ``/health`` is 503 on purpose when an upstream is down)."""
+def start_proxy(
+    log_dir: Path, encoder_url: str, lm_url: str | Sequence[str], port: int | None = None
+) -> Server:
+    """``mmserve proxy`` on ``port`` (a free one when None) in front of one LM instance or several,
+    returned once it serves (its ``/metrics``: its ``/health`` is 503 on purpose when an upstream is
+    down)."""
     port = free_port() if port is None else port
-    flags = ["--encoder-url", encoder_url, "--lm-url", lm_url, "--port", str(port), "--timeout", "60"]
+    lm_urls = [lm_url] if isinstance(lm_url, str) else list(lm_url)
+    flags = ["--encoder-url", encoder_url, *(f for url in lm_urls for f in ("--lm-url", url))]
+    flags += ["--port", str(port), "--timeout", "60"]
     process = ServerProcess(["proxy", *flags], log_dir / f"proxy-{port}.log").start()
     proxy = Server(process, port)
     deadline = time.monotonic() + 60

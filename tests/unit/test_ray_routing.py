@@ -96,8 +96,9 @@ def test_a_stored_response_is_fetched_and_deleted_where_it_was_made() -> None:
 
 
 def test_an_item_reference_is_keyed_by_the_response_that_made_the_item() -> None:
+    from app.api.response_ids import followed_responses
     from app.api.response_items import output_item_id, with_ids
-    from app.ray_serve.media_keys import followed_responses, response_key
+    from app.ray_serve.media_keys import response_key
 
     made, other = "resp_" + "ab" * 16, "resp_" + "cd" * 16
     (question,) = with_ids([{"role": "user", "content": "?"}], made)
@@ -116,7 +117,7 @@ def test_an_item_reference_is_keyed_by_the_response_that_made_the_item() -> None
 def test_a_body_that_is_not_strict_json_has_no_keys() -> None:
     """As the API process reads bodies: a lone surrogate escape (no Unicode text, which no key could be
     made of), NaN or a syntax error give no keys; the replica answers the 400."""
-    from app.ray_serve.response_ids import json_or_none
+    from app.api.response_ids import json_or_none
 
     url = "data:image/png;base64,AAAA"
     assert keys(json_or_none(json.dumps(chat(image(url))).encode())) == keys(chat(image(url)))
@@ -129,7 +130,7 @@ def test_a_body_that_is_not_strict_json_has_no_keys() -> None:
 
 
 def test_a_response_s_id_is_found_in_a_stream_s_first_event_or_a_whole_json_answer() -> None:
-    from app.ray_serve.response_ids import ResponseIdWatch
+    from app.api.response_ids import ResponseIdWatch
 
     learnt: list[str] = []
     watch = ResponseIdWatch(learnt.append, streamed=True)

@@ -1,15 +1,15 @@
-"""The id of a Responses API answer, read from the answer as it passes (docs/architecture.md, "Replicas
-on Ray Serve"): the ingress places it on the replica that made it at once, and that replica reports it
-among its keys, so a follow-up by ``previous_response_id`` finds the replica that holds the stored
-response and its conversation's media, even through an ingress that has not seen the answer (one
-restarted, or past its bounded memory of placements)."""
+"""Which stored responses a request reads, and the id of a Responses API answer read from the answer as
+it passes: what a front of several instances (the Ray ingress, docs/architecture.md, "Replicas on Ray
+Serve"; ``mmserve proxy``) needs to send a follow-up by ``previous_response_id`` where its stored
+response and its conversation's media are."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from app.api.json_body import decode_json
+from app.api.response_items import made_by
 
 
 def json_or_none(body: bytes) -> Any:
@@ -58,3 +58,19 @@ class ResponseIdWatch:
     def _learn(self, response: Any) -> None:
         if isinstance(response, dict) and isinstance(response.get("id"), str):
             self.learn(response["id"])
+
+
+def followed_responses(body: Any) -> list[str]:
+    """The stored responses a body reads: the one it follows, and those that made the items it refers
+    to (where mmserve gave their ids)."""
+    if not isinstance(body, Mapping):
+        return []
+    previous = body.get("previous_response_id")
+    followed = [previous] if isinstance(previous, str) else []
+    items = body.get("input")
+    for item in items if isinstance(items, list) else ():
+        if isinstance(item, Mapping) and item.get("type", "item_reference") == "item_reference":
+            item_id = item.get("id")
+            made = made_by(item_id) if isinstance(item_id, str) and "role" not in item else None
+            followed += [made] if made is not None else []
+    return followed
