@@ -65,7 +65,7 @@ CREATE TABLE IF NOT EXISTS response_events (
     tenant TEXT NOT NULL, id TEXT NOT NULL, seq INTEGER NOT NULL, event TEXT NOT NULL,
     PRIMARY KEY (tenant, id, seq)
 ) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS makers (
+CREATE TABLE IF NOT EXISTS response_makers (
     tenant TEXT NOT NULL, id TEXT NOT NULL, maker TEXT NOT NULL, PRIMARY KEY (tenant, id)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS totals (
@@ -151,7 +151,7 @@ class ResponseStore:
             if events:
                 self._append(tenant, response_id, events)
             if maker is not None:
-                self._db.execute("INSERT INTO makers VALUES (?, ?, ?)", (tenant, response_id, maker))
+                self._db.execute("INSERT INTO response_makers VALUES (?, ?, ?)", (tenant, response_id, maker))
             return self._evict(tenant, response_id)
 
     def finish(
@@ -225,7 +225,7 @@ class ResponseStore:
         """Background responses whose maker process is no longer ``alive`` (it was killed: nothing else
         would end them) end ``failed``; how many did."""
         with self._lock, self._transaction():
-            makers = self._db.execute("SELECT tenant, id, maker FROM makers").fetchall()
+            makers = self._db.execute("SELECT tenant, id, maker FROM response_makers").fetchall()
             orphans = [(tenant, response_id) for tenant, response_id, maker in makers if not alive(maker)]
             error = {"code": "server_error", "message": "The API process making the response stopped."}
             for tenant, response_id in orphans:
@@ -350,7 +350,7 @@ class ResponseStore:
             return response
         response.update(status=status, error=error)
         if status not in RUNNING:
-            self._db.execute("DELETE FROM makers WHERE tenant = ? AND id = ?", (tenant, response_id))
+            self._db.execute("DELETE FROM response_makers WHERE tenant = ? AND id = ?", (tenant, response_id))
         text = json.dumps(response, separators=(",", ":"))
         grown = len(text) - len(row[0])
         self._db.execute(
@@ -430,7 +430,7 @@ class ResponseStore:
         self._db.execute(
             "DELETE FROM item_holders WHERE tenant = ? AND response_id = ?", (tenant, response_id)
         )
-        self._db.execute("DELETE FROM makers WHERE tenant = ? AND id = ?", (tenant, response_id))
+        self._db.execute("DELETE FROM response_makers WHERE tenant = ? AND id = ?", (tenant, response_id))
         if not keep_events:
             self._db.execute("DELETE FROM response_events WHERE tenant = ? AND id = ?", (tenant, response_id))
         self._db.execute(

@@ -23,7 +23,7 @@ import asyncio
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from app.api.response_store import RUNNING, ResponseStore
@@ -38,11 +38,15 @@ SHUTTING_DOWN = {"code": "server_error", "message": "The server shut down before
 
 
 class BackgroundResponses:
-    def __init__(self, store: ResponseStore, poll_s: float | None) -> None:
+    def __init__(
+        self, store: ResponseStore, poll_s: float | None, on_end: Callable[[], None] = lambda: None
+    ) -> None:
         """``poll_s``: how often a task reads its status and a reader its log for another process's
-        changes; None where this process alone opens the store (nothing else changes it)."""
+        changes; None where this process alone opens the store (nothing else changes it). ``on_end``:
+        called (on the event loop) after a task ended its response itself (the store's gauges)."""
         self.store = store
         self.poll_s = poll_s
+        self.on_end = on_end
         self._tasks: dict[Key, asyncio.Task[None]] = {}
         self._changed: dict[Key, asyncio.Event] = {}
         self._readers: collections.Counter[Key] = collections.Counter()
@@ -105,11 +109,13 @@ class BackgroundResponses:
         except asyncio.CancelledError:
             # cancelled here or elsewhere (already ended: left as it is), or the process is stopping
             self.store.set_status(*key, "failed", SHUTTING_DOWN, closing_event)
+            self.on_end()
             raise
         except Exception:
             log.exception("background response %s failed", key[1])
             error = {"code": "server_error", "message": "Internal error."}
             self.store.set_status(*key, "failed", error, closing_event)
+            self.on_end()
         finally:
             self.notify(key)
             if watch is not None:
@@ -126,16 +132,27 @@ class BackgroundResponses:
 
 
 def process_identity(pid: int) -> str | None:
-    """``pid`` with its start time (in clock ticks since boot), which a reused pid does not share:
-    what a stored background response records of the process making it. None: no such process."""
+    """Which process ``pid`` of this machine is: the machine's boot id, the pid and its start time (in
+    clock ticks since boot), which a reused pid does not share; what a stored background response
+    records of the process making it. None: no such process (or a zombie)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rpartition(b")")[2].split()
+            state, *fields = stat.read().rpartition(b")")[2].split()
     except FileNotFoundError:
         return None
-    return f"{pid}:{int(fields[19])}"  # starttime, the stat file's 22nd field
+    if state == b"Z":
+        return None
+    return f"{_boot_id()}:{pid}:{int(fields[18])}"  # starttime, the stat file's 22nd field
 
 
 def maker_alive(identity: str) -> bool:
-    """Whether the process a stored identity names still runs (the same pid, started at the same time)."""
-    return process_identity(int(identity.partition(":")[0])) == identity
+    """Whether the process a stored identity names still runs (the same pid, started at the same time,
+    since this machine's boot). One of another machine (a store file several hosts share) cannot be
+    told here: taken as alive."""
+    boot_id, pid, _ = identity.split(":")
+    return boot_id != _boot_id() or process_identity(int(pid)) == identity
+
+
+def _boot_id() -> str:
+    with open("/proc/sys/kernel/random/boot_id") as boot:
+        return boot.read().strip()

@@ -74,6 +74,7 @@ class ResponsesService:
         self.store = store
         self.background = background
         self.stored = StoredResponses(store, background, chat.metrics)
+        background.on_end = lambda: self.stored.count(0)
 
     async def create(self, body: ResponsesRequest, raw: Request) -> Response:
         tenant = request_tenant(raw.scope)

@@ -106,9 +106,10 @@ def create_app(
             response_store, BACKGROUND_POLL_S if settings.responses_store else None
         )
         drain.waits_for.append(lambda: background.busy)
+        responses = ResponsesService(chat_service, response_store, background)
         if settings.responses_store:  # a file: responses an API process killed was making end failed
             await asyncio.to_thread(response_store.fail_orphans, maker_alive, closing_event)
-        responses = ResponsesService(chat_service, response_store, background)
+        await asyncio.to_thread(responses.stored.count, 0)  # (a file may hold responses already)
         app.state.mmserve = ApiState(
             settings, max_model_len, metrics, engine, chat_service, drain, tokenize, responses
         )

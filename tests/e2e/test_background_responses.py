@@ -20,6 +20,7 @@ import openai
 import pytest
 
 from app.api.response_store import ResponseStore
+from app.api.responses_background import process_identity
 from tests.e2e.conftest import data_url, make_image
 from tests.e2e.server import Server, api_process, serving, start_serve, wait_api_processes
 
@@ -267,7 +268,8 @@ def test_a_drain_waits_for_background_responses_and_ends_the_rest_failed(
     # a response an API process was making when it was killed (no drain ran): the next start ends it,
     # even where its pid is a live process's now (the maker is this test's pid with another start time)
     orphan = {**ended[never].response, "id": "resp_orphan", "status": "in_progress", "error": None}
-    store.put("", "resp_orphan", ended[never].items, orphan, maker=f"{os.getpid()}:1")
+    boot, pid, _ = str(process_identity(os.getpid())).split(":")
+    store.put("", "resp_orphan", ended[never].items, orphan, maker=f"{boot}:{pid}:1")
     store.close()
     with serving(tiny_model_dir, tmp_path, *flags) as restarted:
         found = httpx.get(f"{restarted.base_url}/v1/responses/resp_orphan", timeout=30).json()

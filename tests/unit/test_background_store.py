@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -149,20 +150,31 @@ async def collect(events: Any) -> list[str]:
 def test_a_response_whose_maker_process_died_ends_failed() -> None:
     store = ResponseStore(None, 10, 1 << 20)
     dead = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 10
+    while process_identity(dead.pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.01)  # exited, not yet waited for: a zombie, which runs no more
+    assert process_identity(dead.pid) is None
     dead.wait()
     mine = process_identity(os.getpid())
-    assert mine is not None and maker_alive(mine) and process_identity(dead.pid) is None
-    makers = {"orphan": f"{dead.pid}:1", "reused": f"{os.getpid()}:1", "mine": mine}  # a reused pid
+    assert mine is not None and maker_alive(mine)
+    boot, _, _ = mine.split(":")
+    makers = {
+        "orphan": f"{boot}:{dead.pid}:1",
+        "reused": f"{boot}:{os.getpid()}:1",  # this pid, started at another time: a reused pid
+        "mine": mine,
+        "elsewhere": f"another-boot:{dead.pid}:1",  # a process of another host: not told, kept
+    }
     for name, maker in makers.items():
         store.put("", f"resp_{name}", ITEMS, response(f"resp_{name}", "in_progress"), [event(0, "x")], maker)
     store.put("", "resp_done", ITEMS, response("resp_done", "completed"))
     assert store.fail_orphans(maker_alive, closing_event) == 2
-    statuses = [store.status("", f"resp_{name}") for name in ("orphan", "reused", "mine", "done")]
-    assert statuses == ["failed", "failed", "in_progress", "completed"]
+    statuses = [store.status("", f"resp_{name}") for name in (*makers, "done")]
+    assert statuses == ["failed", "failed", "in_progress", "in_progress", "completed"]
     last = store.read_events("", "resp_orphan", 0)[0][0][1]
     assert json.loads(last.split("data: ")[1])["type"] == "response.failed"  # its followers stop there
     # an ended response has no maker left to outlive
     store.set_status("", "resp_mine", "cancelled")
+    store.set_status("", "resp_elsewhere", "cancelled")
     assert store.fail_orphans(lambda maker: False, closing_event) == 0
 
 
