@@ -10,7 +10,7 @@ through the response store, so any API process answers it:
                                                request is aborted in the engine
     DELETE /v1/responses/{id}                  gone; the task stops too
 
-A task learns of a cancel or delete made in this process at once (``cancel``, ``forget``); with a store
+A task learns of a cancel or delete made in this process at once (``forget``); with a store
 file that other API processes share, it also reads its status every ``poll_s`` (the owner may be another
 process). Readers of an event log are woken by this process's writes, and poll every ``poll_s`` for
 another process's. A task that is still running when the process stops ends its response ``failed``

@@ -186,20 +186,14 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        metrics.requests.inc()
-        raw = await body_of(request)
-        if isinstance(raw, Response):
-            return raw
-        return await _unless_client_leaves(request, chat(raw, forwarded_headers(request.headers)))
-
     @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
+    async def generate(request: Request) -> Response:
         metrics.requests.inc()
         raw = await body_of(request)
         if isinstance(raw, Response):
             return raw
-        return await _unless_client_leaves(request, respond(raw, forwarded_headers(request.headers)))
+        work = chat if request.url.path == "/v1/chat/completions" else respond
+        return await _unless_client_leaves(request, work(raw, forwarded_headers(request.headers)))
 
     @app.post("/v1/responses/input_tokens")
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
