@@ -191,30 +191,37 @@ class ResponsesService:
             await self._check_as_is(*await fitted(body, history, self._counter(raw), room), raw)
 
     async def _check_as_is(self, body: ResponsesRequest, history: list[dict[str, Any]], raw: Request) -> None:
-        chat_body, params = chat_request(body, parse_items(history))
-        self.chat.check_ready(chat_body)
-        with _named_by(params):
-            spec = self.chat.spec(chat_body, raw)
-            counting = prompt_token_ids(
-                self.chat.inputs, spec.messages, spec.mm_processor_kwargs, spec.scope, spec.template
-            )
-            spec.sampling(len(await unless_client_leaves(raw, counting)), 0)
+        await self._count(body, history, raw, watched=True, checked=True)
 
     def _counter(
         self, raw: Request, watched: bool = True
     ) -> Callable[[ResponsesRequest, list[dict[str, Any]]], Awaitable[int]]:
         """Counts the prompt tokens of ``body`` after ``history``, as ``usage.input_tokens`` would."""
+        return lambda body, history: self._count(body, history, raw, watched)
 
-        async def count(body: ResponsesRequest, history: list[dict[str, Any]]) -> int:
-            chat_body, params = chat_request(body, parse_items(history))
-            with _named_by(params):
-                spec = self.chat.spec(chat_body, raw)
-                counting = prompt_token_ids(
-                    self.chat.inputs, spec.messages, spec.mm_processor_kwargs, spec.scope, spec.template
-                )
-                return len(await (unless_client_leaves(raw, counting) if watched else counting))
-
-        return count
+    async def _count(
+        self,
+        body: ResponsesRequest,
+        history: list[dict[str, Any]],
+        raw: Request,
+        watched: bool,
+        checked: bool = False,
+    ) -> int:
+        """The prompt tokens of ``body`` after ``history`` (its media processed through the processor
+        cache); ``checked``: also what submitting it would refuse before the engine (the model, the
+        sampling, the context)."""
+        chat_body, params = chat_request(body, parse_items(history))
+        if checked:
+            self.chat.check_ready(chat_body)
+        with _named_by(params):
+            spec = self.chat.spec(chat_body, raw)
+            counting = prompt_token_ids(
+                self.chat.inputs, spec.messages, spec.mm_processor_kwargs, spec.scope, spec.template
+            )
+            num_tokens = len(await (unless_client_leaves(raw, counting) if watched else counting))
+            if checked:
+                spec.sampling(num_tokens, 0)
+        return num_tokens
 
     async def _resolved(self, body: RequestBody, tenant: str) -> RequestBody:
         """``body`` with each ``item_reference`` of its input replaced by the stored item it names."""

@@ -119,12 +119,8 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
         metrics.upstream_errors.inc()
         log.warning("LM instance failed mid-stream: %s", describe(exc))
 
-    async def encode(
-        body: dict[str, Any] | None, parts: list[dict[str, Any]], headers: dict[str, str]
-    ) -> None:
+    async def encode(body: dict[str, Any], parts: list[dict[str, Any]], headers: dict[str, str]) -> None:
         """Each of ``parts`` (a valid request's distinct images and videos) to an encoder instance."""
-        if body is None or not parts:
-            return
         metrics.encoder_requests.inc(len(parts))
         start = time.perf_counter()
         outcomes = await encode_media(clients[0], encoders, body, parts, headers, config.timeout_s)
@@ -159,21 +155,26 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
                 return found
         return lms.next()
 
-    async def chat(raw: bytes, headers: dict[str, str]) -> Response:
+    async def encoded(
+        raw: bytes,
+        headers: dict[str, str],
+        parts_of: Callable[[dict[str, Any]], list[dict[str, Any]]],
+        schema: type[BaseModel],
+    ) -> dict[str, Any] | None:
+        """The body, once its distinct images and videos (``parts_of``) went to encoder instances:
+        checked (``schema``) only where there are some, so a text-only request goes on as it is."""
         body = await _parse(raw)
-        parts = media_parts(body) if body is not None else []
-        # checked only where media would be encoded: a text-only request goes on as it is
-        if body is not None and parts and not await _valid(ChatCompletionRequest, body, len(raw)):
-            parts = []
-        await encode(body, parts, headers)
+        parts = parts_of(body) if body is not None else []
+        if body is not None and parts and await _valid(schema, body, len(raw)):
+            await encode(body, parts, headers)
+        return body
+
+    async def chat(raw: bytes, headers: dict[str, str]) -> Response:
+        await encoded(raw, headers, media_parts, ChatCompletionRequest)
         return await forward("POST", lms.next(), "/v1/chat/completions", raw, headers)
 
     async def respond(raw: bytes, headers: dict[str, str]) -> Response:
-        body = await _parse(raw)
-        parts = responses_media_parts(body) if body is not None else []
-        if body is not None and parts and not await _valid(ResponsesRequest, body, len(raw)):
-            parts = []
-        await encode(body, parts, headers)
+        body = await encoded(raw, headers, responses_media_parts, ResponsesRequest)
         lm_url = await holder(followed_responses(body), headers)
         return await forward(
             "POST", lm_url, "/v1/responses", raw, headers, lambda made: holders.learn(made, lm_url)
