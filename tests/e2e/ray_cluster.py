@@ -82,3 +82,17 @@ def is_loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address.rpartition(":")[0])
     mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def streamed_lines(
+    server: RayServer, body: dict[str, Any], headers: dict[str, str], lines: list[str]
+) -> None:
+    """A streamed chat answer's ``data:`` payloads ("cut off" when the connection closed early)."""
+    url = f"{server.base_url}/v1/chat/completions"
+    try:
+        with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    lines.append(line.removeprefix("data: "))
+    except httpx.HTTPError:
+        lines.append("cut off")

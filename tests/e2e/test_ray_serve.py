@@ -38,9 +38,10 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.conftest import data_url, greedy_body, make_image
+from tests.e2e.conftest import data_url, greedy_body, make_image, png_bytes
+from tests.e2e.held_image import held_image
 from tests.e2e.metrics import Metrics, parse_metrics
-from tests.e2e.ray_cluster import RayServer, is_loopback, listening_addresses, stop
+from tests.e2e.ray_cluster import RayServer, is_loopback, listening_addresses, stop, streamed_lines
 from tests.e2e.server import ServerProcess, alive, descendants, free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
@@ -52,6 +53,7 @@ IMBALANCE = 2
 BODY_CAP_MB = "1"
 IMAGES = [make_image(4200 + k, size=(96, 96)) for k in range(6)]
 REPORT_PERIOD_S = 2.0  # how often a replica reports its keys (RayAppArgs' default)
+GATE_HOLD_S = 120  # the longest the gated image server holds its answer
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,8 @@ def ray_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     args = ["ray", "serve", "--model", str(tiny_model_dir), "--port", str(port), "--replicas", "2"]
     args += ["--replica-cpus", "0.5", "--object-store-mb", "128", "--imbalance-threshold", str(IMBALANCE)]
     args += ["--api-key", KEY, "--max-request-body-mb", BODY_CAP_MB, "--mm-preprocess-processes", "0"]
+    # the drain's test holds a request on an image from a loopback server until the drain is seen
+    args += ["--allow-private-media-urls", "--fetch-timeout-s", str(GATE_HOLD_S)]
     process = ServerProcess(args, tmp_path_factory.mktemp("ray-serve") / "ray-serve.log").start()
     server = RayServer(process, port)
     try:
@@ -332,18 +336,6 @@ def test_after_the_ingress_restarts_follow_ups_go_where_their_response_was_made(
         assert after.get(name, 0) - before.get(name, 0) == count, placement
 
 
-def streamed_lines(server: RayServer, body: dict[str, Any], lines: list[str]) -> None:
-    """A streamed chat answer's ``data:`` payloads ("cut off" when the connection closed early)."""
-    url = f"{server.base_url}/v1/chat/completions"
-    try:
-        with httpx.stream("POST", url, json={**body, "stream": True}, headers=AUTH, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    lines.append(line.removeprefix("data: "))
-    except httpx.HTTPError:
-        lines.append("cut off")
-
-
 def test_a_killed_replica_s_requests_go_to_the_other_and_sigterm_drains_then_stops_all(
     ray_server: RayServer,
 ) -> None:
@@ -376,25 +368,30 @@ def test_a_killed_replica_s_requests_go_to_the_other_and_sigterm_drains_then_sto
         assert by_id.status_code == 400 and by_id.json()["error"]["code"] == "media_uuid_unknown", by_id.text
     instances = [entry["pid"] for entry in ray_server.replicas().values()]
 
-    # SIGTERM drains as `mmserve serve` does: the answer under way finishes, new requests get 503
+    # SIGTERM drains as `mmserve serve` does: the answer under way finishes, new requests get 503. The
+    # answer is held on its image (a loopback server answers only when told), so it is surely still under
+    # way when the drain is seen, however slow the machine
     lines: list[str] = []
-    long = greedy_body([{"role": "user", "content": "Go on and on."}], 1500)
-    streaming = threading.Thread(target=streamed_lines, args=(ray_server, long, lines), daemon=True)
-    streaming.start()
-    deadline = time.monotonic() + 60
-    while len(lines) < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert ray_server.process.proc is not None
-    ray_server.process.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{ray_server.base_url}/health", timeout=10).status_code != 503:
-        assert time.monotonic() < deadline, "the ingress never started draining"
-        time.sleep(0.05)
-    refused = ask(ray_server, 1)
-    assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
-    assert lines[-1] != "[DONE]", "the answer was still under way when the drain began"
-    streaming.join(120)
+    with held_image(png_bytes(make_image(4300)), GATE_HOLD_S) as (held_url, asked, release):
+        parts = [{"type": "image_url", "image_url": {"url": held_url}}, {"type": "text", "text": "Go on."}]
+        held = greedy_body([{"role": "user", "content": parts}], 40)
+        streaming = threading.Thread(target=streamed_lines, args=(ray_server, held, AUTH, lines), daemon=True)
+        streaming.start()
+        assert asked.wait(60), "the held image was never fetched"
+        assert ray_server.process.proc is not None
+        ray_server.process.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{ray_server.base_url}/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "the ingress never started draining"
+            time.sleep(0.05)
+        refused = ask(ray_server, 1)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_shutting_down"
+        assert streaming.is_alive() and not lines, lines
+        release.set()
+        streaming.join(120)
     assert lines[-1] == "[DONE]", lines[-3:]
+    choices = [json.loads(line)["choices"] for line in lines[:-1]]
+    assert [c[0]["finish_reason"] for c in choices if c and c[0]["finish_reason"]] == ["length"], lines[-3:]
     assert ray_server.process.proc.wait(60) == 0, ray_server.process.log()[-3000:]
     deadline = time.monotonic() + 30
     while any(alive(pid) for pid in instances) and time.monotonic() < deadline:
