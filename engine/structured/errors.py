@@ -14,7 +14,7 @@ GRAMMAR_BROKEN = ErrorInfo(
 # the start or past the tokens generated): no answer satisfies it. The request's fault, not the server's.
 CONSTRAINT_UNSATISFIABLE = ErrorInfo(
     message="The request's constraint (response_format, structured_outputs, a tool's parameters) allows "
-    "no output here: no answer can satisfy it (a schema or grammar that only refers to itself, say).",
+    "no output here: no answer can satisfy it (a grammar that only refers to itself, say).",
     code="constraint_unsatisfiable",
     http_status=400,
 )

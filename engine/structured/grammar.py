@@ -28,7 +28,7 @@ class RequestGrammar:
     request's next sample; ``is_complete`` says that nothing more may be generated: the grammar took a
     stop token, or it is fully matched and allows nothing but stop tokens (the request ends with
     ``stop`` there, without a step spent on sampling the stop token); ``is_dead_end`` that it allows
-    no token at all (a grammar whose language is empty, such as a schema that only refers to itself:
+    no token at all (a grammar whose language is empty, such as one that only refers to itself:
     xgrammar compiles it, and no answer can satisfy it)."""
 
     def __init__(self, matcher: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:

@@ -7,10 +7,12 @@ import base64
 import json
 import threading
 import time
+from importlib import metadata
 from typing import Any
 
 import httpx
 import pytest
+from packaging.version import Version
 
 from tests.e2e.conftest import data_url, greedy_body, make_image, user_message
 from tests.e2e.server import Server, free_port
@@ -270,19 +272,26 @@ def test_deeply_nested_arguments_in_the_history_are_a_400(server: Server) -> Non
 
 
 def test_a_constraint_no_answer_can_satisfy_is_a_400(server: Server) -> None:
-    """A schema that only refers to itself compiles, and allows no token: the request's fault, at once."""
+    """A constraint whose language is empty is the request's fault, a 400 at once: a schema that only refers
+    to itself (xgrammar from 0.2.9 refuses it as it compiles; earlier ones compile it, and it allows no
+    token), a grammar that allows no first token, and one that allows one token and then none."""
     schema = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
     body = greedy_body(
         HI, 8, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     )
-    assert_error(post(server, body), 400, code="constraint_unsatisfiable")
-    grammar = greedy_body(HI, 8, structured_outputs={"grammar": "root ::= root"}, stream=True)
-    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=grammar, timeout=60) as resp:
-        text = resp.read().decode()
-    if resp.status_code == 200:  # a stream already started: its error event
-        assert '"code":"constraint_unsatisfiable"' in text.replace(" ", ""), text
-    else:
-        assert resp.status_code == 400 and "constraint_unsatisfiable" in text, text
+    refused_as_it_compiles = Version(metadata.version("xgrammar")) >= Version("0.2.9")
+    code = "invalid_constraint" if refused_as_it_compiles else "constraint_unsatisfiable"
+    assert_error(post(server, body), 400, code=code)
+    for grammar in ("root ::= root", 'root ::= "{" a\na ::= a "x"'):
+        body = greedy_body(HI, 8, structured_outputs={"grammar": grammar})
+        assert_error(post(server, body), 400, code="constraint_unsatisfiable")
+        url = f"{server.base_url}/v1/chat/completions"
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as resp:
+            text = resp.read().decode()
+        if resp.status_code == 200:  # a stream already started: its error event
+            assert '"code":"constraint_unsatisfiable"' in text.replace(" ", ""), text
+        else:
+            assert resp.status_code == 400 and "constraint_unsatisfiable" in text, text
 
 
 def test_an_image_longer_than_200_times_its_width_is_a_400(server: Server) -> None:
