@@ -5,14 +5,13 @@ or its master cannot start here."""
 from __future__ import annotations
 
 import contextlib
-import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.paused import paused
 from wire.ec_store.mooncake_processes import MooncakeProcess, start_holder, start_master
 
 LEASE_TTL_MS = 1000  # short, so tests of a full store wait little for eviction
@@ -56,28 +55,9 @@ def mooncake_cluster_at(
         assert not holder.alive() and not master.alive()
 
 
-@contextlib.contextmanager
-def hung(process: MooncakeProcess, timeout_s: float = 5.0) -> Iterator[None]:
-    """``process`` stopped (SIGSTOP) for the block, continued after. Waits until every thread of it is
-    stopped: the signal is delivered asynchronously, and a request that arrives first is still answered."""
-    pid = process.proc.pid
-    process.proc.send_signal(signal.SIGSTOP)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not _all_threads_stopped(pid):
-            assert time.monotonic() < deadline, f"{process.name} (pid {pid}) did not stop"
-            time.sleep(0.005)
-        yield
-    finally:
-        process.proc.send_signal(signal.SIGCONT)
-
-
-def _all_threads_stopped(pid: int) -> bool:
-    states = []
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-        with contextlib.suppress(OSError):  # a thread that just exited
-            states.append(stat.read_text().rpartition(")")[2].split()[0])
-    return bool(states) and all(state in ("T", "t") for state in states)
+def hung(process: MooncakeProcess, timeout_s: float = 5.0) -> contextlib.AbstractContextManager[None]:
+    """``process`` stopped (SIGSTOP) for the block, continued after (tests/paused.py)."""
+    return paused(process.proc.pid, timeout_s)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ restarted alone; SIGTERM drains both; Ctrl-C stops everything."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ from tests.e2e.server import (
     start_serve,
     wait_api_processes,
 )
+from tests.paused import paused
 
 pytestmark = pytest.mark.slow
 
@@ -273,6 +275,27 @@ def stream_in_thread(server: Server, payload: dict[str, Any]) -> tuple[threading
     return thread, record
 
 
+def paused_with_a_stream_in_each(
+    server: Server, pause: contextlib.ExitStack
+) -> list[tuple[threading.Thread, dict[str, Any]]]:
+    """Streams started until each API process has one under way, then the worker paused (in ``pause``)."""
+    assert server.process.proc is not None
+    worker = role_pid(server.process.proc.pid, "worker")
+    streams: list[tuple[threading.Thread, dict[str, Any]]] = []
+
+    def under_way() -> set[int]:
+        return {r["process"] for t, r in streams if t.is_alive() and "[DONE]" not in r["events"]}
+
+    while True:
+        if under_way() == {0, 1}:
+            pause.enter_context(paused(worker))
+            if under_way() == {0, 1}:
+                return streams
+            pause.close()  # one ended just before the pause: go on
+        assert len(streams) < 12, "the kernel never gave a stream to both processes"
+        streams.append(stream_in_thread(server, body(len(streams) % len(IMAGES), max_tokens=1400)))
+
+
 def test_sigterm_drains_both_api_processes(tiny_model_dir: Path, tmp_path: Path) -> None:
     drained = start_serve(tiny_model_dir, tmp_path, *SCALE_OUT, "--shutdown-timeout", "60")
     assert drained.process.proc is not None
@@ -280,20 +303,24 @@ def test_sigterm_drains_both_api_processes(tiny_model_dir: Path, tmp_path: Path)
     try:
         wait_api_processes(drained, 2)
         children = descendants(proc.pid)
-        streams: list[tuple[threading.Thread, dict[str, Any]]] = []
-        while {record["process"] for _, record in streams} != {0, 1}:
-            assert len(streams) < 12, "the kernel never gave a stream to both processes"
-            # long enough to outlast the refusals below on a busy machine (about 2 s alone)
-            streams.append(stream_in_thread(drained, body(len(streams) % len(IMAGES), max_tokens=1400)))
-
-        proc.send_signal(signal.SIGTERM)  # to the main process only: it forwards it to the other
-        refused_by: set[int] = set()
-        deadline = time.monotonic() + 30
-        while refused_by != {0, 1} and time.monotonic() < deadline:
-            resp = post(drained, body(0))
-            if resp.status_code == 503 and resp.json()["error"]["code"] == "server_shutting_down":
+        # the worker paused with a stream under way in each process: none can end while the drain is
+        # checked, however slow the machine
+        with contextlib.ExitStack() as pause:
+            streams = paused_with_a_stream_in_each(drained, pause)
+            proc.send_signal(signal.SIGTERM)  # to the main process only: it forwards it to the other
+            draining: set[int] = set()  # /health first: a request taken before a drain would wait
+            deadline = time.monotonic() + 30
+            while draining != {0, 1}:
+                assert time.monotonic() < deadline, f"only {draining} began draining"
+                health = httpx.get(f"{drained.base_url}/health", timeout=10)
+                if health.json() == {"status": "draining"}:
+                    draining.add(api_process(health))
+            refused_by: set[int] = set()
+            while refused_by != {0, 1}:
+                assert time.monotonic() < deadline, f"only {refused_by} refused new requests"
+                resp = post(drained, body(0))
+                assert resp.status_code == 503 and resp.json()["error"]["code"] == "server_shutting_down"
                 refused_by.add(api_process(resp))
-        assert refused_by == {0, 1}, "both processes refuse new requests while they drain"
 
         for thread, record in streams:
             thread.join(120)

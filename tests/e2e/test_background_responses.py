@@ -22,7 +22,8 @@ import pytest
 from app.api.response_store import ResponseStore
 from app.api.responses_background import process_identity
 from tests.e2e.conftest import data_url, make_image
-from tests.e2e.server import Server, api_process, serving, start_serve, wait_api_processes
+from tests.e2e.server import Server, api_process, role_pid, serving, start_serve, wait_api_processes
+from tests.paused import paused
 
 pytestmark = pytest.mark.slow
 
@@ -281,14 +282,20 @@ def test_a_background_response_is_returned_before_the_engine_takes_it(server: Se
     busy = create(server, input="Tell me a story.", background=True, max_output_tokens=4000).json()["id"]
     waiting = create(server, input=looking_at(8103), background=True)  # the engine runs the other one
     assert waiting.status_code == 200 and waiting.json()["status"] == "queued"
+    deadline = time.monotonic() + 30  # its task submits it after the 200: then the engine's queue holds it
+    while server.metrics()["mmserve_num_requests_waiting"] < 1:
+        assert time.monotonic() < deadline, "the queued response never reached the engine"
+        time.sleep(0.05)
     # a third: the engine's queue is full (a foreground request gets 429), so it stays queued and waits
     refused = create(server, input="Hi")
     assert refused.status_code == 429, refused.text
     third = create(server, input="And a third.", background=True, max_output_tokens=3)
     assert third.status_code == 200
-    time.sleep(0.5)
-    for response_id in (waiting.json()["id"], third.json()["id"]):
-        assert client.responses.retrieve(response_id).status == "queued"  # not yet taken by the engine
+    assert server.process.proc is not None
+    with paused(role_pid(server.process.proc.pid, "worker")):  # the one running cannot end meanwhile
+        time.sleep(0.5)
+        for response_id in (waiting.json()["id"], third.json()["id"]):
+            assert client.responses.retrieve(response_id).status == "queued"  # not yet taken by the engine
     client.responses.cancel(busy)
     assert polled(client, waiting.json()["id"]).status == "incomplete"  # its 8 tokens, once taken
     assert polled(client, third.json()["id"]).status == "incomplete"

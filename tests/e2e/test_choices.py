@@ -135,6 +135,9 @@ def test_request_id_names_the_response(server: Server) -> None:
     assert post(server, body)["id"] == "chatcmpl-my-trace-42"
 
 
+LEAK_TOKENS = 3000  # a choice the client left that ran on would take about 3 s (idle)
+
+
 @pytest.fixture(scope="module")
 def two_seqs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """Two requests run at once, two may wait."""
@@ -154,12 +157,18 @@ def test_more_choices_than_the_waiting_cap_run_as_one_request(two_seqs: Server) 
 def test_a_client_gone_while_its_later_choices_start_aborts_every_choice(two_seqs: Server) -> None:
     """Choices 0 and 1 run (two at a time), choice 2 waits for a slot: the stream has not started when
     the client gives up, and every choice is aborted, the running ones included."""
-    body = sampled_body(42, 3, max_tokens=3000, stream=True)
+    body = sampled_body(42, 3, max_tokens=LEAK_TOKENS, stream=True)
     url = f"{two_seqs.base_url}/v1/chat/completions"
+    steps = two_seqs.metrics()["mmserve_engine_steps_total"]
     with pytest.raises(httpx.TimeoutException), httpx.stream("POST", url, json=body, timeout=1.0) as r:
         r.read()
-    deadline = time.monotonic() + 1.5  # a leaked choice would run on for seconds (3 s here, idle)
+    deadline = time.monotonic() + 60
     while (metrics := two_seqs.metrics())["mmserve_num_requests_running"] > 0:
         assert time.monotonic() < deadline, "a choice still runs for a client that left"
         time.sleep(0.1)
+    # counted in steps, not seconds (a loaded machine is slow at both): a choice that ran on would have
+    # taken one step per token, all of its max_tokens
+    assert metrics["mmserve_engine_steps_total"] - steps < LEAK_TOKENS, (
+        "a choice ran on for a client that left"
+    )
     assert metrics["mmserve_num_requests_waiting"] == 0 and metrics["mmserve_kv_cache_usage_ratio"] == 0

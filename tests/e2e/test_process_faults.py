@@ -3,6 +3,7 @@ SIGTERM's graceful drain. The API process survives the first two and serves the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,7 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import greedy_body, make_image, user_message
+from tests.e2e.conftest import greedy_body, make_image, png_bytes, user_message
+from tests.e2e.held_image import held_image
 from tests.e2e.server import (
     HEARD_AT_ONCE_S,
     Server,
@@ -31,6 +33,7 @@ from tests.e2e.server import (
     serving,
     start_serve,
 )
+from tests.paused import paused
 
 pytestmark = pytest.mark.slow
 
@@ -131,27 +134,26 @@ def test_sigkill_fails_in_flight_then_the_server_recovers(server: Server, role: 
 
 
 @pytest.mark.parametrize("to", ["serve", "group"])
-def test_sigterm_drains_in_flight_requests(
-    tiny_model_dir: Path, tmp_path: Path, to: str, image_http_server: str
-) -> None:
+def test_sigterm_drains_in_flight_requests(tiny_model_dir: Path, tmp_path: Path, to: str) -> None:
     """SIGTERM to ``serve``, or to its whole process group as systemd stops a service (every process
     gets it at once): the requests in flight finish, and no process is restarted meanwhile."""
     sems_before = named_semaphores()
-    flags = ("--shutdown-timeout", "60", "--allow-private-media-urls")
+    flags = ("--shutdown-timeout", "60", "--allow-private-media-urls", "--fetch-timeout-s", "60")
     # a temp folder of its own (short: it holds the IPC sockets' paths), to see that nothing is left in it
     temp = Path(tempfile.mkdtemp(prefix="mmt-"))
     drained = start_serve(tiny_model_dir, tmp_path, *flags, env={"TMPDIR": str(temp)})
+    stack = contextlib.ExitStack()
     try:
         assert drained.process.proc is not None
         proc = drained.process.proc
         children = descendants(proc.pid)
-        # long enough to outlast the 503 checks below on a busy machine (about 2 s alone)
         body = greedy_body([user_message("Finish this.", make_image(73))], max_tokens=1400)
         thread, events = started_stream(drained, body)
-        # and one still being prepared (its image arrives 1.5 s after it is asked for) when the signal comes:
+        # and one still being prepared (its image is held until the drain was seen) when the signal comes:
         # accepted, so answered
-        late = [{"type": "image_url", "image_url": {"url": f"{image_http_server}/late75.png"}}]
-        parts = [*late, {"type": "text", "text": "And this."}]
+        held = held_image(png_bytes(make_image(75)), hold_s=60)
+        held_url, asked, release = stack.enter_context(held)
+        parts = [{"type": "image_url", "image_url": {"url": held_url}}, {"type": "text", "text": "And this."}]
         preparing = greedy_body([{"role": "user", "content": parts}], 4)
         prepared: list[httpx.Response] = []
         sender = threading.Thread(
@@ -160,7 +162,7 @@ def test_sigterm_drains_in_flight_requests(
             )
         )
         sender.start()
-        time.sleep(0.5)  # sent, and its image being fetched
+        assert asked.wait(60), "the held image was never fetched"
 
         if to == "group":
             os.killpg(proc.pid, signal.SIGTERM)
@@ -170,6 +172,7 @@ def test_sigterm_drains_in_flight_requests(
         refused = httpx.post(f"{drained.base_url}/v1/chat/completions", json=SHORT, timeout=30)
         assert refused.status_code == 503
         assert refused.json()["error"]["code"] == "server_shutting_down"
+        release.set()
 
         thread.join(120)
         sender.join(120)
@@ -190,6 +193,7 @@ def test_sigterm_drains_in_flight_requests(
         shutil.rmtree(temp, ignore_errors=True)
         assert not left, f"temp folders left behind: {left}"  # the IPC sockets', multiprocessing's
     finally:  # a failed check must not leave the server running
+        stack.close()
         drained.process.kill()
         shutil.rmtree(temp, ignore_errors=True)
 
@@ -254,8 +258,11 @@ def test_sigterm_cuts_off_what_outlives_the_shutdown_timeout(tiny_model_dir: Pat
             time.sleep(0.02)
 
         start = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        status, refusal = read_response(stalled)
+        # the worker paused: nothing under way can end before the deadline, however slow the machine; it
+        # goes on once the deadline has cut them off, so that the server's stop ends it
+        with paused(role_pid(proc.pid, "worker")):
+            proc.send_signal(signal.SIGTERM)
+            status, refusal = read_response(stalled)
         assert (status, refusal["error"]["code"]) == (503, "server_shutting_down"), refusal
         assert "shut down before answering" in refusal["error"]["message"]  # cut off, not refused on arrival
         assert proc.wait(30) == 0, hurried.process.log()[-3000:]

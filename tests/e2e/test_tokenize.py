@@ -164,11 +164,12 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server: Server) -> None:
     time.sleep(1.0)  # sent and read; now being tokenized
     asked = time.monotonic()
     health = httpx.get(f"{server.base_url}/health", timeout=60)
-    finished["health"] = time.monotonic()
+    answered_first = "long" not in finished  # not when the tokenizer was done (seconds later)
     sender.join(120)
     assert health.status_code == 200 and finished["status"] == 200
-    # answered at once, not when the tokenizer was done (the long answer comes seconds later)
-    assert finished["health"] - asked < 1.0 < finished["long"] - finished["health"], finished
+    assert answered_first, (
+        f"/health waited for the tokenizer ({finished['long'] - asked:.2f} s after it was asked)"
+    )
 
 
 def test_detokenize_refuses_ids_outside_the_vocabulary(server: Server) -> None:

@@ -19,6 +19,7 @@ import pytest
 from tests.api_peer import ApiPeer, tokens
 from tests.integration.fake_engine import Prompt
 from tests.integration.runner_support import greedy
+from tests.paused import paused
 from wire.protocol import (
     AddRequest,
     Drain,
@@ -201,13 +202,16 @@ def test_sigterm_to_engine_and_worker_together_drains_like_compose_stop(
     api.submit("held", prompts["text"], long)
     api.outputs("held", 120, until_tokens=1)
 
-    engine.proc.send_signal(signal.SIGTERM)
-    worker.proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 30  # until the engine took the signal in
-    while "draining: new requests are refused" not in engine.log_path.read_text(errors="replace"):
-        assert time.monotonic() < deadline, engine.log()
-        time.sleep(0.05)
-    api.submit("new", prompts["one"], greedy(hf_model))
+    # the worker paused until the new request was sent: the held one cannot end (and the engine stop)
+    # before it arrives, however slow the machine
+    with paused(worker.proc.pid):
+        engine.proc.send_signal(signal.SIGTERM)
+        worker.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30  # until the engine took the signal in
+        while "draining: new requests are refused" not in engine.log_path.read_text(errors="replace"):
+            assert time.monotonic() < deadline, engine.log()
+            time.sleep(0.05)
+        api.submit("new", prompts["one"], greedy(hf_model))
     [refused] = api.outputs("new", 10)
     assert refused.error is not None and refused.error.code == "server_shutting_down"
     held = api.outputs("held", 120)
