@@ -212,6 +212,10 @@ class ApiMetrics:
         self.responses_evicted = counter(
             "responses_evicted", "Stored responses evicted, least recently used first, past a store bound."
         )
+        self.requests_sent = counter(
+            "engine_requests_sent",
+            "Requests handed to the engine (each choice of n one; a resend with payloads again).",
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.request_success = counter("request_success", "Finished requests.", ("finish_reason",))

@@ -268,6 +268,7 @@ class EngineClient:
             return queue
         self._queues[msg.req_id] = queue
         self._send(msg, frames, encoded)
+        self.metrics.requests_sent.inc()
         return queue
 
     def release(self, req_id: str, *, abort: bool) -> None:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 
 from tests.e2e.conftest import Oracle, greedy_body, user_message
-from tests.e2e.server import Server
+from tests.e2e.server import Server, role_pid
 from tests.near_tie import accept_near_tie, first_divergence
+from tests.paused import paused
 
 NUM_TOKENS = 32
 # a divergence is accepted only if the served token is the oracle's runner-up this close (tests/near_tie.py)
@@ -28,12 +31,13 @@ def greedy_request(
 def concurrent_greedy_requests(
     server: Server, cases: list[tuple[str, list[Any]]], **extra: Any
 ) -> list[dict[str, Any]]:
-    """Every ``(text, images)`` case sent at once, as ``greedy_request`` sends one; responses in order."""
+    """Every ``(text, images)`` case sent at once, as ``greedy_request`` sends one, and taken by the engine
+    in one go (``taken_together``); responses in order."""
     bodies = [
         greedy_body([user_message(text, *images)], NUM_TOKENS, logprobs=True, top_logprobs=2, **extra)
         for text, images in cases
     ]
-    return concurrent_bodies(server, bodies)
+    return taken_together(server, bodies)
 
 
 def concurrent_bodies(server: Server, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -50,6 +54,25 @@ def concurrent_bodies(server: Server, bodies: list[dict[str, Any]]) -> list[dict
             return list(await asyncio.gather(*(one(body) for body in bodies)))
 
     return asyncio.run(run())
+
+
+def taken_together(server: Server, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``concurrent_bodies`` with the worker paused until the API has handed every request to the engine,
+    which then takes them in one go: however slowly the API prepares them, no request is done before the
+    last arrives (a preemption test would otherwise see none)."""
+    assert server.process.proc is not None
+    worker = role_pid(server.process.proc.pid, "worker")
+    sent = server.metrics()["mmserve_engine_requests_sent_total"]
+    choices = sum(int(body.get("n", 1)) for body in bodies)
+    with ThreadPoolExecutor(1) as pool:
+        with paused(worker):
+            answers = pool.submit(concurrent_bodies, server, bodies)
+            deadline = time.monotonic() + 120
+            while server.metrics()["mmserve_engine_requests_sent_total"] - sent < choices:
+                assert not answers.done(), answers.result()
+                assert time.monotonic() < deadline, "the API never sent them all"
+                time.sleep(0.02)
+        return answers.result()
 
 
 def assert_matches_oracle(response: dict[str, Any], oracle: Oracle, text: str, images: list[Any]) -> None:

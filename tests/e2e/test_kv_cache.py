@@ -3,7 +3,6 @@ end: every answer still equals transformers' ``generate``."""
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,7 +14,13 @@ import pytest
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.metrics import delta
-from tests.e2e.parity import NUM_TOKENS, assert_matches_oracle, concurrent_greedy_requests, greedy_request
+from tests.e2e.parity import (
+    NUM_TOKENS,
+    assert_matches_oracle,
+    concurrent_greedy_requests,
+    greedy_request,
+    taken_together,
+)
 from tests.e2e.server import REPO, Server, serving
 
 pytestmark = pytest.mark.slow
@@ -185,18 +190,9 @@ def test_32_concurrent_requests_on_a_tiny_pool_all_finish_correctly(tiny_pool_se
         resp = httpx.post(f"{tiny_pool_server.base_url}/v1/chat/completions", json=body(i), timeout=120)
         expected.append(resp.json()["choices"][0]["message"]["content"])
 
-    async def run() -> list[str]:
-        async with httpx.AsyncClient(base_url=tiny_pool_server.base_url, timeout=600) as client:
-
-            async def one(i: int) -> str:
-                resp = await client.post("/v1/chat/completions", json=body(i))
-                assert resp.status_code == 200, resp.text
-                return str(resp.json()["choices"][0]["message"]["content"])
-
-            return await asyncio.gather(*(one(i) for i in range(32)))
-
     before = tiny_pool_server.metrics()
-    assert asyncio.run(run()) == expected
+    answers = taken_together(tiny_pool_server, [body(i) for i in range(32)])
+    assert [answer["choices"][0]["message"]["content"] for answer in answers] == expected
     after = tiny_pool_server.metrics()
     assert delta(before, after, "mmserve_num_preemptions_total") > 0
     assert after["mmserve_num_requests_running"] == 0 and after["mmserve_kv_cache_usage_ratio"] == 0

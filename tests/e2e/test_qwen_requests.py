@@ -19,9 +19,9 @@ from tests.e2e.metrics import delta
 from tests.e2e.parity import (
     assert_matches_greedy,
     assert_matches_oracle,
-    concurrent_bodies,
     concurrent_greedy_requests,
     greedy_request,
+    taken_together,
 )
 from tests.e2e.server import Server, serving
 from tests.e2e.video_oracle import Case, Expected, body, expected_answers
@@ -196,7 +196,7 @@ def test_preempted_video_requests_resume_exactly(
     server = tiny_pool_server if family == "qwen3_vl" else family_server(family, *POOL_FLAGS)
     cases = [preempted_case(family, i) for i in range(3)]
     before = server.metrics()
-    responses = concurrent_bodies(server, [body(case, family, n=PREEMPTED_TOKENS) for case in cases])
+    responses = taken_together(server, [body(case, family, n=PREEMPTED_TOKENS) for case in cases])
     after = server.metrics()
     assert delta(before, after, "mmserve_num_preemptions_total") > 0
     tokenizer = family_oracle(family).processor.tokenizer

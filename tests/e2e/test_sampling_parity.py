@@ -18,7 +18,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.metrics import delta
-from tests.e2e.parity import assert_matches_greedy, concurrent_bodies
+from tests.e2e.parity import assert_matches_greedy, taken_together
 from tests.e2e.sampling_oracle import min_p_survivors, penalised_greedy, teacher_forced_logits
 from tests.e2e.server import Server
 from tests.e2e.test_bad_input import assert_error
@@ -189,7 +189,7 @@ def test_preempted_penalised_requests_resume_exactly(
         penalised_body(QWEN, image, params, num_tokens) for image, params in zip(images, cases, strict=True)
     ]
     before = server.metrics()
-    responses = concurrent_bodies(server, bodies)
+    responses = taken_together(server, bodies)
     after = server.metrics()
     assert delta(before, after, "mmserve_num_preemptions_total") > 0
     for response, image, params in zip(responses, images, cases, strict=True):

@@ -17,7 +17,7 @@ import pytest
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.metrics import delta
-from tests.e2e.parity import concurrent_bodies
+from tests.e2e.parity import taken_together
 from tests.e2e.server import Server, serving
 from tests.e2e.structured_oracle import (
     assert_matches_constrained,
@@ -218,7 +218,7 @@ def test_preempted_constrained_requests_resume_exactly(
     payloads = [constrained_body(family, [image], structured, 200) for image in images]
     twins = [{k: v for k, v in body.items() if "logprobs" not in k} for body in payloads]
     before = server.metrics()
-    answered = concurrent_bodies(server, [*payloads, *twins])
+    answered = taken_together(server, [*payloads, *twins])
     after = server.metrics()
     assert delta(before, after, "mmserve_num_preemptions_total") > 0
     assert delta(before, after, "mmserve_structured_output_forced_tokens_total") > 0

@@ -26,7 +26,7 @@ import pytest
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.metrics import delta
-from tests.e2e.parity import NUM_TOKENS, assert_matches_greedy, concurrent_bodies
+from tests.e2e.parity import NUM_TOKENS, assert_matches_greedy, taken_together
 from tests.e2e.server import Server, role_pid, seconds_until_health, stream_chunks
 from tests.e2e.video_oracle import Case, Expected, body, expected_answers
 from tests.gpu.conftest import Tier, cuda_missing, tier
@@ -101,7 +101,7 @@ def test_shm_store_and_preemption(
 ) -> None:
     oracle, server = tier_oracle(family), tier_servers[family, "shm_small_pool"]
     before = server.metrics()
-    responses = concurrent_bodies(server, [image_body(family, t, i) for t, i in PREEMPT_CASES])
+    responses = taken_together(server, [image_body(family, t, i) for t, i in PREEMPT_CASES])
     after = server.metrics()
     assert delta(before, after, "mmserve_num_preemptions_total") > 0, family
     assert delta(before, after, "mmserve_mm_shm_bytes_total") > 0, family
