@@ -36,6 +36,15 @@ def png_bytes(image: PIL.Image.Image) -> bytes:
     return buf.getvalue()
 
 
+def send_png(handler: Any, body: bytes) -> None:
+    """A 200 with ``body`` as ``image/png`` from an ``http.server`` request handler."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "image/png")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 def data_url(image: PIL.Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
 
@@ -214,8 +223,7 @@ def family_oracle(tiny_model: Callable[[str], Path]) -> Callable[[str], Oracle]:
 
 @pytest.fixture(scope="session")
 def image_http_server() -> Iterator[str]:
-    """A loopback HTTP server: /imgN.png is ``make_image(N)`` as PNG; /slow.png answers after 5 s;
-    /lateN.png is /imgN.png after 1.5 s."""
+    """A loopback HTTP server: /imgN.png is ``make_image(N)`` as PNG; /slow.png answers after 5 s."""
     import http.server
     import threading
     import time
@@ -224,18 +232,11 @@ def image_http_server() -> Iterator[str]:
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
             if self.path == "/slow.png":
                 time.sleep(5)
-            if self.path.startswith("/late"):
-                time.sleep(1.5)
-            name = self.path.removeprefix("/img").removeprefix("/late").removesuffix(".png")
+            name = self.path.removeprefix("/img").removesuffix(".png")
             if not name.isdigit():
                 self.send_error(404)
                 return
-            body = png_bytes(make_image(int(name)))
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send_png(self, png_bytes(make_image(int(name))))
 
         def log_message(self, *args: object) -> None:
             pass

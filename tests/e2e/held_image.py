@@ -7,6 +7,8 @@ import http.server
 import threading
 from collections.abc import Iterator
 
+from tests.e2e.conftest import send_png
+
 
 @contextlib.contextmanager
 def held_image(body: bytes, hold_s: float) -> Iterator[tuple[str, threading.Event, threading.Event]]:
@@ -19,11 +21,7 @@ def held_image(body: bytes, hold_s: float) -> Iterator[tuple[str, threading.Even
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
             asked.set()
             release.wait(hold_s)
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send_png(self, body)
 
         def log_message(self, *args: object) -> None:
             pass
