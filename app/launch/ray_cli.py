@@ -1,11 +1,10 @@
-"""``mmserve ray serve``: mmserve replicas on Ray Serve (docs/operations.md, "Scale-out on Ray").
-
-With no ``--ray-address`` it starts a Ray cluster on this machine, bound to 127.0.0.1 with its object
-store capped, and the replicas share one media-id table and one response store (files in a temporary
-folder), so any replica resolves a media id or a stored response made through another. With an address
-it joins that cluster; there each replica keeps its own unless ``--mm-uuid-store`` and
-``--responses-store`` name files every node sees. SIGTERM drains first, as ``mmserve serve`` does: new
-requests get 503 ``server_shutting_down`` while the answers under way finish, for up to
+"""``mmserve ray serve``: mmserve replicas on Ray Serve (docs/operations.md, "Scale-out on Ray"). With no
+``--ray-address`` it starts a Ray cluster on this machine, bound to 127.0.0.1 with its object store
+capped, and the replicas share one media-id table and one response store (files in a temporary folder), so
+any replica resolves a media id or a stored response made through another. With an address it joins that
+cluster; there each replica keeps its own unless ``--mm-uuid-store`` and ``--responses-store`` name files,
+which only replicas on one node may share (SQLite's WAL: one host). SIGTERM drains first, as ``mmserve
+serve`` does: new requests get 503 ``server_shutting_down`` while the answers under way finish, for up to
 ``--shutdown-timeout`` (``drain``); then, or at once on Ctrl-C or a second SIGTERM, it stops the
 application, its replicas and a cluster it started."""
 
