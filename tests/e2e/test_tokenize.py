@@ -14,7 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import AUTH, data_url, make_image
+from tests.e2e.conftest import AUTH, data_url, make_image, png_bytes
+from tests.e2e.held_image import held_image
 from tests.e2e.metrics import delta
 from tests.e2e.server import Server
 from tests.e2e.video_oracle import video_url
@@ -209,26 +210,25 @@ def test_a_salted_count_is_a_processor_cache_hit_for_its_salt_only(server: Serve
 
 
 def test_more_media_than_the_limit_is_the_chat_requests_400_before_anything_is_fetched(
-    family_server: Callable[..., Server], image_http_server: str
+    family_server: Callable[..., Server],
 ) -> None:
     """One image over the default limit (999) or one video over it (4): /tokenize answers the error the
-    chat request answers, at once (/slow.png takes 5 s to answer), having fetched and processed nothing."""
+    chat request answers, having fetched (from a server that would hold its answer) and processed nothing."""
     server = family_server("qwen2_5_vl")
-    slow = f"{image_http_server}/slow.png"
-    too_many = {
-        "image=999": [{"type": "image_url", "image_url": {"url": slow}}] * 1000,
-        "video=4": [{"type": "video_url", "video_url": {"url": slow}}] * 5,
-    }
-    for limit, parts in too_many.items():
-        messages = [{"role": "user", "content": [*parts, text("So many?")]}]
-        before = server.metrics()
-        start = time.monotonic()
-        counted = post(server, "/tokenize", {"messages": messages})
-        assert time.monotonic() - start < 4, limit
-        chat = post(server, "/v1/chat/completions", {"model": "tiny-qwen2_5_vl", "messages": messages})
-        assert counted.status_code == chat.status_code == 400, counted.text
-        error = counted.json()["error"]
-        assert error == chat.json()["error"]
-        assert error["code"] == "mm_limit_exceeded" and error["param"] == "messages", error
-        assert f"--limit-mm-per-prompt {limit}" in error["message"], error
-        assert delta(before, server.metrics(), "mmserve_mm_items_total") == 0
+    with held_image(png_bytes(make_image(1)), hold_s=60) as (held, asked, _):
+        too_many = {
+            "image=999": [{"type": "image_url", "image_url": {"url": held}}] * 1000,
+            "video=4": [{"type": "video_url", "video_url": {"url": held}}] * 5,
+        }
+        for limit, parts in too_many.items():
+            messages = [{"role": "user", "content": [*parts, text("So many?")]}]
+            before = server.metrics()
+            counted = post(server, "/tokenize", {"messages": messages})
+            chat = post(server, "/v1/chat/completions", {"model": "tiny-qwen2_5_vl", "messages": messages})
+            assert not asked.is_set(), limit
+            assert counted.status_code == chat.status_code == 400, counted.text
+            error = counted.json()["error"]
+            assert error == chat.json()["error"]
+            assert error["code"] == "mm_limit_exceeded" and error["param"] == "messages", error
+            assert f"--limit-mm-per-prompt {limit}" in error["message"], error
+            assert delta(before, server.metrics(), "mmserve_mm_items_total") == 0
