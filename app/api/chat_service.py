@@ -180,7 +180,7 @@ class ChatService:
                     content = {"content": delta.text} if delta.text else {}
                     yield sse(chunk(gen, content, include_usage, logprobs, delta.finish_reason))
                     continue
-                for event in tool_stream_deltas(streamer, delta.text, delta.finish_reason is not None):
+                for event in tool_stream_deltas(streamer, delta.text, gen):
                     yield sse(chunk(gen, event, include_usage))
                 if logprobs is not None or delta.finish_reason is not None:
                     reason = delta.finish_reason

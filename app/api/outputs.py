@@ -53,6 +53,11 @@ class Generation:
         return int(self.arrival)
 
     @property
+    def cut(self) -> bool:
+        """The answer was cut off (by the max tokens or a stop string), not ended by the model."""
+        return self.finish_reason == "length" or self.detok.stopped
+
+    @property
     def token_ids(self) -> list[int]:
         """The output's tokens: those the detokenizer took (up to a stop string's last)."""
         return self.detok.token_ids

@@ -28,7 +28,7 @@ def completion(gens: list[Generation]) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": gen.text}
         reason = gen.finish_reason
         if gen.parse_tool_calls:
-            parsed = parse_tool_calls(gen.text)
+            parsed = parse_tool_calls(gen.text, cut=gen.cut)
             message["content"] = parsed.content
             if parsed.tool_calls:
                 message["tool_calls"] = [tool_call_json(call) for call in parsed.tool_calls]
@@ -48,10 +48,11 @@ def tool_call_json(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def tool_stream_deltas(streamer: ToolCallStreamer, text: str, last: bool) -> list[dict[str, Any]]:
+def tool_stream_deltas(streamer: ToolCallStreamer, text: str, gen: Generation) -> list[dict[str, Any]]:
     """The stream chunks' ``delta`` objects for a choice's new text: content outside calls, and each call
-    as its id and name, then its arguments (``last``: the choice's final text; held text is released)."""
-    events = streamer.push(text) + (streamer.finish() if last else [])
+    as its id and name, then its arguments (once ``gen`` finished, held text is released)."""
+    last = gen.finish_reason is not None
+    events = streamer.push(text) + (streamer.finish(gen.cut) if last else [])
     return [
         {"tool_calls": [tool_call_delta_json(e)]} if isinstance(e, ToolCallDelta) else {"content": e.content}
         for e in events

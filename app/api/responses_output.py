@@ -9,14 +9,7 @@ from typing import Any
 
 from app.api.outputs import Generation
 from app.api.response_items import output_item_id
-from app.api.tool_calls import (
-    OPEN_TAG,
-    ContentDelta,
-    ToolCall,
-    ToolCallDelta,
-    ToolCallStreamer,
-    parse_tool_calls,
-)
+from app.api.tool_calls import ContentDelta, ToolCall, ToolCallDelta, ToolCallStreamer
 
 
 def _message(message_id: str, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
@@ -40,25 +33,15 @@ def _function_call(
 
 def output_items(gen: Generation) -> list[dict[str, Any]]:
     """A finished answer's output items: its text as a message (unless a call-parsing answer has none)
-    and its calls (one cut off by the max tokens ``incomplete``), in the order the answer began them, as
-    the stream adds them."""
-    message_id = output_item_id("message", gen.response_id)
+    and its calls (one cut off by the max tokens ``incomplete``), in the order the answer began them;
+    none for an answer cut off as it opened its first call. The items a stream of it ends with: those of
+    ``OutputStream`` given the whole text at once."""
     if not gen.parse_tool_calls:
+        message_id = output_item_id("message", gen.response_id)
         return [_message(message_id, answer_status(gen), [_text_part(gen.text, gen.logprobs)])]
-    parsed = parse_tool_calls(gen.text)
-    items = [
-        _function_call(
-            call,
-            output_item_id("function_call", gen.response_id, index),
-            "completed" if call.complete else "incomplete",
-        )
-        for index, call in enumerate(parsed.tool_calls)
-    ]
-    if parsed.content is not None or not items:
-        text_first = not items or bool(gen.text[: gen.text.find(OPEN_TAG)].strip())
-        message = _message(message_id, answer_status(gen), [_text_part(parsed.content or "")])
-        items.insert(0 if text_first else len(items), message)
-    return items
+    stream = OutputStream(gen.response_id, lambda kind, **fields: kind, ToolCallStreamer())
+    stream.push(gen.text, gen, [])
+    return stream.finish(gen)[1]
 
 
 def answer_status(gen: Generation) -> str:
@@ -91,15 +74,17 @@ class OutputStream:
             self.event("response.content_part.added", part=_text_part(""), **self.where),
         ]
 
-    def push(self, text: str, last: bool, logprobs: list[dict[str, Any]]) -> list[str]:
+    def push(self, text: str, gen: Generation, logprobs: list[dict[str, Any]]) -> list[str]:
         """Events for the answer's new ``text`` (its tokens' ``logprobs``, asked for only without calls to
-        parse; a token whose text is held back, as a stop string's start, has them with no text)."""
+        parse; a token whose text is held back, as a stop string's start, has them with no text); once
+        ``gen`` finished, held text is released."""
         events, self.opened = self.opened, []
         pieces: list[ContentDelta | ToolCallDelta]
         if self.calls is None:
             pieces = [ContentDelta(text)] if text or logprobs else []
         else:
-            pieces = self.calls.push(text) + (self.calls.finish() if last else [])
+            last = gen.finish_reason is not None
+            pieces = self.calls.push(text) + (self.calls.finish(gen.cut) if last else [])
         for piece in pieces:
             if isinstance(piece, ContentDelta):
                 if self.text is None:
@@ -134,7 +119,8 @@ class OutputStream:
 
     def finish(self, gen: Generation) -> tuple[list[str], list[dict[str, Any]]]:
         events = self.opened
-        if self.text is None and not self.items:  # nothing at all: an empty message, as without calls
+        cut_opening = self.calls is not None and self.calls.cut_off  # (as ``output_items``: nothing)
+        if self.text is None and not self.items and not cut_opening:  # nothing: an empty message
             events += self._open()
         if self.text is not None:
             index = self.where["output_index"]

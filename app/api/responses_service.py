@@ -383,7 +383,7 @@ class ResponsesService:
                 gen.response_id, events.text, ToolCallStreamer() if gen.parse_tool_calls else None
             )
             async for delta in outputs.deltas():
-                stream.push(delta.text, delta.finish_reason is not None, delta.logprobs)
+                stream.push(delta.text, gen, delta.logprobs)
                 for event in events.taken():
                     yield event
             _, items = stream.finish(gen)

@@ -11,9 +11,10 @@ Text outside the calls is content. A call is the span from a ``<tool_call>`` to 
 the content as raw text, so the client sees what the model said. An unterminated ``<tool_call>`` (the
 output cut by the max tokens: a started call is constrained to the end) is an incomplete call when its
 name was written, with the arguments' text so far, as OpenAI returns a call cut off; cut before its
-name, it is dropped: markup is never content. ``parse_tool_calls`` reads a whole output;
-``ToolCallStreamer`` reads it delta by delta and reassembles to exactly the same result for any split of
-the text.
+name, it is dropped: markup is never content. So is the start of ``<tool_call>`` (``<tool_``) that ends
+an output cut off by the max tokens or a stop string: a call was being opened. ``parse_tool_calls``
+reads a whole output; ``ToolCallStreamer`` reads it delta by delta and reassembles to exactly the same
+result for any split of the text.
 """
 
 from __future__ import annotations
@@ -124,11 +125,14 @@ def _compact_json(value: dict[str, Any]) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
-def parse_tool_calls(text: str, new_call_id: CallIdFactory = new_call_id) -> ParsedOutput:
+def parse_tool_calls(
+    text: str, new_call_id: CallIdFactory = new_call_id, *, cut: bool = False
+) -> ParsedOutput:
     """Splits a finished output into content and calls; ids come from ``new_call_id``, in order.
 
     Content is the text outside the decoded calls, joined and stripped of leading and trailing
-    whitespace (so the newlines the template puts around calls do not become content).
+    whitespace (so the newlines the template puts around calls do not become content). ``cut``: the
+    output was cut off (the max tokens, a stop string), not ended by the model.
     """
     outside: list[str] = []
     tool_calls: list[ToolCall] = []
@@ -137,9 +141,9 @@ def parse_tool_calls(text: str, new_call_id: CallIdFactory = new_call_id) -> Par
         end = text.find(CLOSE_TAG, start + len(OPEN_TAG))
         outside.append(text[pos:start])
         if end < 0:  # cut off: an incomplete call, or nothing
-            cut = _cut_call(text[start + len(OPEN_TAG) :])
-            if cut is not None:
-                tool_calls.append(ToolCall(new_call_id(), *cut, complete=False))
+            written = _cut_call(text[start + len(OPEN_TAG) :])
+            if written is not None:
+                tool_calls.append(ToolCall(new_call_id(), *written, complete=False))
             pos, cut_off = len(text), True
             break
         decoded = _decode_call(text[start + len(OPEN_TAG) : end])
@@ -148,7 +152,10 @@ def parse_tool_calls(text: str, new_call_id: CallIdFactory = new_call_id) -> Par
         else:
             tool_calls.append(ToolCall(new_call_id(), *decoded))
         pos = end + len(CLOSE_TAG)
-    outside.append(text[pos:])
+    rest = text[pos:]
+    if cut and not cut_off and (opening := _partial_tag_len(rest)):
+        rest, cut_off = rest[:-opening], True
+    outside.append(rest)
     return ParsedOutput("".join(outside).strip() or None, tool_calls, cut_off)
 
 
@@ -211,16 +218,19 @@ class ToolCallStreamer:
                 self._buffer = self._buffer[start + len(OPEN_TAG) :]
                 self._in_call, self._num_scanned_chars = True, 0
 
-    def finish(self) -> list[StreamDelta]:
+    def finish(self, cut: bool = False) -> list[StreamDelta]:
         """Called once after the last ``push``: releases held text; an unterminated call is an incomplete
-        call (or nothing), as ``parse_tool_calls`` reads it."""
+        call (or nothing), as ``parse_tool_calls`` reads it, with the same ``cut``."""
         self._finished = True
         rest, self._buffer = self._buffer, ""
         if not self._in_call:
+            if cut and _partial_tag_len(rest):  # (all of what is held: the open tag's start)
+                self.cut_off = True
+                return []
             return self._content(rest)
         self.cut_off = True
-        cut = _cut_call(rest)
-        return [] if cut is None else self._call(*cut, complete=False)
+        written = _cut_call(rest)
+        return [] if written is None else self._call(*written, complete=False)
 
     def finish_reason(self, engine_reason: str) -> str:
         """``finish_reason`` for the streamed output, once ``finish`` ran."""

@@ -32,21 +32,21 @@ def call(name: str, arguments: Any, *, sep: str = "\n") -> str:
     return f"<tool_call>{sep}{json.dumps({'name': name, 'arguments': arguments})}{sep}</tool_call>"
 
 
-def parse(text: str) -> ParsedOutput:
-    return parse_tool_calls(text, ids())
+def parse(text: str, cut: bool = False) -> ParsedOutput:
+    return parse_tool_calls(text, ids(), cut=cut)
 
 
 def stream(deltas: list[str]) -> list[StreamDelta]:
     return streamed(deltas)[0]
 
 
-def streamed(deltas: list[str]) -> tuple[list[StreamDelta], bool]:
-    """The stream's deltas, and whether it ended inside a call."""
+def streamed(deltas: list[str], cut: bool = False) -> tuple[list[StreamDelta], bool]:
+    """The stream's deltas, and whether it ended inside a call (``cut``: the output was cut off)."""
     streamer = ToolCallStreamer(ids())
     out: list[StreamDelta] = []
     for delta in deltas:
         out += streamer.push(delta)
-    return out + streamer.finish(), streamer.cut_off
+    return out + streamer.finish(cut), streamer.cut_off
 
 
 def reassemble(deltas: list[StreamDelta], cut_off: bool = False) -> ParsedOutput:
@@ -156,6 +156,20 @@ def test_a_call_cut_off_is_incomplete_once_named_and_dropped_before_never_conten
         assert reassemble(*streamed([text[:20], text[20:]])) == parse(text), tail
 
 
+def test_an_output_cut_off_as_it_opened_a_call_leaves_the_tag_out() -> None:
+    """``required`` cut by the max tokens after a few characters: the start of ``<tool_call>`` is no
+    content (as a call cut before its name); one the model ended on itself is its text."""
+    for partial in ("<", "<to", "<tool_", "<tool_call"):
+        assert parse(partial, cut=True) == ParsedOutput(None, [], cut_off=True), partial
+        assert reassemble(*streamed([partial[:2], partial[2:]], cut=True)) == parse(partial, cut=True)
+        assert parse(partial) == ParsedOutput(partial, [])
+    assert parse("Let me look. <tool", cut=True) == ParsedOutput("Let me look.", [], cut_off=True)
+    two = call("f", {}) + "\n<tool_"
+    assert parse(two, cut=True) == ParsedOutput(None, [ToolCall("call_0", "f", "{}")], cut_off=True)
+    assert finish_reason(parse(two, cut=True), "length") == "length"
+    assert parse("a <tool_box>", cut=True) == ParsedOutput("a <tool_box>", [])  # no tag's start at its end
+
+
 def test_stream_emits_id_and_name_first_then_arguments() -> None:
     assert stream(["Hi ", "<tool", "_call>", '{"name": "f", ', '"arguments": {"a": 1}}', "</tool_call>"]) == [
         ContentDelta("Hi"),
@@ -250,17 +264,22 @@ unterminated = st.sampled_from(
 
 
 @settings(max_examples=300, deadline=None)
-@given(body=texts, tail=unterminated, cuts=st.lists(st.integers(min_value=0), max_size=8), data=st.data())
+@given(
+    body=texts,
+    tail=unterminated,
+    cuts=st.lists(st.integers(min_value=0), max_size=8),
+    cut=st.booleans(),
+)
 def test_any_split_of_any_text_reassembles_to_the_parse(
-    body: str, tail: str, cuts: list[int], data: Any
+    body: str, tail: str, cuts: list[int], cut: bool
 ) -> None:
     text = body + tail
-    points = sorted({cut % (len(text) + 1) for cut in cuts})
+    points = sorted({point % (len(text) + 1) for point in cuts})
     deltas = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
-    assert reassemble(*streamed(deltas)) == parse(text)
+    assert reassemble(*streamed(deltas, cut)) == parse(text, cut)
 
 
 @settings(max_examples=100, deadline=None)
-@given(text=texts)
-def test_char_by_char_stream_reassembles_to_the_parse(text: str) -> None:
-    assert reassemble(*streamed(list(text))) == parse(text)
+@given(text=texts, cut=st.booleans())
+def test_char_by_char_stream_reassembles_to_the_parse(text: str, cut: bool) -> None:
+    assert reassemble(*streamed(list(text), cut)) == parse(text, cut)

@@ -1,0 +1,99 @@
+"""A response's output items, whole (``output_items``) and as a stream builds them (``OutputStream``): for
+any answer the tiny Qwen2.5-VL could write, split anyhow, ended by the model or cut off, the stream's
+items are the whole answer's, and its events add each item once, at its place."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from app.api.detokenizer import IncrementalDetokenizer
+from app.api.outputs import Generation
+from app.api.responses_output import OutputStream, output_items
+from app.api.tool_calls import ToolCallStreamer
+from tests.unit.test_tool_calls import texts, unterminated
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Callable[[str], Path]) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_model("qwen2_5_vl"))
+
+
+def generation(tokenizer: PreTrainedTokenizerBase, finish_reason: str | None) -> Generation:
+    return Generation(
+        req_id="r",
+        response_id="resp_0123",
+        index=0,
+        model_name="tiny-qwen2_5_vl",
+        arrival=0.0,
+        num_prompt_tokens=1,
+        num_cached_tokens=0,
+        want_logprobs=False,
+        detok=IncrementalDetokenizer(tokenizer),
+        finish_reason=finish_reason,
+        parse_tool_calls=True,
+    )
+
+
+def streamed(
+    tokenizer: PreTrainedTokenizerBase, pieces: list[str], reason: str
+) -> tuple[list[tuple[str, dict[str, Any]]], list[dict[str, Any]]]:
+    """The stream's events (kind, fields) and items, the answer arriving in ``pieces``."""
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    def event(kind: str, **fields: Any) -> str:
+        events.append((kind, json.loads(json.dumps(fields))))
+        return kind
+
+    gen = generation(tokenizer, None)
+    stream = OutputStream(gen.response_id, event, ToolCallStreamer())
+    for number, piece in enumerate(pieces, 1):
+        gen.text += piece
+        gen.finish_reason = reason if number == len(pieces) else None
+        stream.push(piece, gen, [])
+    _, items = stream.finish(gen)
+    return events, items
+
+
+def without_call_ids(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in item.items() if k != "call_id"} for item in items]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    body=texts,
+    tail=unterminated,
+    cuts=st.lists(st.integers(min_value=0), max_size=6),
+    reason=st.sampled_from(["stop", "length"]),
+)
+def test_a_streamed_answer_has_the_whole_answers_items(
+    tokenizer: PreTrainedTokenizerBase, body: str, tail: str, cuts: list[int], reason: str
+) -> None:
+    text = body + tail
+    points = sorted({point % (len(text) + 1) for point in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+    gen = generation(tokenizer, reason)
+    gen.text = text
+    events, items = streamed(tokenizer, pieces, reason)
+    assert without_call_ids(items) == without_call_ids(output_items(gen))
+    added = [fields["output_index"] for kind, fields in events if kind == "response.output_item.added"]
+    done = [fields["output_index"] for kind, fields in events if kind == "response.output_item.done"]
+    assert added == list(range(len(items))) and sorted(done) == added
+
+
+def test_an_answer_cut_as_it_opens_a_call_has_no_item(tokenizer: PreTrainedTokenizerBase) -> None:
+    gen = generation(tokenizer, "length")
+    gen.text = "<tool_"
+    assert output_items(gen) == []
+    events, items = streamed(tokenizer, ["<to", "ol_"], "length")
+    assert items == [] and events == []
+    gen.finish_reason = "stop"  # the model ended it there itself: its text
+    [message] = output_items(gen)
+    assert message["content"][0]["text"] == "<tool_"
