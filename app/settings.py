@@ -263,9 +263,9 @@ class Settings(BaseSettings):
     # NoDecode: MMSERVE_API_KEY reaches the validator as text ("k1,k2"), as the repeated flag's list does
     api_key: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Require 'Authorization: Bearer <key>' on /v1/* and /reset_mm_cache; repeat the flag "
-        "(or give MMSERVE_API_KEY as k1,k2) for several keys, each a tenant with its own media ids "
-        "(default: no auth).",
+        description="Require 'Authorization: Bearer <key>' on /v1/*, /tokenize, /detokenize and "
+        "/reset_mm_cache; repeat the flag (or give MMSERVE_API_KEY as k1,k2) for several keys, each a "
+        "tenant with its own media ids (default: no auth).",
     )
     mm_uuid_cache_entries: int = Field(
         65536,

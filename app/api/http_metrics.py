@@ -1,11 +1,14 @@
 """Counts every HTTP response of an API process by route and status code
 (``mmserve_http_requests_total``): the outermost ASGI middleware, so the guards' refusals (401, 413, the
 drain's 503) count as well as the routes' answers. A response counts with the status it started with: an
-error after a stream began goes out as an SSE event under 200 (``app.api.error_handlers``)."""
+error after a stream began goes out as an SSE event under 200 (``app.api.error_handlers``). A route
+with parameters counts under its path template (``/v1/responses/{response_id}``), never the id sent."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+from starlette.routing import Match, Route
 
 from app.api.asgi_types import ASGIApp, Message, Receive, Scope, Send
 
@@ -13,10 +16,22 @@ OTHER_ROUTE = "other"  # any path the app has no route for: one label value, wha
 
 
 class HttpMetrics:
-    def __init__(self, app: ASGIApp, *, routes: Iterable[str]) -> None:
-        """``routes``: the app's route paths (all static), the only values of the ``route`` label."""
+    def __init__(self, app: ASGIApp, *, routes: Iterable[Route]) -> None:
+        """``routes``: the app's routes; their paths (templates) are the only values of the ``route``
+        label."""
         self.app = app
-        self.routes = frozenset(routes)
+        self.static = frozenset(route.path for route in routes if not route.param_convertors)
+        self.templated = [route for route in routes if route.param_convertors]
+
+    def route(self, scope: Scope) -> str:
+        """The label of a request's route: its path, the template of a route with parameters that
+        matches it (whatever the method: a 405 counts under its route), else ``OTHER_ROUTE``."""
+        if scope["path"] in self.static:
+            return str(scope["path"])
+        for route in self.templated:
+            if route.matches(scope)[0] is not Match.NONE:
+                return route.path
+        return OTHER_ROUTE
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -36,5 +51,4 @@ class HttpMetrics:
             # the lifespan creates the metrics; a server listens only after it ran
             state = getattr(scope["app"].state, "mmserve", None)
             if state is not None:
-                route = scope["path"] if scope["path"] in self.routes else OTHER_ROUTE
-                state.metrics.http_requests.labels(route=route, status=status).inc()
+                state.metrics.http_requests.labels(route=self.route(scope), status=status).inc()

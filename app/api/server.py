@@ -144,5 +144,5 @@ def create_app(
         app.include_router(router)
     # added last: the outermost middleware, so it sees the guards' refusals too
     routes = [*app.routes, *(route for router in ROUTERS for route in router.routes)]
-    app.add_middleware(HttpMetrics, routes=[route.path for route in routes if isinstance(route, Route)])
+    app.add_middleware(HttpMetrics, routes=[route for route in routes if isinstance(route, Route)])
     return app

@@ -1,5 +1,6 @@
 """``mmserve_http_requests_total{route,status}``: the outermost middleware counts every response, the
-request guards' refusals and unexpected exceptions included, with unknown paths under one label value;
+request guards' refusals and unexpected exceptions included, a route with parameters under its template
+and unknown paths under one label value;
 the chat route's statuses are exported at 0 before the first request."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from types import SimpleNamespace
 
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from starlette.routing import Route
 
 from app.api.http_metrics import OTHER_ROUTE, HttpMetrics
 from app.api.request_guards import RequestGuards
@@ -22,12 +24,16 @@ def _app(metrics: ApiMetrics) -> FastAPI:
     async def listing() -> dict[str, str]:
         return {"object": "list"}
 
+    @app.get("/v1/models/{model}")
+    async def card(model: str) -> dict[str, str]:
+        return {"id": model}
+
     @app.get("/boom")
     async def boom() -> None:
         raise RuntimeError("a bug")
 
     app.add_middleware(RequestGuards, api_key="k", max_body_bytes=10)
-    app.add_middleware(HttpMetrics, routes=["/v1/models", "/boom"])
+    app.add_middleware(HttpMetrics, routes=[route for route in app.routes if isinstance(route, Route)])
     app.state.mmserve = SimpleNamespace(metrics=metrics)
     return app
 
@@ -40,6 +46,9 @@ def test_every_response_is_counted_by_route_and_status() -> None:
     assert client.get("/v1/models", headers=auth).status_code == 200
     assert client.get("/v1/models").status_code == 401  # refused by the guard, before any route
     assert client.get("/boom").status_code == 500
+    assert client.get("/v1/models/a", headers=auth).status_code == 200  # counted by the template
+    assert client.get("/v1/models/b", headers=auth).status_code == 200
+    assert client.delete("/v1/models/b", headers=auth).status_code == 405
     assert client.get("/nowhere/1").status_code == 404
     assert client.get("/nowhere/2").status_code == 404
 
@@ -51,6 +60,8 @@ def test_every_response_is_counted_by_route_and_status() -> None:
         'mmserve_http_requests_total{route="/v1/models",status="200"}': 2.0,
         'mmserve_http_requests_total{route="/v1/models",status="401"}': 1.0,
         'mmserve_http_requests_total{route="/boom",status="500"}': 1.0,
+        'mmserve_http_requests_total{route="/v1/models/{model}",status="200"}': 2.0,
+        'mmserve_http_requests_total{route="/v1/models/{model}",status="405"}': 1.0,
         f'mmserve_http_requests_total{{route="{OTHER_ROUTE}",status="404"}}': 2.0,
     }
 
