@@ -110,7 +110,7 @@ def _kind(item: dict[str, Any]) -> str:
 
 def _listed(item: dict[str, Any], index: int, image_urls: bool, logprobs: bool) -> dict[str, Any]:
     """A stored item in the shape OpenAI lists it: a message's content always parts (an assistant's
-    ``output_text``), every item with its ``status``. An item stored before items had ids is named by
+    text ``output_text``), every item with its ``status``. An item stored before items had ids is named by
     its place."""
     kind = _kind(item)
     listed = {"id": item.get("id", f"item_{index}"), "type": kind, "status": item.get("status", "completed")}
@@ -121,10 +121,12 @@ def _listed(item: dict[str, Any], index: int, image_urls: bool, logprobs: bool) 
     if isinstance(content, str):
         text_type = "output_text" if role == "assistant" else "input_text"
         content = [{"type": text_type, "text": content}]
-    return {**listed, "role": role, "content": [_part(part, image_urls, logprobs) for part in content]}
+    return {**listed, "role": role, "content": [_part(part, role, image_urls, logprobs) for part in content]}
 
 
-def _part(part: dict[str, Any], image_urls: bool, logprobs: bool) -> dict[str, Any]:
+def _part(part: dict[str, Any], role: str, image_urls: bool, logprobs: bool) -> dict[str, Any]:
+    if role == "assistant" and part["type"] == "input_text":  # (OpenAI's input shape takes it)
+        part = {**part, "type": "output_text"}
     if part["type"] == "output_text":
         return {"annotations": [], **part} if logprobs else {"annotations": [], **part, "logprobs": []}
     if part["type"] == "input_image":

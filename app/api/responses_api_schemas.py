@@ -87,13 +87,22 @@ def _each(values: list[Any], validate: Callable[[Any], Any], title: str) -> list
     return results
 
 
-def _part(part: Any) -> Any:
+def _part(part: Any, role: str | None = None) -> Any:
+    """A content part (of a message by ``role``: an assistant's parts are text, and only an assistant's
+    text is ``output_text``, as OpenAI's item shapes have them)."""
     kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "output_text" and role not in (None, "assistant"):
+        raise ValueError(f"output_text is an assistant message's text: a {role} message's is input_text")
     if kind in ("input_text", "output_text"):
         return InputText.model_validate(part)
     if kind == "input_image":
+        if role == "assistant":
+            raise ValueError("an assistant message holds text (output_text), not images")
         return InputImage.model_validate(part)
     raise ValueError(f"content part type {kind!r} is not supported (input_text, input_image, output_text)")
+
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"] | None  # an item sent back: OpenAI's
 
 
 class InputMessage(_Body):
@@ -101,14 +110,15 @@ class InputMessage(_Body):
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[Annotated[InputText | InputImage, Field()]]
     id: ItemId = None  # an earlier output item sent back
-    status: str | None = None
+    status: ItemStatus = None
     phase: Literal["commentary", "final_answer"] | None = None  # a reasoning model's label: not used
 
     @field_validator("content", mode="before")
     @classmethod
-    def _parts(cls, content: Any) -> Any:
+    def _parts(cls, content: Any, info: ValidationInfo) -> Any:
         if isinstance(content, list):
-            return _each(content, _part, "content")
+            role = info.data.get("role", "user")
+            return _each(content, lambda part: _part(part, role), "content")
         return content
 
 
@@ -120,7 +130,7 @@ class FunctionCallItem(_Body):
     name: str
     arguments: str
     id: ItemId = None
-    status: str | None = None
+    status: ItemStatus = None
     # what the SDK's own call objects carry, dumped: hosted tools' fields, none of which a call here has
     caller: None = None
     namespace: None = None
@@ -135,7 +145,7 @@ class FunctionCallOutputItem(_Body):
     call_id: str = Field(min_length=1)
     output: str
     id: ItemId = None
-    status: str | None = None
+    status: ItemStatus = None
     # as on a call: what the SDK's listed output items carry, only null
     caller: None = None
     name: None = None

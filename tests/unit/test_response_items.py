@@ -24,6 +24,7 @@ CONVERSATION = [
     {"type": "function_call", "call_id": "call_1", "name": "click", "arguments": "{}", "id": "fc_1"},
     {"type": "function_call_output", "call_id": "call_1", "output": "done"},
     {"role": "assistant", "content": "resent as a string"},
+    {"role": "assistant", "content": [{"type": "input_text", "text": "resent as input_text"}]},
     {"role": "user", "content": "and now?"},
 ]  # fmt: skip
 OUTPUT = [
@@ -44,14 +45,14 @@ def stored() -> list[dict[str, Any]]:
 def test_items_without_an_id_get_one_that_names_their_response_and_ids_are_kept() -> None:
     ids = [item["id"] for item in with_ids(CONVERSATION, RESPONSE_ID)]
     assert ids[1] == "msg_1" and ids[2] == "fc_1"
-    assert [i.split("_")[0] for i in ids] == ["msg", "msg", "fc", "fco", "msg", "msg"]
+    assert [i.split("_")[0] for i in ids] == ["msg", "msg", "fc", "fco", "msg", "msg", "msg"]
     assert len(set(ids)) == len(ids)
     outputs = [
         output_item_id("message", RESPONSE_ID),
         *(output_item_id("function_call", RESPONSE_ID, n) for n in (0, 1)),
     ]
     assert len(set(ids + outputs)) == len(ids) + 3
-    assert [made_by(i) for i in ids] == [RESPONSE_ID, None, None, RESPONSE_ID, RESPONSE_ID, RESPONSE_ID]
+    assert [made_by(i) for i in ids] == [RESPONSE_ID, None, None, *[RESPONSE_ID] * 4]
     assert {made_by(i) for i in outputs} == {RESPONSE_ID}
     for other in (
         "msg_1",
@@ -79,7 +80,10 @@ def test_the_list_is_the_input_in_openais_shapes_without_the_output() -> None:
         {"type": "output_text", "text": "resent as a string", "annotations": [], "logprobs": []}
     ]
     assert data[1]["content"][0]["logprobs"] == []  # only with include message.output_text.logprobs
-    assert data[5]["content"] == [{"type": "input_text", "text": "and now?"}]
+    assert data[5]["content"] == [
+        {"type": "output_text", "text": "resent as input_text", "annotations": [], "logprobs": []}
+    ]
+    assert data[6]["content"] == [{"type": "input_text", "text": "and now?"}]
     assert data[3]["status"] == "completed" and data[3]["output"] == "done"
     assert (listed["first_id"], listed["last_id"], listed["has_more"]) == (
         data[0]["id"],

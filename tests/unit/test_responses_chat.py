@@ -328,6 +328,29 @@ def test_item_ids_are_bounded_and_a_null_type_is_no_type() -> None:
     assert type(message).__name__ == "InputMessage"
 
 
+def test_parts_are_those_of_the_messages_role_and_a_status_is_openais() -> None:
+    """An assistant's parts are text (``input_text`` taken, as OpenAI's input shape has it); only an
+    assistant's text is ``output_text``; an item's status is one of OpenAI's three."""
+    text = {"type": "input_text", "text": "x"}
+    request(input=[{"role": "assistant", "content": [text]}])
+    output_text = {"type": "output_text", "text": "x"}
+    for role in ("user", "system", "developer"):
+        param, message = refusal(input=[{"role": role, "content": [output_text]}])
+        assert param == "input[0].content[0]" and "assistant" in message, (param, message)
+    param, message = refusal(
+        input=[{"role": "assistant", "content": [{"type": "input_image", "image_url": IMAGE}]}]
+    )
+    assert param == "input[0].content[0]" and "not images" in message
+    for item in (
+        {"role": "user", "content": "a", "status": "bogus"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "status": "weird"},
+        {"type": "function_call_output", "call_id": "c", "output": "x", "status": "done"},
+    ):
+        param, _ = refusal(input=[item])
+        assert param == "input[0].status", param
+    request(input=[{"role": "user", "content": "a", "status": "completed"}])
+
+
 def test_a_call_in_the_history_of_a_model_without_a_tool_format_is_named() -> None:
     llava = SimpleNamespace(tool_chat_template=None, tool_call_parser=None, config={"model_type": "llava"})
     items = [
