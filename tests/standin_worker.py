@@ -36,6 +36,8 @@ Options (keyword arguments; "steps" are step ids):
                                     its loads, encodes and saves) or "encoder" (before any of them)
     lose_steps                      the worker dies on receiving the step (nothing of it applied)
     delay_s {step: seconds}         the reply comes that late, reporting that many step_seconds
+    held {step: threading.Event}    the reply waits until the test sets the event (in process: a reply
+                                    late for sure, however busy the machine)
     drop_replies                    the step runs but is never answered (in process: a timeout)
     undecodable_steps               answered as if frame 0 could not be decoded
     misnumber_replies               every reply carries step id + this (a protocol violation)
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -102,6 +105,7 @@ class StandinWorker:
         fail_stage: Literal["encoder", "forward"] = "forward",
         lose_steps: Collection[int] = (),
         delay_s: Mapping[int, float] | None = None,
+        held: Mapping[int, threading.Event] | None = None,
         drop_replies: Collection[int] = (),
         undecodable_steps: Collection[int] = (),
         misnumber_replies: int = 0,
@@ -122,6 +126,7 @@ class StandinWorker:
         self.fail_steps, self.fail_stage = dict(fail_steps or {}), fail_stage
         self.lose_steps, self.drop_replies = set(lose_steps), set(drop_replies)
         self.delay_s = dict(delay_s or {})
+        self.held = dict(held or {})
         self.undecodable_steps = set(undecodable_steps)
         self.misnumber_replies = misnumber_replies
 
@@ -205,6 +210,8 @@ class StandinWorker:
                 reply = WorkerError(sched.step_id, str(exc), exc.unavailable_mm_hashes)
         delay_s = self.delay_s.get(sched.step_id, 0.0)
         time.sleep(delay_s)
+        if sched.step_id in self.held:
+            assert self.held[sched.step_id].wait(60), f"step {sched.step_id} was never released"
         if isinstance(reply, RunnerOutput) and delay_s:  # busy all that time, as far as the engine knows
             reply = msgspec.structs.replace(reply, step_seconds=delay_s)
         if sched.step_id in self.drop_replies:

@@ -29,8 +29,8 @@ def step(step_id: int) -> SchedulerOutput:
     return SchedulerOutput(step_id, [], {}, [], [], [])
 
 
-# The step timeout of the tests of it: the stand-in's late answers (0.5 s, 0.6 s) miss it, and a busy
-# machine only makes them later.
+# The step timeout of the tests of it: the stand-in holds the answer it must miss until the client gave
+# up on it (``held``), so a busy machine cannot make it come in time.
 SHORT_TIMEOUT_S = 0.3
 # The step timeout an answered step meets even on a busy machine.
 ANSWERED_TIMEOUT_S = 5.0
@@ -87,12 +87,14 @@ def test_two_steps_in_flight_are_answered_in_order(client: tuple[WorkerClient, s
 
 def test_a_late_reply_is_discarded_by_step_id(client: tuple[WorkerClient, str]) -> None:
     c, addr = client
-    with serving(StandinWorker(delay_s={1: 0.6}), addr):
+    release = threading.Event()
+    with serving(StandinWorker(held={1: release}), addr):
         assert c.poll_ready(timeout_s=5) is not None
         c.step_timeout_s = SHORT_TIMEOUT_S
         with pytest.raises(WorkerFailed, match="did not answer step 1") as failed:
             c.execute(step(1), [])
         assert not isinstance(failed.value, WorkerLost)
+        release.set()
         c.step_timeout_s = ANSWERED_TIMEOUT_S
         assert c.execute(step(2), []) == output(2)  # step 1's answer came first and was dropped
         assert c.execute(step(3), []) == output(3)
@@ -101,11 +103,13 @@ def test_a_late_reply_is_discarded_by_step_id(client: tuple[WorkerClient, str]) 
 
 def test_a_late_reply_arriving_while_idle_is_discarded(client: tuple[WorkerClient, str]) -> None:
     c, addr = client
-    with serving(StandinWorker(delay_s={1: 0.5}), addr):
+    release = threading.Event()
+    with serving(StandinWorker(held={1: release}), addr):
         assert c.poll_ready(timeout_s=5) is not None
         c.step_timeout_s = SHORT_TIMEOUT_S
         with pytest.raises(WorkerFailed):
             c.execute(step(1), [])
+        release.set()
         c.step_timeout_s = ANSWERED_TIMEOUT_S
         deadline = time.monotonic() + 5
         while c.num_stale_replies == 0 and time.monotonic() < deadline:
@@ -117,12 +121,14 @@ def test_a_late_reply_arriving_while_idle_is_discarded(client: tuple[WorkerClien
 
 def test_worker_errors_are_matched_by_step_id_too(client: tuple[WorkerClient, str]) -> None:
     c, addr = client
-    worker = StandinWorker(fail_steps={1: "late error", 2: "boom"}, delay_s={1: 0.5}, undecodable_steps={3})
+    release = threading.Event()
+    worker = StandinWorker(fail_steps={1: "late error", 2: "boom"}, held={1: release}, undecodable_steps={3})
     with serving(worker, addr):
         assert c.poll_ready(timeout_s=5) is not None
         c.step_timeout_s = SHORT_TIMEOUT_S
         with pytest.raises(WorkerFailed, match="did not answer"):
             c.execute(step(1), [])
+        release.set()
         c.step_timeout_s = ANSWERED_TIMEOUT_S
         with pytest.raises(WorkerFailed, match="failed step 2: boom"):
             c.execute(step(2), [])
