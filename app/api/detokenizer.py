@@ -75,6 +75,9 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._released: list[str] = []
         self._pending = ""  # decoded, held back while it could be the start of a stop string
+        self._uncounted = (
+            0  # how much of ``_pending`` came within the first ``min_tokens``: no stop ends there
+        )
         self._finished = False
         self._max_stop_chars = max((len(s) for s in self.stop), default=0)
         # The Rust tokenizer's decode skips transformers' Python wrapper: several times faster per call.
@@ -103,6 +106,7 @@ class IncrementalDetokenizer:
             self._prefix_offset,
             self._read_offset,
             self._pending,
+            self._uncounted,
             len(self._released),
         )
         self.token_ids.extend(token_ids)
@@ -113,7 +117,7 @@ class IncrementalDetokenizer:
             return released  # decoded whole, and no stop string in it: one decode for the batch
         # a stop string in the batch, or a tail held back (half a character) that may hide one: again
         # one id at a time, so that ``token_ids`` ends with the one that completed it
-        num_ids, self._prefix_offset, self._read_offset, self._pending, num_released = before
+        num_ids, self._prefix_offset, self._read_offset, self._pending, self._uncounted, num_released = before
         del self.token_ids[num_ids:], self._released[num_released:]
         self.stopped, self.stop_str = False, None
         pieces = []
@@ -165,14 +169,18 @@ class IncrementalDetokenizer:
 
     def _release(self, new_text: str, *, final: bool) -> str:
         pending = self._pending + new_text
-        if self.stop and len(self.token_ids) > self.min_tokens:
-            matches = [(pos, s) for s in self.stop if (pos := pending.find(s)) >= 0]
+        counted = len(self.token_ids) > self.min_tokens
+        if self.stop and counted:
+            # only a stop string that ends past the text of the first ``min_tokens`` tokens
+            starts = [(s, max(0, self._uncounted - len(s) + 1)) for s in self.stop]
+            matches = [(pos, s) for s, start in starts if (pos := pending.find(s, start)) >= 0]
             if matches:
                 pos, stop_str = min(matches, key=lambda match: (match[0], -len(match[1])))
                 self.stopped, self.stop_str = True, stop_str
                 return self._emit(pending[: pos + len(stop_str) if self.include_stop_str else pos], "")
         num_held_chars = 0 if final else self._stop_prefix_chars(pending)
         cut = len(pending) - num_held_chars
+        self._uncounted = max(0, self._uncounted - cut) if counted else num_held_chars
         return self._emit(pending[:cut], pending[cut:])
 
     def _emit(self, delta: str, pending: str) -> str:
@@ -185,7 +193,7 @@ class IncrementalDetokenizer:
         """Length of the longest tail of ``pending`` that is a proper prefix of a stop string."""
         for size in range(min(self._max_stop_chars - 1, len(pending)), 0, -1):
             tail = pending[-size:]
-            if any(s.startswith(tail) for s in self.stop):
+            if any(len(s) > size and s.startswith(tail) for s in self.stop):
                 return size
         return 0
 

@@ -97,6 +97,13 @@ def sampling_params(
             f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the messages, "
             f"{max_tokens} in the completion)."
         )
+    if body.min_tokens > max_tokens:  # (one given with the request is checked with the body)
+        raise InvalidRequestError(
+            f"min_tokens ({body.min_tokens}) must not exceed the max tokens ({max_tokens}, the default "
+            f"for {num_prompt_tokens} prompt tokens): give max_tokens, or fewer min_tokens.",
+            param="min_tokens",
+            code="invalid_value",
+        )
     top_k = defaults.top_k if body.top_k is None else body.top_k
     logit_bias = {int(key): value for key, value in (body.logit_bias or {}).items()}
     _check_vocab("logit_bias", logit_bias, vocab_size)

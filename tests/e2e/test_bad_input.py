@@ -101,6 +101,7 @@ HI = [{"role": "user", "content": "hi"}]
         ({"seed": 2**64}, "seed"),
         ({"top_k": 2**64}, "top_k"),
         ({"min_tokens": 2**64}, "min_tokens"),
+        ({"max_tokens": None, "min_tokens": 5000}, "min_tokens"),  # past the default max tokens too
     ],
 )
 def test_each_bad_parameter_is_a_400_naming_it(

@@ -6,6 +6,8 @@ import json
 import random
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -258,3 +260,46 @@ def test_min_tokens_counts_only_stop_strings_ending_past_them(tokenizer: PreTrai
     k = next(k for k in range(2, len(ids)) if "\ufffd" not in tokenizer.decode(ids[:k]))
     detok = IncrementalDetokenizer(tokenizer, stop=[tokenizer.decode(ids[:k])], min_tokens=k - 1)
     assert "".join(_stream(detok, ids)) == "" and detok.stopped
+
+
+def test_min_tokens_ignores_a_whole_stop_string_held_for_a_longer_one(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    """A stop string whole within the first tokens is text even where another stop string starts with
+    it, or is longer: it did not end past them (held back, it used to match with the next token)."""
+    ids = tokenizer.encode("hello world, the quick brown fox", add_special_tokens=False)
+    assert tokenizer.decode(ids[:1]) == "hello"  # ("hello" once: no stop string below ends past it)
+    for stop in (["hello", "zz"], ["hello", "hello!"], ["hell", "hello!"]):
+        detok = IncrementalDetokenizer(tokenizer, stop=stop, min_tokens=1)
+        assert "".join(_stream(detok, ids)) == tokenizer.decode(ids), stop
+        assert not detok.stopped
+
+
+ASCII = "hello world, the quick brown fox jumps over the lazy dog"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), min_tokens=st.integers(0, 12), chunk=st.sampled_from([1, 2, 5]))
+def test_a_stop_string_ends_the_text_where_it_first_ends_past_min_tokens(
+    tokenizer: PreTrainedTokenizerFast, data: st.DataObject, min_tokens: int, chunk: int
+) -> None:
+    """Against the rule itself, token by token: the first token past ``min_tokens`` whose text completes
+    a stop string that ends past the first ``min_tokens`` tokens' text ends the answer, before the
+    earliest such string (the longest where two start together)."""
+    ids = tokenizer.encode(ASCII, add_special_tokens=False)
+    texts = [tokenizer.decode(ids[:k]) for k in range(len(ids) + 1)]  # ASCII: whole characters
+    spans = st.tuples(st.integers(0, len(ASCII) - 1), st.integers(1, 4))
+    stop = sorted({ASCII[a : a + n] for a, n in data.draw(st.lists(spans, min_size=1, max_size=3))})
+    expected, floor = texts[-1], len(texts[min(min_tokens, len(ids))])
+    for k in range(min_tokens + 1, len(ids) + 1):
+        found = [
+            (pos, -len(s), s)
+            for s in stop
+            for pos in range(len(texts[k]))
+            if texts[k].startswith(s, pos) and pos + len(s) > floor
+        ]
+        if found:
+            expected = texts[k][: min(found)[0]]
+            break
+    detok = IncrementalDetokenizer(tokenizer, stop=stop, min_tokens=min_tokens)
+    assert "".join(_stream(detok, ids, chunk)) == expected == detok.text, (stop, min_tokens)
