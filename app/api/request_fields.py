@@ -66,7 +66,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "add_special_tokens": ((None, False), "the chat template adds the special tokens"),
     "media_io_kwargs": ((None,), "use mm_processor_kwargs"),
     "priority": ((None, 0), "requests are served first come, first served"),
-    "logits_processors": ((None,), _NOT_SUPPORTED),
+    "logits_processors": ((None, []), _NOT_SUPPORTED),
     "return_tokens_as_token_ids": ((None, False), _NOT_SUPPORTED),
     "return_token_ids": ((None, False), _NOT_SUPPORTED),
     "return_token_offsets": ((None, False), _NOT_SUPPORTED),
