@@ -55,7 +55,9 @@ class OutputStream:
     """A streamed answer's output-item events, built as its text arrives: the message opened with its
     first text (at once for an answer that parses no calls) and each call once it closed (app/api/
     tool_calls.py), in output order; ``finish`` closes what is open and returns the items, with the
-    ids the events used, for the final ``response`` object."""
+    ids the events used, for the final ``response`` object. As OpenAI's, an item is done before the
+    next is added: a call that closes while the message is open (text came first, and more may follow)
+    is added once the message is done, at the answer's end."""
 
     def __init__(self, response_id: str, event: Event, calls: ToolCallStreamer | None) -> None:
         self.response_id, self.event, self.calls = response_id, event, calls
@@ -63,6 +65,7 @@ class OutputStream:
         self.items: list[dict[str, Any]] = []
         self.text: str | None = None  # the message's text, once opened
         self.where: dict[str, Any] = {}
+        self.later: list[ToolCallDelta] = []  # calls that closed while the message was open
         self.opened: list[str] = [] if calls is not None else self._open()
 
     def _open(self) -> list[str]:
@@ -95,27 +98,29 @@ class OutputStream:
                         "response.output_text.delta", delta=piece.content, logprobs=logprobs, **self.where
                     )
                 )
-            elif piece.id is not None:  # a call's first delta: its id and name
-                call = ToolCall(piece.id, piece.name or "", "")
-                item_id = output_item_id("function_call", self.response_id, piece.index)
-                self.items.append(_function_call(call, item_id, "in_progress", ""))
-                events.append(
-                    self.event(
-                        "response.output_item.added", output_index=len(self.items) - 1, item=self.items[-1]
-                    )
-                )
+            elif self.text is not None:
+                self.later.append(piece)
             else:
-                index, item = len(self.items) - 1, self.items[-1]
-                item.update(arguments=piece.arguments, status="completed" if piece.complete else "incomplete")
-                where = {"item_id": item["id"], "output_index": index}
-                events.append(
-                    self.event("response.function_call_arguments.delta", delta=piece.arguments, **where)
-                )
-                events.append(
-                    self.event("response.function_call_arguments.done", arguments=piece.arguments, **where)
-                )
-                events.append(self.event("response.output_item.done", output_index=index, item=item))
+                events += self._call(piece)
         return events
+
+    def _call(self, piece: ToolCallDelta) -> list[str]:
+        """The events of a call's delta: its first (id and name) adds its item, the next (its arguments)
+        completes it."""
+        if piece.id is not None:
+            call = ToolCall(piece.id, piece.name or "", "")
+            item_id = output_item_id("function_call", self.response_id, piece.index)
+            self.items.append(_function_call(call, item_id, "in_progress", ""))
+            index = len(self.items) - 1
+            return [self.event("response.output_item.added", output_index=index, item=self.items[index])]
+        index, item = len(self.items) - 1, self.items[-1]
+        item.update(arguments=piece.arguments, status="completed" if piece.complete else "incomplete")
+        where = {"item_id": item["id"], "output_index": index}
+        return [
+            self.event("response.function_call_arguments.delta", delta=piece.arguments, **where),
+            self.event("response.function_call_arguments.done", arguments=piece.arguments, **where),
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
 
     def finish(self, gen: Generation) -> tuple[list[str], list[dict[str, Any]]]:
         events = self.opened
@@ -133,6 +138,8 @@ class OutputStream:
                 self.event("response.content_part.done", part=part, **self.where),
                 self.event("response.output_item.done", output_index=index, item=self.items[index]),
             ]
+        for piece in self.later:
+            events += self._call(piece)
         return events, self.items
 
 

@@ -83,9 +83,27 @@ def test_a_streamed_answer_has_the_whole_answers_items(
     gen.text = text
     events, items = streamed(tokenizer, pieces, reason)
     assert without_call_ids(items) == without_call_ids(output_items(gen))
-    added = [fields["output_index"] for kind, fields in events if kind == "response.output_item.added"]
-    done = [fields["output_index"] for kind, fields in events if kind == "response.output_item.done"]
-    assert added == list(range(len(items))) and sorted(done) == added
+    # each item added once, in output order, and done before the next is added (as OpenAI streams)
+    changes = [
+        (kind, fields["output_index"]) for kind, fields in events if kind.startswith("response.output_item")
+    ]
+    assert changes == [
+        (f"response.output_item.{change}", index)
+        for index in range(len(items))
+        for change in ("added", "done")
+    ]
+
+
+def test_a_call_after_text_is_added_once_the_message_is_done(tokenizer: PreTrainedTokenizerBase) -> None:
+    call = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    events, items = streamed(tokenizer, ["Let me look.", call, " Done."], "stop")
+    assert [item["type"] for item in items] == ["message", "function_call"]
+    assert items[0]["content"][0]["text"] == "Let me look. Done."
+    kinds = [kind for kind, _ in events]
+    assert kinds.index("response.function_call_arguments.done") > kinds.index("response.output_text.done")
+    events, items = streamed(tokenizer, [call, " Done."], "stop")  # a call first: at once, then the text
+    assert [item["type"] for item in items] == ["function_call", "message"]
+    assert events[0][0] == "response.output_item.added" and events[0][1]["item"]["type"] == "function_call"
 
 
 def test_an_answer_cut_as_it_opens_a_call_has_no_item(tokenizer: PreTrainedTokenizerBase) -> None:
