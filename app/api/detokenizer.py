@@ -75,9 +75,7 @@ class IncrementalDetokenizer:
         self._read_offset = 0
         self._released: list[str] = []
         self._pending = ""  # decoded, held back while it could be the start of a stop string
-        self._uncounted = (
-            0  # how much of ``_pending`` came within the first ``min_tokens``: no stop ends there
-        )
+        self._uncounted = 0  # chars of ``_pending`` from the first ``min_tokens`` tokens: no stop ends there
         self._finished = False
         self._max_stop_chars = max((len(s) for s in self.stop), default=0)
         # The Rust tokenizer's decode skips transformers' Python wrapper: several times faster per call.
