@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,10 +84,12 @@ def response_object(
     if text_format["type"] == "json_schema":
         text_format.setdefault("name", "response")  # the name applied where left out (OpenAI requires one)
     num_output = len(gen.token_ids)
+    verbosity = body.text.verbosity if body.text and body.text.verbosity else "medium"
     return {
         "id": gen.response_id,
         "object": "response",
         "created_at": gen.created,
+        "completed_at": _completed_at(gen) if status == "completed" else None,
         "status": status,
         "model": gen.model_name,
         "output": items if with_output else [],
@@ -101,7 +104,9 @@ def response_object(
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "tool_choice": tool_choice(body),
         "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
-        "text": {"format": text_format},
+        "text": {"format": text_format, "verbosity": verbosity},
+        "top_logprobs": body.top_logprobs or 0,
+        "service_tier": "default",  # (the only tier there is)
         "truncation": body.truncation or "disabled",
         "store": turn.store,
         "previous_response_id": body.previous_response_id,
@@ -115,6 +120,11 @@ def response_object(
         if with_output
         else None,
     }
+
+
+def _completed_at(gen: Generation) -> int:
+    """When the answer ended: its last token's arrival (the same in each object made of it)."""
+    return int(gen.last_token_at if gen.last_token_at is not None else time.time())
 
 
 def tool_choice(body: ResponsesRequest) -> Any:

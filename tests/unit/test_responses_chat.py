@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from openai.types.responses import ResponseTextConfig
+from openai.types.responses import Response, ResponseTextConfig
 from pydantic import ValidationError
 
 from app.api.error_handlers import validation_error_detail
@@ -42,16 +42,36 @@ def chat_error(body: ResponsesRequest, history: list[dict[str, Any]] | None = No
     return caught.value
 
 
+def answered(body: ResponsesRequest, status: str | None = None, **ended: Any) -> dict[str, Any]:
+    """The response object answering ``body``, its answer ended as ``ended`` says (no tokens)."""
+    gen = Generation(
+        req_id="r", response_id="resp_1", index=0, model_name="tiny-llava", arrival=1000.0,
+        num_prompt_tokens=1, num_cached_tokens=0, want_logprobs=False,
+        detok=SimpleNamespace(token_ids=[]), **ended,  # type: ignore[arg-type]
+    )  # fmt: skip
+    return response_object(Turn(body, gen, "", [], False, 1.0, 1.0), [], status)
+
+
 def echoed_format(body: ResponsesRequest) -> dict[str, Any]:
     """``text`` of the response object answering ``body`` (the answer itself does not matter here)."""
-    gen = Generation(
-        req_id="r", response_id="resp_1", index=0, model_name="tiny-llava", arrival=0.0,
-        num_prompt_tokens=1, num_cached_tokens=0, want_logprobs=False,
-        detok=SimpleNamespace(token_ids=[]),  # type: ignore[arg-type]
-    )  # fmt: skip
-    text = response_object(Turn(body, gen, "", [], False, 1.0, 1.0), [])["text"]
+    text = answered(body)["text"]
     ResponseTextConfig.model_validate(text)  # OpenAI's shape
     return dict(text["format"])
+
+
+def test_the_object_has_openais_optional_fields_as_applied() -> None:
+    """``completed_at`` (the last token's time, only once completed), ``text.verbosity``, ``top_logprobs``
+    and ``service_tier`` as OpenAI's objects carry them; the SDK's ``Response`` takes the object."""
+    done = answered(request(), finish_reason="stop", last_token_at=1002.7)
+    assert (done["created_at"], done["completed_at"]) == (1000, 1002)
+    assert (done["text"]["verbosity"], done["top_logprobs"], done["service_tier"]) == ("medium", 0, "default")
+    Response.model_validate(done)
+    cut = answered(request(), finish_reason="length", last_token_at=1002.7)
+    assert cut["status"] == "incomplete" and cut["completed_at"] is None
+    assert answered(request(), "queued")["completed_at"] is None
+    asked = answered(request(text={"verbosity": "low"}, top_logprobs=3), finish_reason="stop")
+    assert (asked["text"]["verbosity"], asked["top_logprobs"]) == ("low", 3)
+    Response.model_validate(asked)
 
 
 @pytest.mark.parametrize(
