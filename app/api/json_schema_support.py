@@ -20,6 +20,7 @@ from typing import Any
 import jsonschema
 
 from app.errors import InvalidRequestError
+from engine.structured.json_schemas import subschemas
 
 MAX_SCHEMA_DEPTH = 64  # nested subschemas; deeper is refused (a compile thread's stack is finite)
 
@@ -49,15 +50,6 @@ ANNOTATIONS = frozenset(
 # xgrammar reads the first of these a schema has and nothing else beside it but annotations (and
 # "type" beside const or enum, which their values already satisfy or contradict)
 EXCLUSIVE = ("$ref", "const", "enum", "anyOf", "oneOf", "allOf")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SCHEMA_VALUES = (
-    "additionalProperties",
-    "unevaluatedProperties",
-    "propertyNames",
-    "items",
-    "unevaluatedItems",
-)
-_SCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
 
 
 def check_json_schema(schema: Any, param: str) -> str:
@@ -88,7 +80,7 @@ def _check(schema: Any) -> None:
     """``check_json_schema``'s checks, the paths in their errors from the schema's root ("")."""
     if not isinstance(schema, dict):
         raise InvalidRequestError("a JSON schema must be an object", param="")
-    nodes = list(_subschemas(schema, ""))
+    nodes = list(subschemas(schema))
     too_deep = next((path for _, path, depth in nodes if depth > MAX_SCHEMA_DEPTH), None)
     if too_deep is not None:  # before the metaschema check, which recurses
         raise InvalidRequestError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param=too_deep)
@@ -100,24 +92,6 @@ def _check(schema: Any) -> None:
         raise InvalidRequestError(f"not a valid JSON schema: {exc.message}", param=where) from exc
     for node, path, _ in nodes:
         _check_node(node, path, schema)
-
-
-def _subschemas(schema: dict[str, Any], param: str) -> Iterator[tuple[dict[str, Any], str, int]]:
-    """Every schema object in ``schema``, itself included, with its path and depth (iteratively: a deep
-    schema cannot exhaust Python's recursion)."""
-    stack = [(schema, param, 0)]
-    while stack:
-        node, path, depth = stack.pop()
-        yield node, path, depth
-        children: list[tuple[Any, str]] = []
-        for key in _SCHEMA_MAPS:
-            if isinstance(node.get(key), dict):
-                children += [(sub, f"{path}.{key}.{name}") for name, sub in node[key].items()]
-        children += [(node[key], f"{path}.{key}") for key in _SCHEMA_VALUES if key in node]
-        for key in _SCHEMA_LISTS:
-            if isinstance(node.get(key), list):
-                children += [(sub, f"{path}.{key}[{i}]") for i, sub in enumerate(node[key])]
-        stack += [(sub, sub_path, depth + 1) for sub, sub_path in children if isinstance(sub, dict)]
 
 
 def _check_node(node: dict[str, Any], path: str, root: dict[str, Any]) -> None:
@@ -148,6 +122,11 @@ def _check_node(node: dict[str, Any], path: str, root: dict[str, Any]) -> None:
         raise InvalidRequestError(
             f"{lengths[0]} is not enforced beside {beside}: write the length into the pattern",
             param=f"{path}.{lengths[0]}",
+        )
+    if "pattern" in node and "format" in node:  # xgrammar enforces the format alone
+        raise InvalidRequestError(
+            "pattern is not enforced beside format: write the format into the pattern",
+            param=f"{path}.pattern",
         )
     _check_required(node, path)
     if isinstance(node.get("items"), list):

@@ -9,7 +9,9 @@ import json
 import re
 from typing import Any
 
+from engine.structured.formats import strict_formats, strict_formats_spec
 from engine.structured.grammar import RequestGrammar
+from engine.structured.patterns import compile_exact
 from wire.protocol import Constraint, ConstraintKind
 
 # Between two JSON elements at most this many whitespace characters (unless any_whitespace is off: then
@@ -71,8 +73,12 @@ class XGrammarBackend:
         try:
             match constraint.kind:
                 case ConstraintKind.JSON_SCHEMA:
-                    return compiler.compile_json_schema(
-                        constraint.spec, any_whitespace=any_whitespace, max_whitespace_cnt=max_whitespace
+                    return self._exact(
+                        self._xgr.Grammar.from_json_schema(
+                            strict_formats_spec(constraint.spec),
+                            any_whitespace=any_whitespace,
+                            max_whitespace_cnt=max_whitespace,
+                        )
                     )
                 case ConstraintKind.JSON_OBJECT:
                     return compiler.compile_json_schema(
@@ -88,16 +94,22 @@ class XGrammarBackend:
                 case ConstraintKind.GRAMMAR:
                     return compiler.compile_grammar(constraint.spec)
                 case ConstraintKind.TOOL_CALLS:
-                    return compiler.compile_structural_tag(self.tool_calls_tag(constraint.spec))
+                    tag = self.tool_calls_tag(constraint.spec)
+                    return self._exact(self._xgr.Grammar.from_structural_tag(tag))
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:
             raise CompileError(_LOCATION.sub("", str(exc)).strip()) from exc
         raise CompileError(f"unknown constraint kind {constraint.kind!r}")
+
+    def _exact(self, grammar: Any) -> Any:
+        return compile_exact(self._xgr, self._compiler, grammar)
 
     def tool_calls_tag(self, spec: str) -> Any:
         """A ``TOOL_CALLS`` constraint's structural tag: xgrammar's own for the model's call syntax (free
         text, then calls under ``auto``; calls only under ``required``; the one named call), the arguments
         by each tool's schema, on one line."""
         fields = json.loads(spec)
+        for tool in fields["tools"]:
+            strict_formats(tool["function"]["parameters"])
         tag = self._xgr.get_model_structural_tag(
             fields["format"],
             tools=fields["tools"],

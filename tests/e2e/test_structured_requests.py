@@ -5,6 +5,8 @@ other request features; every bad constraint is a 400 naming its field."""
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import json
 import re
 import time
@@ -215,6 +217,41 @@ def test_constraints_work_with_the_other_request_features(server: Server) -> Non
     assert truncated["finish_reason"] == "length" and short["message"]["content"].startswith(
         truncated["message"]["content"]
     )
+
+
+def test_formats_and_patterns_answer_valid_values_however_the_model_leans(server: Server) -> None:
+    """A model pushed to write digits still answers an IPv4 address, a date and a date-time that
+    Python's parsers take, and a string its pattern fully matches. xgrammar's own grammars would let it
+    write 000.000.000.000, the year 0000, and ABC1 for ``^[A-Z]{3}( [0-9]{1,4})?$`` (engine/structured/
+    formats.py, patterns.py)."""
+
+    def token_ids(text: str) -> list[int]:
+        body = {"prompt": text, "add_special_tokens": False}
+        return list(httpx.post(f"{server.base_url}/tokenize", json=body, timeout=30).json()["tokens"])
+
+    code = "^[A-Z]{3}( [0-9]{1,4})?$"
+    schema = {
+        "type": "object",
+        "properties": {
+            "ip": {"type": "string", "format": "ipv4"},
+            "day": {"type": "string", "format": "date"},
+            "at": {"type": "string", "format": "date-time"},
+            "code": {"type": "string", "pattern": code},
+        },
+        "required": ["ip", "day", "at", "code"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "when", "schema": schema}}
+    for digit in "01":
+        bias = {str(token): 100 for token in token_ids(digit)}
+        content = answer(server, response_format=response_format, logit_bias=bias)["message"]["content"]
+        found = json.loads(content)
+        ipaddress.IPv4Address(found["ip"])
+        datetime.date.fromisoformat(found["day"])
+        datetime.datetime.fromisoformat(found["at"])
+        assert re.fullmatch(code, found["code"]), found
+        leaning = found["day"].startswith("000" if digit == "0" else "1")
+        assert found["ip"].startswith(digit) and leaning, found
 
 
 def test_media_ids_and_cache_salts_keep_their_answers(server: Server) -> None:

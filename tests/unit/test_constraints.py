@@ -238,6 +238,11 @@ UNENFORCED: dict[str, tuple[dict[str, Any], str, str]] = {
         ".maxLength",
         '"abcdefgh@example.com"',
     ),
+    "pattern beside format": (
+        {"type": "string", "format": "uuid", "pattern": "^0+-.*$"},
+        ".pattern",
+        '"123e4567-e89b-12d3-a456-426614174000"',
+    ),
     "an enum value of another type": ({"type": "string", "enum": ["a", 1]}, ".enum", "1"),
     "a const of another type": ({"type": "integer", "const": "x"}, ".const", '"x"'),
     "a required name not declared": (

@@ -1,0 +1,50 @@
+"""String formats compiled as patterns of the engine's own (docs/api.md, "Structured outputs").
+
+xgrammar's grammars for a few formats take strings the format forbids: an IPv4 address with an octet
+written ``01`` or ``000`` (Python's ``ipaddress`` and the ``jsonschema`` package refuse it), a date that
+is no day (``2023-02-30``, ``2023-04-31``, the 29th of February of a year that is not leap, the year
+0000), and a time whose fraction of a second never ends, so that an answer may run on until its max
+tokens. Before xgrammar compiles a schema, each such ``format`` becomes a ``pattern`` (which xgrammar
+matches against the whole string) that takes exactly the valid strings, with these bounds of their
+own: at most 9 digits of a second's fraction, no leap second (``:60``, which Python's and pydantic's
+times cannot hold), ``T`` and ``Z`` upper-case.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.structured.json_schemas import subschemas
+
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_YEAR = "([1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"  # 0001 to 9999
+# divisible by 4 and not by 100 (its last two digits), or by 400 (its first two, divisible by 4)
+_LEAP_YEAR = "([0-9]{2}(0[48]|[2468][048]|[13579][26])|(0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = "((0[1-9]|1[0-2])-(0[1-9]|1[0-9]|2[0-8])|(0[13-9]|1[0-2])-(29|30)|(0[13578]|1[02])-31)"
+_DATE = f"({_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
+_TIME = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]([.][0-9]{1,9})?(Z|[+-]([01][0-9]|2[0-3]):[0-5][0-9])"
+PATTERNS = {
+    "ipv4": f"{_OCTET}([.]{_OCTET}){{3}}",
+    "date": _DATE,
+    "date-time": f"{_DATE}T{_TIME}",
+    "time": _TIME,
+}
+
+
+def strict_formats(schema: Any) -> Any:
+    """``schema`` (parsed JSON, changed in place) with each format of ``PATTERNS`` as its pattern."""
+    if isinstance(schema, dict):
+        for node, _, _ in subschemas(schema):
+            fmt = node.get("format")
+            if isinstance(fmt, str) and fmt in PATTERNS and "pattern" not in node:  # (both: refused)
+                del node["format"]
+                node["pattern"] = PATTERNS[fmt]
+    return schema
+
+
+def strict_formats_spec(spec: str) -> str:
+    """A schema's JSON text with ``strict_formats`` applied (the same text where it has none of them)."""
+    if not any(f'"{name}"' in spec for name in PATTERNS):
+        return spec
+    return json.dumps(strict_formats(json.loads(spec)), ensure_ascii=False, separators=(",", ":"))

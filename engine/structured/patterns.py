@@ -1,0 +1,241 @@
+"""A JSON Schema's ``pattern`` compiled exactly (docs/api.md, "Structured outputs").
+
+xgrammar compiles a JSON schema's ``pattern`` (and a ``patternProperties`` name) into one automaton of
+its regex builder, ``Regex("…", json_string=true)`` in the schema's grammar (a tool's parameters' too),
+and that builder takes strings the regex forbids: its ``X?`` adds an empty
+path from X's start to its end, which X's own loops then follow (``^[A-Z]{3}( [0-9]+)?$`` takes
+``ABC12``: the ``[0-9]+`` without its space), and its state merging lets ``(a|a{1,2})`` take ``aaa``.
+Its regex-to-grammar converter (``Grammar.from_regex``, what a ``structured_outputs.regex`` compiles
+with) reads the same regexes exactly. So before a grammar is compiled, each such automaton is replaced
+by the converter's rules for its regex; a JSON string's keeps the limit the automaton had: no quote,
+backslash or control character unescaped (a class loses them, so ``.`` or ``[^a]`` never reach them).
+
+The grammar is xgrammar's printed EBNF, edited as text: quoted strings and character classes are read
+with the printer's escapes (xgrammar's ``cpp/support/encoding.h``), and only rule names and
+``Regex(...)`` outside them are touched. A user's EBNF grammar (``structured_outputs.grammar``) is not:
+its printed text may not read back the same (a class whose first member is a caret prints as a
+negation), so its own ``Regex(...)`` stays xgrammar's automaton.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+MAX_CODEPOINT = 0x10FFFF
+# what a JSON string's text cannot hold unescaped: the quote, the backslash, the control characters
+FORBIDDEN = ((0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C))
+_ESCAPES = {
+    "'": 0x27, '"': 0x22, "?": 0x3F, "\\": 0x5C, "/": 0x2F, "-": 0x2D, "]": 0x5D, "[": 0x5B, "^": 0x5E,
+    "a": 0x07, "b": 0x08, "f": 0x0C, "n": 0x0A, "r": 0x0D, "t": 0x09, "v": 0x0B, "0": 0x00, "e": 0x1B,
+}  # fmt: skip
+_HEX_WIDTH = {"x": 2, "u": 4, "U": 8}
+_JSON_STRING_CLOSE = ", json_string=true)"
+_REGEX_CALL = re.compile(r"\bRegex\($")
+_CARET = re.compile(r"\\(\^|x5[eE]|u005[eE])")  # a class's escaped first member that is a caret
+_RULE_NAME = re.compile(r"\broot(_\d+)?\b")
+
+Ranges = list[tuple[int, int]]
+
+
+class PatternError(ValueError):
+    """A pattern that allows no character a JSON string holds unescaped where it needs one."""
+
+
+def compile_exact(xgr: Any, compiler: Any, grammar: Any) -> Any:
+    """``grammar`` (an xgrammar ``Grammar``) compiled by ``compiler`` (a ``GrammarCompiler`` of the
+    module ``xgr``, passed in: xgrammar loads only where a constraint comes), each regex in it read by
+    xgrammar's regex converter."""
+    exact = exact_patterns(str(grammar), lambda regex: str(xgr.Grammar.from_regex(_caret_last(regex))))
+    return compiler.compile_grammar(grammar if exact is None else exact)
+
+
+def exact_patterns(ebnf: str, from_regex: Callable[[str], str]) -> str | None:
+    """``ebnf`` with each ``Regex("…")`` replaced by a rule made of ``from_regex(pattern)``
+    (xgrammar's converter: EBNF whose root rule is ``root``), one with ``json_string=true`` kept
+    within a JSON string's characters; None where it has none (compile the grammar as it is)."""
+    if "Regex(" not in ebnf:
+        return None
+    prefix = _fresh_prefix(ebnf)
+    parts: list[str] = []
+    rules: list[str] = []
+    segments = list(_segments(ebnf))
+    index = 0
+    while index < len(segments):
+        kind, text = segments[index]
+        ahead = segments[index + 1 : index + 3]
+        closing = ahead[1][1] if len(ahead) == 2 and ahead[0][0] == "string" else ""
+        json_string = closing.startswith(_JSON_STRING_CLOSE)
+        if kind == "other" and _REGEX_CALL.search(text) and (json_string or closing.startswith(")")):
+            name = f"{prefix}{len(rules)}"
+            pattern = "".join(map(chr, _codepoints(ahead[0][1][1:-1])))
+            rules.append(_renamed(from_regex(pattern), name, json_string))
+            close = _JSON_STRING_CLOSE if json_string else ")"
+            parts += [_REGEX_CALL.sub("", text), name]
+            segments[index + 2] = ("other", closing.removeprefix(close))  # (it may open the next)
+            index += 2
+        else:
+            parts.append(text)
+            index += 1
+    if not rules:
+        return None
+    return "".join(parts) + "\n" + "\n".join(rules) + "\n"
+
+
+def _renamed(ebnf: str, name: str, json_string: bool) -> str:
+    """The converter's rules renamed under ``name`` (its root: ``name`` itself); for a JSON string,
+    each class narrowed to the characters it holds unescaped (a literal of the others is refused)."""
+    out = []
+    for kind, text in _segments(ebnf):
+        if kind == "other":
+            out.append(_RULE_NAME.sub(lambda m: name + (m.group(1) or ""), text))
+        elif not json_string:
+            out.append(text)
+        elif kind == "string":
+            if _overlaps([(cp, cp) for cp in _codepoints(text[1:-1])], FORBIDDEN):
+                raise PatternError("a pattern names a quote, a backslash or a control character")
+            out.append(text)
+        else:
+            out.append(_class(_narrowed(text)))
+    return "".join(out)
+
+
+def _narrowed(class_text: str) -> Ranges:
+    """A printed class's characters (``[a-z]``, ``[^a]``) less the ones a JSON string escapes."""
+    negated = class_text.startswith("[^")
+    codepoints = _codepoints(class_text[2 if negated else 1 : -1], in_class=True)
+    ranges: Ranges = []
+    i = 0
+    while i < len(codepoints):
+        if i + 2 < len(codepoints) and codepoints[i + 1] == -1:  # (a range's dash)
+            ranges.append((codepoints[i], codepoints[i + 2]))
+            i += 3
+        else:
+            ranges.append((codepoints[i], codepoints[i]))
+            i += 1
+    taken = _complement(ranges) if negated else _merged(ranges)
+    allowed = _subtract(taken, FORBIDDEN)
+    if not allowed:
+        raise PatternError("a pattern's class holds only characters a JSON string escapes")
+    return allowed
+
+
+def _class(ranges: Ranges) -> str:
+    return "[" + "".join(_hex(lo) + ("" if lo == hi else "-" + _hex(hi)) for lo, hi in ranges) + "]"
+
+
+def _hex(codepoint: int) -> str:
+    if codepoint <= 0xFF:
+        return f"\\x{codepoint:02x}"
+    return f"\\u{codepoint:04x}" if codepoint <= 0xFFFF else f"\\U{codepoint:08x}"
+
+
+def _codepoints(text: str, in_class: bool = False) -> list[int]:
+    """A printed string's or class's characters; in a class an unescaped ``-`` (a range) is -1."""
+    out, i = [], 0
+    while i < len(text):
+        ch = text[i]
+        if ch != "\\":
+            out.append(-1 if in_class and ch == "-" else ord(ch))
+            i += 1
+            continue
+        kind = text[i + 1]
+        if kind in _HEX_WIDTH:
+            width = _HEX_WIDTH[kind]
+            out.append(int(text[i + 2 : i + 2 + width], 16))
+            i += 2 + width
+        else:
+            out.append(_ESCAPES[kind])
+            i += 2
+    return out
+
+
+def _caret_last(regex: str) -> str:
+    """``regex`` with a class that begins with an escaped caret (``[\\^a]``) written with it last
+    (``[a\\^]``), the same class: xgrammar prints a class's members in order, and a caret printed
+    first would read back as the class's negation."""
+    out, i = [], 0
+    while i < len(regex):
+        ch = regex[i]
+        if ch == "\\":
+            out.append(regex[i : i + 2])
+            i += 2
+        elif ch == "[":
+            j = i + 1
+            while j < len(regex) and regex[j] != "]":
+                j += 2 if regex[j] == "\\" else 1
+            body = regex[i + 1 : j]
+            caret = _CARET.match(body)
+            if caret is None:
+                out.append(f"[{body}]")
+            else:
+                rest = body[caret.end() :]
+                out.append(f"[{rest}{caret.group()}]" if rest else "\\^")
+            i = j + 1
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
+
+
+def _segments(ebnf: str) -> Iterator[tuple[str, str]]:
+    """``ebnf`` as ("string", ``"…"``), ("class", ``[…]``) and ("other", the rest) pieces, in order."""
+    start = i = 0
+    while i < len(ebnf):
+        ch = ebnf[i]
+        if ch in '"[':
+            if start < i:
+                yield "other", ebnf[start:i]
+            close = '"' if ch == '"' else "]"
+            j = i + 1
+            while ebnf[j] != close:
+                j += 2 if ebnf[j] == "\\" else 1
+            yield ("string" if ch == '"' else "class"), ebnf[i : j + 1]
+            start = i = j + 1
+        else:
+            i += 1
+    if start < len(ebnf):
+        yield "other", ebnf[start:]
+
+
+def _fresh_prefix(ebnf: str) -> str:
+    prefix = "mmserve_pattern_"
+    while prefix in ebnf:
+        prefix = "x" + prefix
+    return prefix
+
+
+def _merged(ranges: Ranges) -> Ranges:
+    out: Ranges = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _complement(ranges: Ranges) -> Ranges:
+    out, next_lo = [], 0
+    for lo, hi in _merged(ranges):
+        if lo > next_lo:
+            out.append((next_lo, lo - 1))
+        next_lo = hi + 1
+    if next_lo <= MAX_CODEPOINT:
+        out.append((next_lo, MAX_CODEPOINT))
+    return out
+
+
+def _subtract(ranges: Ranges, removed: tuple[tuple[int, int], ...]) -> Ranges:
+    kept = _complement(list(removed))
+    return [
+        (max(lo, k_lo), min(hi, k_hi))
+        for lo, hi in _merged(ranges)
+        for k_lo, k_hi in kept
+        if max(lo, k_lo) <= min(hi, k_hi)
+    ]
+
+
+def _overlaps(ranges: Ranges, others: tuple[tuple[int, int], ...]) -> bool:
+    return any(max(lo, o_lo) <= min(hi, o_hi) for lo, hi in ranges for o_lo, o_hi in others)
