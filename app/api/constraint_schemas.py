@@ -28,10 +28,10 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
-    @field_validator("json_schema")
+    @field_validator("json_schema", mode="before")  # (before its own fields are checked)
     @classmethod
-    def _only_with_its_type(cls, json_schema: JsonSchemaFormat | None, info: Any) -> JsonSchemaFormat | None:
-        if json_schema is not None and info.data.get("type") != "json_schema":
+    def _only_with_its_type(cls, json_schema: Any, info: Any) -> Any:
+        if json_schema is not None and info.data.get("type") in ("text", "json_object"):
             raise ValueError("json_schema is only allowed with type 'json_schema'")
         return json_schema
 

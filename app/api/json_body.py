@@ -7,6 +7,7 @@ the stack. Each is the same 400 ``invalid_json`` as a syntax error, with the byt
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -17,6 +18,7 @@ from fastapi.routing import APIRoute
 
 _AT_BYTE = re.compile(r"\s*\(byte (\d+)\)$")
 _ESCAPE = re.compile(rb"(\\+)(u)([0-9a-fA-F]{4})")
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|(-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)')  # a string, a number
 
 
 def decode_json(body: bytes) -> Any:
@@ -38,8 +40,8 @@ def _reason(exc: Exception, body: bytes) -> tuple[str, int]:
         except UnicodeDecodeError as whole:
             return "the body is not UTF-8", whole.start
         return "the body is not UTF-8", 0
-    if isinstance(exc, msgspec.ValidationError):  # "Integer value out of range - at `$.a`"
-        return f"a number is out of range ({exc})", 0
+    if isinstance(exc, msgspec.ValidationError):  # "Number out of range - at `$[...]`"
+        return "a number is out of range (beyond a 64-bit float)", _too_large_number(body)
     message = str(exc).removeprefix("JSON is malformed: ")
     found = _AT_BYTE.search(message)
     if found is not None:
@@ -48,6 +50,14 @@ def _reason(exc: Exception, body: bytes) -> tuple[str, int]:
     if lone is not None:
         return "a lone UTF-16 surrogate escape (\\ud800 to \\udfff outside a pair)", lone
     return message, 0
+
+
+def _too_large_number(body: bytes) -> int:
+    """Where the body's first number that no 64-bit float holds starts (``1e400``), strings skipped."""
+    for token in _TOKEN.finditer(body):
+        if token.group(1) is not None and math.isinf(float(token.group(1))):
+            return token.start()
+    return 0
 
 
 def _lone_surrogate(body: bytes) -> int | None:

@@ -123,6 +123,8 @@ def _check_node(node: dict[str, Any], path: str, root: dict[str, Any]) -> None:
             f"{lengths[0]} is not enforced beside {beside}: write the length into the pattern",
             param=f"{path}.{lengths[0]}",
         )
+    _check_bounds(node, path)
+    _check_false_branches(node, path)
     if "pattern" in node and "format" in node:  # xgrammar enforces the format alone
         raise InvalidRequestError(
             "pattern is not enforced beside format: write the format into the pattern",
@@ -198,6 +200,41 @@ def check_regex(regex: str, param: str) -> None:
 _CONTROL = frozenset(range(0x20))
 _ESCAPED = _CONTROL | {ord('"'), ord("\\")}
 _BOUNDS = (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum"))
+
+
+def _check_bounds(node: dict[str, Any], path: str) -> None:
+    """Bounds xgrammar cannot compile, refused by name: draft 4's boolean ``exclusiveMinimum`` /
+    ``exclusiveMaximum``, and an integer's bound that is not a whole number."""
+    for key in ("exclusiveMinimum", "exclusiveMaximum"):
+        if isinstance(node.get(key), bool):
+            raise InvalidRequestError(
+                f"a boolean {key} (draft 4) is not supported: give the bound itself as {key}, as draft 6 "
+                "and later do",
+                param=f"{path}.{key}",
+            )
+    if "integer" in _types(node):
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            value = node.get(key)
+            if isinstance(value, float) and not value.is_integer():
+                raise InvalidRequestError(
+                    f"an integer's {key} must be a whole number, not {value}", param=f"{path}.{key}"
+                )
+
+
+def _check_false_branches(node: dict[str, Any], path: str) -> None:
+    """A ``false`` schema where xgrammar cannot compile one (a property, a branch), refused by name."""
+    for name, sub in (node.get("properties") or {}).items():
+        if sub is False:
+            raise InvalidRequestError(
+                "a property whose schema is false (it may never appear) is not supported: leave it out",
+                param=f"{path}.properties.{name}",
+            )
+    for key in ("anyOf", "oneOf"):
+        for i, sub in enumerate(node.get(key) or []):
+            if sub is False:
+                raise InvalidRequestError(
+                    "a branch whose schema is false matches nothing: leave it out", param=f"{path}.{key}[{i}]"
+                )
 
 
 def _check_json_string_regex(regex: str, param: str) -> None:

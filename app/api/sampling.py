@@ -147,4 +147,5 @@ def _check_vocab(param: str, token_ids: Any, vocab_size: int) -> None:
         raise InvalidRequestError(
             f"{param} names token ids outside the model's vocabulary of {vocab_size}: {outside[:8]}",
             param=param,
+            code="invalid_value",
         )

@@ -76,7 +76,9 @@ class TokenizeService:
         outside = sorted({t for t in token_ids if not 0 <= t < vocab_size})
         if outside:
             raise InvalidRequestError(
-                f"tokens outside the model's vocabulary of {vocab_size}: {outside[:8]}", param="tokens"
+                f"tokens outside the model's vocabulary of {vocab_size}: {outside[:8]}",
+                param="tokens",
+                code="invalid_value",
             )
         return self.tokenizer.decode(token_ids)
 

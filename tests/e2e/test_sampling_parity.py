@@ -321,6 +321,7 @@ def test_a_token_id_past_the_vocabulary_is_refused_by_name(
     error = assert_error(
         httpx.post(url, json={**body, field: TOKEN_ID_FIELDS[field](vocab_size)}, timeout=60),
         400,
+        code="invalid_value",  # as a negative id is
         param=field,
     )
     assert str(vocab_size) in error["message"]

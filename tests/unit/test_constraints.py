@@ -164,6 +164,15 @@ def test_shapes_outside_openai_and_vllm_are_refused(fields: dict[str, Any], loc:
     )
 
 
+def test_a_json_schema_beside_another_type_is_refused_before_its_own_fields() -> None:
+    """Not "missing name": the json_schema object does not belong with that type at all."""
+    for kind in ("text", "json_object"):
+        with pytest.raises(ValidationError) as caught:
+            chat(response_format={"type": kind, "json_schema": {}})
+        (error,) = caught.value.errors()
+        assert error["loc"][-1] == "json_schema" and "only allowed with type" in error["msg"]
+
+
 def test_accepted_options_that_change_nothing() -> None:
     fields = StructuredOutputs.model_validate({"regex": "a", "disable_fallback": True})
     assert fields.disable_additional_properties and fields.disable_fallback
@@ -359,3 +368,30 @@ def test_a_pydantic_discriminated_union_is_accepted() -> None:
     schema = Pet.model_json_schema()
     assert "oneOf" in json.dumps(schema)
     check_json_schema(schema, "s")
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        (
+            {
+                "$schema": "http://json-schema.org/draft-04/schema#",
+                "type": "number",
+                "minimum": 0,
+                "exclusiveMinimum": True,
+            },
+            ".exclusiveMinimum",
+        ),
+        ({"type": "integer", "minimum": 1.5, "maximum": 3}, ".minimum"),
+        ({"type": "object", "properties": {"a": False}}, ".properties.a"),
+        ({"anyOf": [{"type": "integer"}, False]}, ".anyOf[1]"),
+    ],
+)
+def test_a_valid_schema_xgrammar_cannot_compile_is_refused_by_name(
+    schema: dict[str, Any], where: str, byte_compiler: xgr.GrammarCompiler
+) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        check_json_schema(schema, "s")
+    assert caught.value.param == f"s{where}"
+    with pytest.raises(RuntimeError):  # drop the refusal once xgrammar compiles it
+        byte_compiler.compile_json_schema(json.dumps(schema))

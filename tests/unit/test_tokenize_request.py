@@ -120,7 +120,7 @@ def test_ids_outside_the_vocabulary_are_refused_off_the_loop_too() -> None:
     tokenize, _ = service()
     with pytest.raises(InvalidRequestError, match="outside the model's vocabulary") as raised:
         asyncio.run(tokenize.detokenize(DetokenizeRequest(tokens=[1] * OFF_LOOP_TOKEN_IDS + [9])))
-    assert raised.value.param == "tokens"
+    assert (raised.value.param, raised.value.code) == ("tokens", "invalid_value")
 
 
 def test_unknown_fields_are_logged_once_each_as_on_chat(caplog: pytest.LogCaptureFixture) -> None:
