@@ -51,8 +51,11 @@ class RequestGuards:
         api_key: str | list[str] | None,
         max_body_bytes: int,
         body_idle_timeout_s: float = BODY_IDLE_TIMEOUT_S,
+        guarded: tuple[str, ...] = GUARDED_PREFIXES,
     ) -> None:
+        """``guarded``: the path prefixes that need a key (the Ray ingress adds its ``/replicas``)."""
         self.app = app
+        self.guarded = guarded
         self.body_idle_timeout_s = body_idle_timeout_s
         keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
         # (expected header, tenant) per key; every key is compared, so timing tells nothing of which
@@ -64,7 +67,7 @@ class RequestGuards:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected and scope["path"].startswith(GUARDED_PREFIXES):
+        if self.expected and scope["path"].startswith(self.guarded):
             given = headers.get(b"authorization", b"")
             tenant = None
             for expected, key_tenant in self.expected:

@@ -33,7 +33,7 @@ MEDIA_PART_TYPES = ("image_url", "video_url")  # {"type": t, t: {"url": str, ...
 # refuses past its --limit-mm-per-prompt) does not open a thousand connections
 MAX_OPEN_ENCODES = 8
 FORWARDED_REQUEST_HEADERS = ("authorization", "content-type")
-RELAYED_RESPONSE_HEADERS = ("content-type", "retry-after", "www-authenticate")
+RELAYED_RESPONSE_HEADERS = ("content-type", "retry-after", "www-authenticate", "x-mmserve-api-process")
 
 
 class UpstreamUnavailableError(MMServeError):

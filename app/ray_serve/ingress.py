@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from app.api.drain import Drain, DrainGuard
 from app.api.error_handlers import error_response, install_error_handlers, sse_error_event
-from app.api.request_guards import RequestGuards, request_tenant
+from app.api.request_guards import GUARDED_PREFIXES, RequestGuards, request_tenant
 from app.api.response_ids import ResponseIdWatch, followed_responses, json_or_none
 from app.proxy.forward import UpstreamUnavailableError, describe, forwarded_headers
 from app.ray_serve import router_state
@@ -57,11 +57,17 @@ class IngressOptions:
 
 def build_ingress(options: IngressOptions) -> type:
     """The ingress deployment's class, its FastAPI app guarded by ``options``."""
-    app = FastAPI(title="mmserve on Ray Serve", docs_url=None, redoc_url=None)
+    # no OpenAPI of its own: /openapi.json, as /docs, is a replica's (the whole API)
+    app = FastAPI(title="mmserve on Ray Serve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     drain = Drain(options.shutdown_timeout_s)
     app.add_middleware(DrainGuard, drain=drain)  # added first: runs after the guards below
-    app.add_middleware(RequestGuards, api_key=options.api_keys, max_body_bytes=options.max_body_bytes)
+    app.add_middleware(
+        RequestGuards,
+        api_key=options.api_keys,
+        max_body_bytes=options.max_body_bytes,
+        guarded=(*GUARDED_PREFIXES, "/replicas"),  # (its instances' addresses and pids)
+    )
 
     @serve.ingress(app)
     class MmserveIngress:

@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -85,8 +86,12 @@ class MmserveReplica:
         self._stopping = False
         fd, self.log_path = tempfile.mkstemp(prefix=f"mmserve-replica-{self.name}-", suffix=".log")
         os.close(fd)
+        # the instance's temporary files (its sockets' folder) go here, removed whenever it ends: a
+        # SIGKILLed instance cannot remove its own
+        self.tmp = tempfile.mkdtemp(prefix=f"mmserve-replica-{self.name}-")
         argv = [
             sys.executable,
+            "-P",  # not the working folder first on sys.path: a folder of its own named app stays out
             "-m",
             "app.launch.cli",
             "serve",
@@ -114,9 +119,11 @@ class MmserveReplica:
                 stderr=subprocess.STDOUT,
                 preexec_fn=_die_with_parent,
                 start_new_session=True,
+                env={**os.environ, "TMPDIR": self.tmp},
             )
         spawned.set()
         code = self._instance.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
         self._instance_exited.set()
         if not self._stopping:
             log.error("replica %s: its mmserve instance exited (%s); see %s", self.name, code, self.log_path)
@@ -225,5 +232,6 @@ class MmserveReplica:
             except subprocess.TimeoutExpired:
                 os.killpg(instance.pid, signal.SIGKILL)
                 instance.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
         with contextlib.suppress(OSError):
             os.remove(self.log_path)  # kept only where the instance died unasked (the actor exits first)

@@ -8,6 +8,8 @@ from typing import Any, Protocol
 
 from prometheus_client import Counter, disable_created_metrics
 
+from app.ray_serve.affinity import Placement
+
 disable_created_metrics()  # as the instances' /metrics: no *_created series beside the counter
 
 PLACEMENTS = Counter(
@@ -16,6 +18,8 @@ PLACEMENTS = Counter(
     "some of their media), fallback (held, but that replica's queue was too long), new (held nowhere).",
     ["placement"],
 )
+for _placement in Placement:  # each at 0 from the start, as an instance's counters are
+    PLACEMENTS.labels(_placement)
 
 
 class Listing(Protocol):

@@ -24,6 +24,7 @@ STOP_S = 90.0
 class RayServer:
     process: ServerProcess
     port: int
+    headers: dict[str, str]  # the API key's, for /replicas as for the API
 
     @property
     def base_url(self) -> str:
@@ -31,7 +32,7 @@ class RayServer:
 
     def replicas(self) -> dict[str, dict[str, Any]]:
         """The replicas that have reported (a new one lists its URL within a report period)."""
-        listed = httpx.get(f"{self.base_url}/replicas", timeout=10).json()["replicas"]
+        listed = httpx.get(f"{self.base_url}/replicas", headers=self.headers, timeout=10).json()["replicas"]
         return {entry["replica"]: entry for entry in listed if "url" in entry}
 
     def replica_metrics(self) -> dict[str, Metrics]:
@@ -39,6 +40,11 @@ class RayServer:
             name: parse_metrics(httpx.get(f"{entry['url']}/metrics", timeout=10).text)
             for name, entry in self.replicas().items()
         }
+
+
+def total(metrics: dict[str, Metrics], name: str) -> float:
+    """``name``'s value summed over the replicas' metrics."""
+    return sum(m.get(name, 0.0) for m in metrics.values())
 
 
 def stop(process: ServerProcess) -> int:

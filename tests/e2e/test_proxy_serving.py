@@ -65,6 +65,7 @@ def answer(server: Server, body: dict[str, Any]) -> tuple[str, list[str]]:
     """Text and tokens of a non-streamed answer."""
     resp = post(server, body)
     assert resp.status_code == 200, resp.text
+    assert resp.headers["x-mmserve-api-process"] == "0"  # the instance's, relayed
     choice = resp.json()["choices"][0]
     return choice["message"]["content"], [entry["token"] for entry in choice["logprobs"]["content"]]
 

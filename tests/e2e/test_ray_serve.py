@@ -5,13 +5,14 @@ of the tiny LLaVA behind the media-affinity router, each a whole mmserve instanc
   (``x-mmserve-replica``), the encoder runs once per image across the cluster, and each answer is what
   a single server gives (the other replica's instance, asked directly, cold).
 - A burst on one image past the imbalance bound spills to the other replica, answered alike.
-- Streaming, auth, the body cap and errors through the ingress as from ``mmserve serve``.
+- Streaming, auth (``/replicas`` too), the body cap, errors and the OpenAPI through the ingress as from
+  ``mmserve serve``.
 - ``cache_salt`` and media ids through the router; ``/tokenize`` goes where its image is held; follow-ups
   by ``previous_response_id``, and ``GET``/``DELETE`` of a stored response, go where the response was
   made, also after the ingress was killed and restarted (by the replicas' reports).
-- A replica whose instance is killed: its next requests are served by the other replica, correctly, and
-  a media id bound there is the usual 400; Ctrl-C stops every instance and the cluster.
-- Every process of the cluster listens on loopback only.
+- A replica whose instance is killed: its next requests are served by the other replica, correctly, a
+  media id bound there is the usual 400, and its temporary folder is gone; Ctrl-C stops every instance
+  and the cluster. Every process of the cluster listens on loopback only.
 - Then, on a cluster of its own that ``ray start`` made, deploy/ray-serve.yaml through ``serve run``.
 """
 
@@ -40,8 +41,8 @@ import yaml
 
 from tests.e2e.conftest import data_url, greedy_body, make_image, png_bytes
 from tests.e2e.held_image import held_image
-from tests.e2e.metrics import Metrics, parse_metrics
-from tests.e2e.ray_cluster import RayServer, is_loopback, listening_addresses, stop, streamed_lines
+from tests.e2e.metrics import parse_metrics
+from tests.e2e.ray_cluster import RayServer, is_loopback, listening_addresses, stop, streamed_lines, total
 from tests.e2e.server import ServerProcess, alive, descendants, free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,7 @@ def ray_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     # the drain's test holds a request on an image from a loopback server until the drain is seen
     args += ["--allow-private-media-urls", "--fetch-timeout-s", str(GATE_HOLD_S)]
     process = ServerProcess(args, tmp_path_factory.mktemp("ray-serve") / "ray-serve.log").start()
-    server = RayServer(process, port)
+    server = RayServer(process, port, AUTH)
     try:
         wait_healthy(server.base_url, process, timeout_s=300)
         deadline = time.monotonic() + 120
@@ -91,10 +92,6 @@ def chat_body(image_index: int, max_tokens: int = 6, **extra: Any) -> dict[str, 
 def text_of(resp: httpx.Response) -> str:
     assert resp.status_code == 200, resp.text
     return str(resp.json()["choices"][0]["message"]["content"])
-
-
-def total(metrics: dict[str, Metrics], name: str) -> float:
-    return sum(m.get(name, 0.0) for m in metrics.values())
 
 
 def test_repeats_go_to_the_replica_that_served_the_image_first(ray_server: RayServer) -> None:
@@ -169,6 +166,8 @@ def test_streaming_auth_and_errors_are_mmserve_serves(ray_server: RayServer) -> 
         assert through.status_code in (400, 401, 413, 422)
     assert httpx.get(f"{ray_server.base_url}/v1/models", headers=AUTH).json()["data"][0]["id"] == "tiny-llava"
     assert httpx.head(f"{ray_server.base_url}/health").status_code == 200
+    assert httpx.get(f"{ray_server.base_url}/replicas").status_code == 401  # its instances' addresses
+    assert "/v1/chat/completions" in httpx.get(f"{ray_server.base_url}/openapi.json").json()["paths"]
 
 
 def test_cache_salt_and_media_ids_through_the_router(ray_server: RayServer) -> None:
@@ -367,6 +366,8 @@ def test_a_killed_replica_s_requests_go_to_the_other_and_sigterm_drains_then_sto
     else:
         assert by_id.status_code == 400 and by_id.json()["error"]["code"] == "media_uuid_unknown", by_id.text
     instances = [entry["pid"] for entry in ray_server.replicas().values()]
+    left = sorted(Path(tempfile.gettempdir()).glob(f"mmserve-replica-{victim}-*"))  # its log may stay
+    assert all(path.suffix == ".log" for path in left), f"its instance's temporary folder stayed: {left}"
 
     # SIGTERM drains as `mmserve serve` does: the answer under way finishes, new requests get 503. The
     # answer is held on its image (a loopback server answers only when told), so it is surely still under

@@ -1,16 +1,20 @@
 """``mmserve_http_requests_total{route,status}``: the outermost middleware counts every response, the
 request guards' refusals and unexpected exceptions included, a route with parameters under its template
-and unknown paths under one label value;
-the chat route's statuses are exported at 0 before the first request."""
+and unknown paths under one label value, a stream whose client left under 499; the chat route's
+statuses are exported at 0 before the first request."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from starlette.responses import StreamingResponse
 from starlette.routing import Route
 
+from app.api.asgi_types import Message, Receive, Scope, Send
 from app.api.http_metrics import OTHER_ROUTE, HttpMetrics
 from app.api.request_guards import RequestGuards
 from app.metrics import CHAT_ROUTE, CHAT_STATUSES, ApiMetrics
@@ -72,3 +76,37 @@ def test_the_chat_routes_statuses_start_at_zero() -> None:
     for status in CHAT_STATUSES:
         assert samples[f'mmserve_http_requests_total{{route="{CHAT_ROUTE}",status="{status}"}}'] == 0.0
     assert samples['mmserve_request_success_total{finish_reason="length"}'] == 0.0
+
+
+def _streamed(metrics: ApiMetrics, client_leaves: bool) -> str:
+    """The status a streamed answer counts under, its client leaving after the first event or not."""
+    first = asyncio.Event()
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b"data: 1\n\n"
+        await asyncio.sleep(0.2)
+        yield b"data: 2\n\n"
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await StreamingResponse(events(), media_type="text/event-stream")(scope, receive, send)
+
+    async def receive() -> Message:
+        await first.wait()
+        if not client_leaves:
+            await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: Message) -> None:
+        if message.get("body"):
+            first.set()
+
+    app_state = SimpleNamespace(state=SimpleNamespace(mmserve=SimpleNamespace(metrics=metrics)))
+    scope = {"type": "http", "path": "/s", "method": "GET", "headers": [], "app": app_state}
+    asyncio.run(HttpMetrics(app, routes=[Route("/s", endpoint=lambda _: None)])(scope, receive, send))
+    counted = parse_metrics(metrics.render().decode())
+    return next(name for name, value in counted.items() if 'route="/s"' in name and value)
+
+
+def test_a_stream_its_client_left_counts_as_a_499() -> None:
+    assert _streamed(ApiMetrics(), client_leaves=True).endswith('status="499"}')
+    assert _streamed(ApiMetrics(), client_leaves=False).endswith('status="200"}')

@@ -231,3 +231,14 @@ def test_each_replica_reserves_the_cpus_and_gpus_asked() -> None:
     assert replica.ray_actor_options["num_cpus"] == 4 and replica.ray_actor_options["num_gpus"] == 1
     assert replica.ray_actor_options["runtime_env"]["env_vars"]["MMSERVE_MODEL"] == "/m"
     assert ingress.ray_actor_options["num_cpus"] == 0 and not ingress.ray_actor_options.get("num_gpus")
+
+
+def test_every_placement_is_exported_at_0_before_the_first() -> None:
+    """As an instance's counters: ``rate()`` then shows the first fallback."""
+    from prometheus_client import generate_latest
+
+    from app.ray_serve import router_state
+
+    exported = generate_latest(router_state.PLACEMENTS).decode()
+    for placement in Placement:
+        assert f'mmserve_ray_placements_total{{placement="{placement}"}}' in exported
