@@ -29,6 +29,7 @@ def unreachable_replica(instance_exited: bool) -> replica_module.MmserveReplica:
     replica.report_keys, replica.stream_interval_s = 16, 0.05
     replica._keys, replica._stopping = OrderedDict(), False
     replica._instance, replica.log_path = None, "/nonexistent/mmserve-replica.log"  # (for __del__)
+    replica.tmp = "/nonexistent/mmserve-replica"
     replica._instance_exited = threading.Event()
     if instance_exited:
         replica._instance_exited.set()
