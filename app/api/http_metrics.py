@@ -53,7 +53,7 @@ class HttpMetrics:
 
         try:
             await self.app(scope, receive, sending)
-        except (OSError, ClientDisconnect):  # writing to a client that left
+        except ClientDisconnect:  # writing to a client that left
             status = str(CLIENT_CLOSED_REQUEST)
             raise
         else:

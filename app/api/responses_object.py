@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,8 +122,9 @@ def response_object(
 
 
 def _completed_at(gen: Generation) -> int:
-    """When the answer ended: its last token's arrival (the same in each object made of it)."""
-    return int(gen.last_token_at if gen.last_token_at is not None else time.time())
+    """When the answer ended: its last token's arrival (the same in each object made of it); one that
+    ended before any token, at its arrival."""
+    return int(gen.last_token_at if gen.last_token_at is not None else gen.arrival)
 
 
 def tool_choice(body: ResponsesRequest) -> Any:

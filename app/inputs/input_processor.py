@@ -195,7 +195,8 @@ class InputProcessor:
         binding = self.media_ids.get(binding_key(scope, part.uuid))
         if binding is None or binding.kind != part.kind or dict(binding.options) != options:
             self.metrics.uuid_lookups.labels(result="unknown").inc()
-            detail = "" if binding is None else f" as a {part.kind} with these mm_processor_kwargs"
+            article = "an" if part.kind == "image" else "a"
+            detail = "" if binding is None else f" as {article} {part.kind} with these mm_processor_kwargs"
             raise media_uuid_unknown(part.uuid, part.param, detail)
         self.metrics.mm_items.inc()
         media = MediaInput(

@@ -17,8 +17,10 @@ import ipaddress
 import os
 import socket
 import stat
-from collections.abc import Awaitable, Callable
+import zlib
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urljoin
 
 import httpx
@@ -180,15 +182,17 @@ class MediaFetcher:
         declared = response.headers.get("content-length", "")
         if declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
             raise too_large(f"{kind.noun} at {url!r}", max_bytes, param, kind)
+        decoder = _decoder(response.headers.get("content-encoding", ""), url, param, kind)
         chunks: list[bytes] = []
         num_bytes = 0
-        async for chunk in response.aiter_raw():
-            num_bytes += len(chunk)
-            if num_bytes > max_bytes:
-                raise too_large(f"{kind.noun} at {url!r}", max_bytes, param, kind)
-            if budget is not None:
-                budget.add(len(chunk))
-            chunks.append(chunk)
+        async for raw in response.aiter_raw():
+            for chunk in _decoded(decoder, raw, max_bytes + 1 - num_bytes, url, param, kind):
+                num_bytes += len(chunk)
+                if num_bytes > max_bytes:
+                    raise too_large(f"{kind.noun} at {url!r}", max_bytes, param, kind)
+                if budget is not None:
+                    budget.add(len(chunk))
+                chunks.append(chunk)
         if not num_bytes:
             raise MediaError(f"{kind.noun} at {url!r} is empty.", param=param, code=kind.invalid_code)
         return b"".join(chunks)
@@ -219,6 +223,39 @@ def read_regular_file(path: Path, max_bytes: int) -> bytes | None:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
         return file.read(max_bytes)
+
+
+def _decoder(encoding: str, url: str, param: str, kind: MediaKind) -> Any:
+    """A zlib decompressor for a body sent gzip- or deflate-encoded (though asked for ``identity``, as a
+    store may send what it holds compressed); None for one sent as is."""
+    name = encoding.strip().lower()
+    if name in ("", "identity"):
+        return None
+    if name in ("gzip", "x-gzip", "deflate"):
+        return zlib.decompressobj(zlib.MAX_WBITS | (16 if name != "deflate" else 0))
+    message = f"{kind.noun} at {url!r} was sent with Content-Encoding {encoding!r} (gzip, deflate are read)."
+    raise fetch_failed(message, param, kind)
+
+
+def _decoded(decoder: Any, raw: bytes, room: int, url: str, param: str, kind: MediaKind) -> Iterator[bytes]:
+    """``raw`` decoded, a piece at a time and never more than ``room`` bytes past the reader's cap (a
+    small body that would decompress to gigabytes stops at the cap)."""
+    if decoder is None:
+        yield raw
+        return
+    pending = raw
+    try:
+        while pending:
+            piece = decoder.decompress(pending, max(room, 1))
+            pending = decoder.unconsumed_tail
+            room -= len(piece)
+            yield piece
+    except zlib.error as exc:
+        raise MediaError(
+            f"{kind.noun} at {url!r} is not valid compressed data (Content-Encoding): {exc}.",
+            param=param,
+            code=kind.invalid_code,
+        ) from exc
 
 
 def fetch_failed(message: str, param: str, kind: MediaKind = MediaKind.IMAGE) -> MediaError:

@@ -33,22 +33,28 @@ _ESCAPES = {
 _HEX_WIDTH = {"x": 2, "u": 4, "U": 8}
 _JSON_STRING_CLOSE = ", json_string=true)"
 _REGEX_CALL = re.compile(r"\bRegex\($")
-_CARET = re.compile(r"\\(\^|x5[eE]|u005[eE])")  # a class's escaped first member that is a caret
+_CARET = re.compile(r"\\(\^|x5[eE]|u005[eE]|U0000005[eE]|u\{0*5[eE]\})")  # an escaped caret
 _RULE_NAME = re.compile(r"\broot(_\d+)?\b")
 
 Ranges = list[tuple[int, int]]
 
 
 class PatternError(ValueError):
-    """A pattern that allows no character a JSON string holds unescaped where it needs one."""
+    """A pattern this compile cannot keep exact: a class that allows no character a JSON string holds
+    unescaped, or a range from a caret."""
 
 
 def compile_exact(xgr: Any, compiler: Any, grammar: Any) -> Any:
     """``grammar`` (an xgrammar ``Grammar``) compiled by ``compiler`` (a ``GrammarCompiler`` of the
     module ``xgr``, passed in: xgrammar loads only where a constraint comes), each regex in it read by
     xgrammar's regex converter."""
-    exact = exact_patterns(str(grammar), lambda regex: str(xgr.Grammar.from_regex(_caret_last(regex))))
+    exact = exact_patterns(str(grammar), lambda regex: _converted(xgr, regex))
     return compiler.compile_grammar(grammar if exact is None else exact)
+
+
+def _converted(xgr: Any, regex: str) -> str:
+    """xgrammar's rules for ``regex``, printed (its classes never begin with a caret)."""
+    return str(xgr.Grammar.from_regex(_caret_last(regex)))
 
 
 def exact_patterns(ebnf: str, from_regex: Callable[[str], str]) -> str | None:
@@ -80,7 +86,24 @@ def exact_patterns(ebnf: str, from_regex: Callable[[str], str]) -> str | None:
             index += 1
     if not rules:
         return None
-    return "".join(parts) + "\n" + "\n".join(rules) + "\n"
+    return _fixed_width("".join(parts) + "\n" + "\n".join(rules) + "\n")
+
+
+def _fixed_width(ebnf: str) -> str:
+    """``ebnf`` with each ``\\xHH`` in its strings and classes written ``\\u00HH``: xgrammar prints
+    U+0080 to U+00FF so, but reads ``\\x`` on over every hex digit that follows (``\\xb0C``, °C,
+    would read back as U+0B0C)."""
+    out = []
+    for kind, text in _segments(ebnf):
+        if kind != "other" and "\\x" in text:
+            pieces, i = [], 0
+            while i < len(text):
+                step = 2 if text[i] == "\\" else 1
+                pieces.append("\\u00" if text[i : i + 2] == "\\x" else text[i : i + step])
+                i += step
+            text = "".join(pieces)
+        out.append(text)
+    return "".join(out)
 
 
 def _renamed(ebnf: str, name: str, json_string: bool) -> str:
@@ -126,9 +149,7 @@ def _class(ranges: Ranges) -> str:
 
 
 def _hex(codepoint: int) -> str:
-    if codepoint <= 0xFF:
-        return f"\\x{codepoint:02x}"
-    return f"\\u{codepoint:04x}" if codepoint <= 0xFFFF else f"\\U{codepoint:08x}"
+    return f"\\u{codepoint:04x}" if codepoint <= 0xFFFF else f"\\U{codepoint:08x}"  # (fixed widths)
 
 
 def _codepoints(text: str, in_class: bool = False) -> list[int]:
@@ -152,9 +173,10 @@ def _codepoints(text: str, in_class: bool = False) -> list[int]:
 
 
 def _caret_last(regex: str) -> str:
-    """``regex`` with a class that begins with an escaped caret (``[\\^a]``) written with it last
+    """``regex`` with a class that begins with escaped carets (``[\\^a]``) written with them last
     (``[a\\^]``), the same class: xgrammar prints a class's members in order, and a caret printed
-    first would read back as the class's negation."""
+    first would read back as the class's negation. A range from a caret (``[\\^-a]``, which xgrammar
+    reads apart from Python) is refused."""
     out, i = [], 0
     while i < len(regex):
         ch = regex[i]
@@ -165,13 +187,12 @@ def _caret_last(regex: str) -> str:
             j = i + 1
             while j < len(regex) and regex[j] != "]":
                 j += 2 if regex[j] == "\\" else 1
-            body = regex[i + 1 : j]
-            caret = _CARET.match(body)
-            if caret is None:
-                out.append(f"[{body}]")
-            else:
-                rest = body[caret.end() :]
-                out.append(f"[{rest}{caret.group()}]" if rest else "\\^")
+            body, carets = regex[i + 1 : j], 0
+            while (caret := _CARET.match(body)) is not None:
+                body, carets = body[caret.end() :], carets + 1
+                if body.startswith("-") and len(body) > 1:
+                    raise PatternError("a class range that starts at a caret is not supported")
+            out.append(f"[{body}\\^]" if carets and body else "\\^" if carets else f"[{body}]")
             i = j + 1
         else:
             out.append(ch)

@@ -370,6 +370,8 @@ def test_check_video_kwargs(model_dirs: dict[str, Path]) -> None:
         (qwen2, {"num_frames": 0}, "num_frames"),
         (qwen2, {"num_frames": 10_000}, "num_frames"),
         (qwen2, {"max_pixels": 10, "min_pixels": 20}, "1 <= min <= max"),
+        # a max below the video's default min: the message says where the min came from
+        (qwen2, {"max_pixels": 3136}, f"min {qwen2.size['shortest_edge']}, max 3136 .a bound not given"),
         (qwen2, {"size": {"longest_edge": 5000}}, "shortest_edge"),
         (qwen3, {"max_pixels": 50000}, "not min/max_pixels"),
         (qwen3, {"cap_pixels_per_frame": "yes"}, "true or false"),

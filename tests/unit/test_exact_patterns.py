@@ -18,7 +18,7 @@ import pytest
 import xgrammar as xgr
 
 from engine.structured.backend import XGrammarBackend
-from engine.structured.patterns import FORBIDDEN, _codepoints, _narrowed, compile_exact
+from engine.structured.patterns import FORBIDDEN, PatternError, _codepoints, _narrowed, compile_exact
 from wire.protocol import Constraint, ConstraintKind
 
 STRINGS = ["".join(chars) for n in range(6) for chars in itertools.product("ab", repeat=n)]
@@ -102,6 +102,9 @@ def test_a_json_strings_pattern_never_takes_what_the_string_escapes(
         ("^[\\^]$", ["^"], ["a"]),
         ("^x[\\x5ea-c]$", ["x^", "xb"], ["xd"]),
         ("^[^\\^a]$", ["b"], ["^", "a"]),
+        ("^[\\^\\^]$", ["^"], ["z"]),
+        ("^[\\u{5e}a]$", ["^", "a"], ["z"]),
+        ("^[\\^\\x5ea]+$", ["^a^"], ["z"]),
     ],
 )
 def test_a_class_that_begins_with_a_caret_keeps_its_meaning(
@@ -111,6 +114,34 @@ def test_a_class_that_begins_with_a_caret_keeps_its_meaning(
     compiled = compile_exact(xgr, compiler, pattern_grammar(pattern))
     texts = [json.dumps(s) for s in taken_values + refused]
     assert taken(compiled, texts) == [True] * len(taken_values) + [False] * len(refused)
+
+
+def test_a_range_from_a_caret_is_refused(compiler: xgr.GrammarCompiler) -> None:
+    """xgrammar reads ``[\\^-a]`` as three members, Python as a range: neither can be promised."""
+    with pytest.raises(PatternError, match="range that starts at a caret"):
+        compile_exact(xgr, compiler, pattern_grammar("^[\\^-a]$"))
+
+
+def test_latin_1_characters_beside_hex_digits_keep_their_meaning(compiler: xgr.GrammarCompiler) -> None:
+    """xgrammar prints U+0080 to U+00FF as ``\\xHH`` but reads ``\\x`` on over the hex digits after
+    it (``°C`` would read back as U+0B0C): strings and classes go back with fixed-width escapes."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "d": {"type": "string", "format": "date"},
+            "u": {"enum": ["°C", "°F"]},
+            "référence": {"type": "string", "pattern": "^[A-Fé]+[°é]$"},
+            "code": {"type": "string", "pattern": "^[A-Z]{3}( [0-9]+)?$"},
+        },
+        "required": ["d", "u", "référence", "code"],
+        "additionalProperties": False,
+    }
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema, ensure_ascii=False), any_whitespace=False)
+    assert "Regex(" in str(grammar)  # (compiled through its printed text)
+    compiled = compile_exact(xgr, compiler, grammar)
+    good = '{"d": "2024-05-01", "u": "°C", "référence": "CAFé°", "code": "ABC"}'
+    bad = '{"d": "2024-05-01", "u": "\u0b0c", "référence": "CAFé°", "code": "ABC"}'
+    assert taken(compiled, [good, bad]) == [True, False]
 
 
 def test_every_regex_of_a_schema_is_replaced(compiler: xgr.GrammarCompiler) -> None:

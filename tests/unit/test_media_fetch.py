@@ -5,12 +5,14 @@ shows the connection, Host header, byte caps and timeouts. No traffic leaves 127
 from __future__ import annotations
 
 import asyncio
+import gzip
 import ipaddress
 import shutil
 import ssl
 import subprocess
 import threading
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -225,6 +227,32 @@ def test_http_errors_and_a_redirect_without_location_are_fetch_failures() -> Non
     dns = FakeDNS(images_test=[PUBLIC])
     assert fetch_error("http://images.test/gone", dns, network).code == "image_fetch_failed"
     assert fetch_error("http://images.test/bare", dns, network).code == "image_fetch_failed"
+
+
+def encoded(body: bytes, encoding: str) -> Callable[[httpx.Request], httpx.Response]:
+    return lambda _request: httpx.Response(200, headers={"Content-Encoding": encoding}, stream=Streamed(body))
+
+
+def test_a_body_sent_compressed_is_read_decompressed_within_the_cap() -> None:
+    """Asked for ``identity``, a store may still send what it holds gzip-encoded: it is decoded, and a
+    small body that would decompress past the cap stops there."""
+    deflated = zlib.compressobj(wbits=zlib.MAX_WBITS)
+    network = Recorder(
+        {
+            "/gz": encoded(gzip.compress(BODY), "gzip"),
+            "/deflate": encoded(deflated.compress(BODY) + deflated.flush(), "deflate"),
+            "/bomb": encoded(gzip.compress(bytes(50 << 20)), "gzip"),  # 50 MiB of zeros in ~50 KB
+            "/br": encoded(b"\x0b\x02\x80hi\x03", "br"),
+            "/broken": encoded(b"not gzip at all", "gzip"),
+        }
+    )
+    dns = FakeDNS(images_test=[PUBLIC])
+    assert fetch("http://images.test/gz", dns, network) == BODY
+    assert fetch("http://images.test/deflate", dns, network) == BODY
+    small = MediaPolicy(max_image_bytes=1 << 20)
+    assert fetch_error("http://images.test/bomb", dns, network, policy=small).code == "image_too_large"
+    assert "Content-Encoding 'br'" in fetch_error("http://images.test/br", dns, network).message
+    assert fetch_error("http://images.test/broken", dns, network).code == "invalid_image"
 
 
 # -- a real server on loopback: connection, Host header, byte caps, timeouts -----------------------

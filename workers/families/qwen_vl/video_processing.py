@@ -145,7 +145,10 @@ def check_video_kwargs(config: VideoConfig, kwargs: Mapping[str, Any] | None) ->
         raise ValueError("cap_pixels_per_frame must be true or false.")
     if {"size", *_PIXEL_KEYS} & options.keys():
         if config.kind is VideoKind.QWEN3_VL and _PIXEL_KEYS.keys() & options.keys():
-            raise ValueError("Qwen3-VL videos take size (pixels of all frames), not min/max_pixels.")
+            raise ValueError(
+                "Qwen3-VL videos take size (pixels of all frames), not min/max_pixels; a request's "
+                "pixel options apply to its images and videos alike, so with a video give them as size."
+            )
         size = options.pop("size", None) or dict(config.size)
         if not isinstance(size, Mapping) or set(size) != {"shortest_edge", "longest_edge"}:
             raise ValueError("size must be {'shortest_edge': min_pixels, 'longest_edge': max_pixels}.")
@@ -153,7 +156,12 @@ def check_video_kwargs(config: VideoConfig, kwargs: Mapping[str, Any] | None) ->
         cap = max(MAX_REQUEST_PIXELS, config.size["longest_edge"])
         low, high = size["shortest_edge"], size["longest_edge"]
         if type(low) is not int or type(high) is not int or not 1 <= low <= high <= cap:
-            raise ValueError(f"Video pixel bounds must be integers, 1 <= min <= max <= {cap}.")
+            default = config.size
+            raise ValueError(
+                f"Video pixel bounds must be integers, 1 <= min <= max <= {cap}: here min {low!r}, max "
+                f"{high!r} (a bound not given is the video's default: min {default['shortest_edge']}, max "
+                f"{default['longest_edge']}; a request's pixel options apply to its images and videos alike)."
+            )
         options["size"] = {"shortest_edge": low, "longest_edge": high}
     return options
 
