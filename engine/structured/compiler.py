@@ -97,7 +97,7 @@ class GrammarCompiler:
         future = self._compiling.get(key)
         if future is None and deadline > now:
             future = self._pool.submit(self._compile, key, constraint, vocab_size)
-            future.add_done_callback(lambda _: self._wake())
+            future.add_done_callback(self._ended)
             self._compiling[key] = future
         if future is None:
             return Ticket(key, deadline)
@@ -125,27 +125,38 @@ class GrammarCompiler:
         it)."""
         if ticket.compiled is not None:
             return ticket.compiled
-        if ticket.future is not None and ticket.future.done():
-            self._absorb_finished()
-            ticket.compiled, _ = ticket.future.result()  # raises the compile's CompileError
-            return ticket.compiled
+        now = time.monotonic() if now is None else now
         loaded_at = self._loaded_at.get(ticket.key[0])  # loading xgrammar and the tokenizer is not compiling
         deadline = (
             ticket.deadline
             if loaded_at is None
             else max(ticket.deadline, loaded_at + self.options.compile_timeout_s)
         )
-        if (loaded_at is not None or ticket.future is None) and (
-            time.monotonic() if now is None else now
-        ) >= deadline:
-            self.stats.num_timeouts += 1
-            self.stats.num_failures += 1
-            raise CompileError(
-                f"compiling the constraint took longer than {self.options.compile_timeout_s:g} s "
-                "(--structured-output-compile-timeout-s)",
-                code="constraint_compile_timeout",
-            )
+        if ticket.future is not None and ticket.future.done():
+            self._absorb_finished()
+            compiled, _ = ticket.future.result()  # raises the compile's CompileError
+            # ready after the wait ended is a timeout, however late the loop looked (a busy machine's)
+            if getattr(ticket.future, "ended_at", now) < deadline:
+                ticket.compiled = compiled
+                return compiled
+            raise self._timed_out()
+        if (loaded_at is not None or ticket.future is None) and now >= deadline:
+            raise self._timed_out()
         return None
+
+    def _timed_out(self) -> CompileError:
+        self.stats.num_timeouts += 1
+        self.stats.num_failures += 1
+        return CompileError(
+            f"compiling the constraint took longer than {self.options.compile_timeout_s:g} s "
+            "(--structured-output-compile-timeout-s)",
+            code="constraint_compile_timeout",
+        )
+
+    def _ended(self, future: Future[Any]) -> None:
+        """A compile's end (in the thread that ran it): when its grammar became ready."""
+        future.ended_at = time.monotonic()  # type: ignore[attr-defined]
+        self._wake()
 
     def num_compiling(self) -> int:
         """Compiles still running (finished ones are moved into the cache first)."""

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 from engine.config import StructuredOutputOptions
 from engine.core import EngineCore
+from engine.structured.backend import CompileError
 from engine.structured.compiler import GrammarCompiler
 from tests.standin_worker import StandinWorker
 from tests.unit.engine_core_support import run_until_idle, scheduler_config
@@ -300,7 +301,7 @@ def test_compiles_nobody_waits_for_are_dropped_and_overrunning_ones_refused_at_o
     for variant in range(3):
         failed += core.add_request(b"a", request(f"slow-{variant}", slow_schema(variant)), []).get(b"a", [])
     failed += wait_for_grammars(core)[b"a"]
-    assert sorted(out.req_id for out in failed) == ["slow-0", "slow-1", "slow-2"]
+    assert sorted(out.req_id for out in failed) == ["slow-0", "slow-1", "slow-2"], grammars.stats
     assert all(out.error is not None and out.error.code == "constraint_compile_timeout" for out in failed)
     # two threads: at most two compiles ran (one may already have ended on a machine slow to poll)
     assert grammars.num_compiling() <= 2
@@ -465,3 +466,19 @@ def test_forced_tokens_reach_the_worker_with_the_next_step_and_none_are_forced_w
     sampled, reason = answers(run_until_idle(core, MAX_STEPS))["lp"]
     assert core.scheduler.num_forced_tokens == 0 and reason is FinishReason.STOP
     assert json.loads(tokenizer.decode(sampled)) == "abcdefghij klmnopqrst"
+
+
+def test_a_grammar_ready_only_after_the_wait_ended_is_a_timeout_however_late_the_poll(
+    tokenizer_dir: Path,
+) -> None:
+    """The wait is measured to when the grammar became ready, not to when a busy loop looked."""
+    grammars = compiler(tokenizer_dir, cache_bytes=1 << 30, timeout_s=0.3)
+    warm = grammars.request(schema(POINT), VOCAB_SIZE)  # loads the backend first
+    while grammars.poll(warm) is None:
+        time.sleep(0.01)
+    ticket = grammars.request(slow_schema(0), VOCAB_SIZE)
+    assert ticket.future is not None
+    ticket.future.result(120)  # not polled until the compile ended, seconds past the deadline
+    with pytest.raises(CompileError, match="took longer than 0.3 s"):
+        grammars.poll(ticket)
+    grammars.close()
