@@ -313,7 +313,9 @@ def test_compiles_nobody_waits_for_are_dropped_and_overrunning_ones_refused_at_o
     while grammars.num_compiling():  # the two running compiles end on their own
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert len(grammars.stats.compile_seconds) == 2  # the queued compile was cancelled: it never ran
+    # the queued compile was cancelled (it never ran), unless the test thread, starved while compiles
+    # ran on a busy machine, released its ticket only after a thread had freed and started it
+    assert len(grammars.stats.compile_seconds) in (2, 3)
     assert core.stats().counters["structured_output_compile_timeouts_total"] == 4
     assert grammars.cache_bytes == 0  # ~2.5 MB each: not kept by a 1 MiB cache
     [refused] = core.add_request(b"a", request("later", slow_schema(1)), [])[b"a"]
