@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video bench-media-ids bench-structured bench-sampling bench-agents bench-prefix-match bench-ray dashboard-image
+.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video bench-media-ids bench-structured bench-schema-compile bench-sampling bench-agents bench-prefix-match bench-ray dashboard-image
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -127,6 +127,11 @@ bench-ray: setup model
 # LLaVA and Qwen2.5-VL and vLLM's CPU peer (if set up); a schema's first use vs a repeat; draws docs/img/structured.png
 bench-structured: setup
 	$(PY) bench/bench_structured.py
+
+# ~1 min: one JSON schema's compile, mmserve's engine vs xgrammar's compile_json_schema (vLLM's, SGLang's),
+# in one process: everyday patterns, formats, long bounded repetitions; draws docs/img/schema_compile.png
+bench-schema-compile: setup model
+	$(PY) bench/bench_schema_compile.py --model $(MODEL)
 
 # ~6 min: n=4 vs four requests (at once, in turn) per new 1024x1024 JPEG (choices/s; processor and encoder runs, prefix hits per
 # image), penalties vs none at c=16, 64 tokens, on the tiny LLaVA and Qwen2.5-VL; draws docs/img/sampling.png

@@ -78,6 +78,9 @@ class EngineMetrics:
         counters: dict[str, float] = {str(name): value for name, value in self._counters.items()}
         gauges: dict[str, float] = {}
         if grammars is not None:  # the engine process's compiler: its counts span worker restarts
+            # first: this absorbs the compiles that ended since, so their counts and seconds go out
+            # with the gauge that no longer counts them
+            gauges[EngineGauge.GRAMMAR_COMPILES_RUNNING] = float(grammars.num_compiling())
             stats = grammars.stats
             counters[EngineCounter.GRAMMAR_CACHE_HITS] = stats.num_hits
             counters[EngineCounter.GRAMMAR_CACHE_MISSES] = stats.num_misses
@@ -85,7 +88,6 @@ class EngineMetrics:
             counters[EngineCounter.GRAMMAR_COMPILE_TIMEOUTS] = stats.num_timeouts
             self._observations[EngineObservation.GRAMMAR_COMPILE_SECONDS] += stats.compile_seconds
             stats.compile_seconds = []
-            gauges[EngineGauge.GRAMMAR_COMPILES_RUNNING] = float(grammars.num_compiling())
             gauges[EngineGauge.GRAMMAR_CACHE_BYTES] = float(grammars.cache_bytes)
         if isinstance(scheduler, Scheduler):
             gauges[EngineGauge.REQUESTS_AWAITING_GRAMMAR] = float(scheduler.num_awaiting_grammar)

@@ -9,9 +9,9 @@ import json
 import re
 from typing import Any
 
-from engine.structured.formats import strict_formats, strict_formats_spec
+from engine.structured.formats import strict_formats
 from engine.structured.grammar import RequestGrammar
-from engine.structured.patterns import compile_exact
+from engine.structured.patterns import compile_exact, exact_ebnf, stand_ins
 from wire.protocol import Constraint, ConstraintKind
 
 # Between two JSON elements at most this many whitespace characters (unless any_whitespace is off: then
@@ -73,13 +73,14 @@ class XGrammarBackend:
         try:
             match constraint.kind:
                 case ConstraintKind.JSON_SCHEMA:
-                    return self._exact(
-                        self._xgr.Grammar.from_json_schema(
-                            strict_formats_spec(constraint.spec),
-                            any_whitespace=any_whitespace,
-                            max_whitespace_cnt=max_whitespace,
-                        )
+                    schema = strict_formats(json.loads(constraint.spec))
+                    patterns = stand_ins(schema)
+                    grammar = self._xgr.Grammar.from_json_schema(
+                        json.dumps(schema, ensure_ascii=False, separators=(",", ":")),
+                        any_whitespace=any_whitespace,
+                        max_whitespace_cnt=max_whitespace,
                     )
+                    return compile_exact(self._xgr, compiler, grammar, patterns)
                 case ConstraintKind.JSON_OBJECT:
                     return compiler.compile_json_schema(
                         JSON_OBJECT_SCHEMA,
@@ -92,24 +93,23 @@ class XGrammarBackend:
                 case ConstraintKind.CHOICE:
                     return compiler.compile_grammar(choice_grammar(json.loads(constraint.spec)))
                 case ConstraintKind.GRAMMAR:
-                    return compiler.compile_grammar(constraint.spec)
+                    return exact_ebnf(self._xgr, compiler, constraint.spec)
                 case ConstraintKind.TOOL_CALLS:
-                    tag = self.tool_calls_tag(constraint.spec)
-                    return self._exact(self._xgr.Grammar.from_structural_tag(tag))
+                    in_calls: dict[str, str] = {}
+                    tag = self.tool_calls_tag(constraint.spec, in_calls)
+                    grammar = self._xgr.Grammar.from_structural_tag(tag)
+                    return compile_exact(self._xgr, compiler, grammar, in_calls)
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:
             raise CompileError(_LOCATION.sub("", str(exc)).strip()) from exc
         raise CompileError(f"unknown constraint kind {constraint.kind!r}")
 
-    def _exact(self, grammar: Any) -> Any:
-        return compile_exact(self._xgr, self._compiler, grammar)
-
-    def tool_calls_tag(self, spec: str) -> Any:
+    def tool_calls_tag(self, spec: str, patterns: dict[str, str]) -> Any:
         """A ``TOOL_CALLS`` constraint's structural tag: xgrammar's own for the model's call syntax (free
         text, then calls under ``auto``; calls only under ``required``; the one named call), the arguments
-        by each tool's schema, on one line."""
+        by each tool's schema, on one line; their patterns as stand-ins, added to ``patterns``."""
         fields = json.loads(spec)
         for tool in fields["tools"]:
-            strict_formats(tool["function"]["parameters"])
+            stand_ins(strict_formats(tool["function"]["parameters"]), patterns)
         tag = self._xgr.get_model_structural_tag(
             fields["format"],
             tools=fields["tools"],

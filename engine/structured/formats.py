@@ -12,7 +12,6 @@ times cannot hold), ``T`` and ``Z`` upper-case.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from engine.structured.json_schemas import subschemas
@@ -41,10 +40,3 @@ def strict_formats(schema: Any) -> Any:
                 del node["format"]
                 node["pattern"] = PATTERNS[fmt]
     return schema
-
-
-def strict_formats_spec(spec: str) -> str:
-    """A schema's JSON text with ``strict_formats`` applied (the same text where it has none of them)."""
-    if not any(f'"{name}"' in spec for name in PATTERNS):
-        return spec
-    return json.dumps(strict_formats(json.loads(spec)), ensure_ascii=False, separators=(",", ":"))

@@ -10,11 +10,16 @@ with) reads the same regexes exactly. So before a grammar is compiled, each such
 by the converter's rules for its regex; a JSON string's keeps the limit the automaton had: no quote,
 backslash or control character unescaped (a class loses them, so ``.`` or ``[^a]`` never reach them).
 
+xgrammar builds its automaton for each pattern when the schema becomes a grammar, which takes long for
+a bounded repetition (``([a-z0-9]{2,300}@){1,30}``: 0.15 s; a schema of 120 such, 18 s) and would be
+thrown away. So the schema's patterns are first replaced by literal stand-ins (``stand_ins``), whose
+automata cost nothing, and each stand-in's rule is made from the pattern it stands for.
+
 The grammar is xgrammar's printed EBNF, edited as text: quoted strings and character classes are read
 with the printer's escapes (xgrammar's ``cpp/support/encoding.h``), and only rule names and
-``Regex(...)`` outside them are touched. A user's EBNF grammar (``structured_outputs.grammar``) is not:
-its printed text may not read back the same (a class whose first member is a caret prints as a
-negation), so its own ``Regex(...)`` stays xgrammar's automaton.
+``Regex(...)`` outside them are touched. A user's EBNF grammar (``structured_outputs.grammar``) goes the
+same way where it has a ``Regex``, once its classes are written so that their printed text reads back
+the same: xgrammar prints a class whose first member is an escaped caret as a negation.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from engine.structured.json_schemas import subschemas
 
 MAX_CODEPOINT = 0x10FFFF
 # what a JSON string's text cannot hold unescaped: the quote, the backslash, the control characters
@@ -35,6 +42,7 @@ _JSON_STRING_CLOSE = ", json_string=true)"
 _REGEX_CALL = re.compile(r"\bRegex\($")
 _CARET = re.compile(r"\\(\^|x5[eE]|u005[eE]|U0000005[eE]|u\{0*5[eE]\})")  # an escaped caret
 _RULE_NAME = re.compile(r"\broot(_\d+)?\b")
+_STAND_IN = "mmservepattern{}"  # (a literal: its automaton is a chain of a few states)
 
 Ranges = list[tuple[int, int]]
 
@@ -44,11 +52,33 @@ class PatternError(ValueError):
     unescaped, or a range from a caret."""
 
 
-def compile_exact(xgr: Any, compiler: Any, grammar: Any) -> Any:
+def stand_ins(schema: Any, patterns: dict[str, str] | None = None) -> dict[str, str]:
+    """``schema`` (parsed JSON, changed in place) with each pattern, a ``pattern``'s or a
+    ``patternProperties`` name, replaced by a literal stand-in; the patterns by their stand-ins, added
+    to ``patterns`` where given (one table for several schemas: a tool call's)."""
+    patterns = {} if patterns is None else patterns
+    if not isinstance(schema, dict):
+        return patterns
+
+    def stand_in(pattern: str) -> str:
+        name = _STAND_IN.format(len(patterns))
+        patterns[name] = pattern
+        return name
+
+    for node, _, _ in subschemas(schema):
+        if isinstance(node.get("pattern"), str):
+            node["pattern"] = stand_in(node["pattern"])
+        if isinstance(node.get("patternProperties"), dict):
+            node["patternProperties"] = {stand_in(k): v for k, v in node["patternProperties"].items()}
+    return patterns
+
+
+def compile_exact(xgr: Any, compiler: Any, grammar: Any, patterns: dict[str, str] | None = None) -> Any:
     """``grammar`` (an xgrammar ``Grammar``) compiled by ``compiler`` (a ``GrammarCompiler`` of the
     module ``xgr``, passed in: xgrammar loads only where a constraint comes), each regex in it read by
-    xgrammar's regex converter."""
-    exact = exact_patterns(str(grammar), lambda regex: _converted(xgr, regex))
+    xgrammar's regex converter: a stand-in's (``stand_ins``), the pattern it stands for."""
+    table = patterns or {}
+    exact = exact_patterns(str(grammar), lambda regex: _converted(xgr, table.get(regex, regex)))
     return compiler.compile_grammar(grammar if exact is None else exact)
 
 
@@ -187,12 +217,8 @@ def _caret_last(regex: str) -> str:
             j = i + 1
             while j < len(regex) and regex[j] != "]":
                 j += 2 if regex[j] == "\\" else 1
-            body, carets = regex[i + 1 : j], 0
-            while (caret := _CARET.match(body)) is not None:
-                body, carets = body[caret.end() :], carets + 1
-                if body.startswith("-") and len(body) > 1:
-                    raise PatternError("a class range that starts at a caret is not supported")
-            out.append(f"[{body}\\^]" if carets and body else "\\^" if carets else f"[{body}]")
+            body, carets = _carets_moved(regex[i + 1 : j])
+            out.append(f"[{body}]" if body else "\\^" if carets else "[]")
             i = j + 1
         else:
             out.append(ch)
@@ -200,18 +226,49 @@ def _caret_last(regex: str) -> str:
     return "".join(out)
 
 
+def _carets_moved(body: str) -> tuple[str, bool]:
+    """A class's body with its leading escaped carets written last, and whether it had any; "" for a
+    class of carets alone. A range from a caret is refused."""
+    carets = 0
+    while (caret := _CARET.match(body)) is not None:
+        body, carets = body[caret.end() :], carets + 1
+        if body.startswith("-") and len(body) > 1:
+            raise PatternError("a class range that starts at a caret is not supported")
+    return (f"{body}\\^" if carets and body else body), carets > 0
+
+
+def exact_ebnf(xgr: Any, compiler: Any, ebnf: str) -> Any:
+    """A user's EBNF grammar compiled with each of its ``Regex("…")`` read by xgrammar's regex
+    converter (as a schema's patterns are): its classes are first written so that their printed text
+    reads back the same (leading escaped carets last; a class of carets alone as the string ``"^"``)."""
+    if "Regex(" not in ebnf:
+        return compiler.compile_grammar(ebnf)
+    parts = []
+    for kind, text in _segments(ebnf):
+        if kind == "class" and not text.startswith("[^"):
+            body, carets = _carets_moved(text[1:-1])
+            text = f"[{body}]" if body or not carets else '"^"'
+        parts.append(text)
+    return compile_exact(xgr, compiler, xgr.Grammar.from_ebnf("".join(parts)))
+
+
 def _segments(ebnf: str) -> Iterator[tuple[str, str]]:
     """``ebnf`` as ("string", ``"…"``), ("class", ``[…]``) and ("other", the rest) pieces, in order."""
     start = i = 0
     while i < len(ebnf):
         ch = ebnf[i]
-        if ch in '"[':
-            if start < i:
-                yield "other", ebnf[start:i]
+        if ch == "#":  # a comment (a user's grammar), to the end of its line
+            newline = ebnf.find("\n", i)
+            i = len(ebnf) if newline < 0 else newline
+        elif ch in '"[':
             close = '"' if ch == '"' else "]"
             j = i + 1
-            while ebnf[j] != close:
+            while j < len(ebnf) and ebnf[j] != close:
                 j += 2 if ebnf[j] == "\\" else 1
+            if j >= len(ebnf):  # unclosed: xgrammar's parser says where
+                break
+            if start < i:
+                yield "other", ebnf[start:i]
             yield ("string" if ch == '"' else "class"), ebnf[i : j + 1]
             start = i = j + 1
         else:

@@ -18,7 +18,14 @@ import pytest
 import xgrammar as xgr
 
 from engine.structured.backend import XGrammarBackend
-from engine.structured.patterns import FORBIDDEN, PatternError, _codepoints, _narrowed, compile_exact
+from engine.structured.patterns import (
+    FORBIDDEN,
+    PatternError,
+    _codepoints,
+    _narrowed,
+    compile_exact,
+    stand_ins,
+)
 from wire.protocol import Constraint, ConstraintKind
 
 STRINGS = ["".join(chars) for n in range(6) for chars in itertools.product("ab", repeat=n)]
@@ -180,6 +187,32 @@ def test_schemas_and_tools_compile_their_patterns_exactly(tiny_model: Callable[[
     for kind, (spec, forbidden, allowed) in kinds.items():
         compiled = backend.compile(Constraint(kind, spec))
         assert taken(compiled, [forbidden, allowed]) == [False, True], kind
+
+
+def test_every_pattern_of_a_schema_has_a_stand_in_and_no_data_does() -> None:
+    """xgrammar meets literals in place of a schema's patterns (its automata for them would be built
+    and thrown away); the table gives each stand-in's pattern back."""
+    code = "^[A-Z]{3}( [0-9]+)?$"
+    schema = {
+        "type": "object",
+        "patternProperties": {"^k[0-9]+$": {"type": "string", "pattern": code}},
+        "propertyNames": {"pattern": "^[a-z0-9]+$"},
+        "properties": {
+            "pattern": {"type": "array", "items": {"type": "string", "pattern": code}},  # (a name)
+            "tag": {"const": {"pattern": "^data$"}},  # data: left as it is
+        },
+        "$defs": {"d": {"anyOf": [{"type": "string", "pattern": "^a+$"}, {"type": "integer"}]}},
+    }
+    patterns = stand_ins(schema)
+    assert sorted(patterns.values()) == sorted([code, code, "^k[0-9]+$", "^[a-z0-9]+$", "^a+$"])
+    assert all(re.fullmatch(r"[a-z]+[0-9]+", name) for name in patterns)  # literals
+    [key] = schema["patternProperties"]
+    assert patterns[key] == "^k[0-9]+$"
+    assert patterns[schema["patternProperties"][key]["pattern"]] == code
+    assert patterns[schema["properties"]["pattern"]["items"]["pattern"]] == code
+    assert schema["properties"]["tag"] == {"const": {"pattern": "^data$"}}
+    more = stand_ins({"type": "string", "pattern": "^b$"}, patterns)  # one table for several schemas
+    assert more is patterns and len(patterns) == 6 and "^b$" in patterns.values()
 
 
 def test_printed_escapes_read_back_to_their_characters() -> None:
