@@ -23,7 +23,14 @@ from app.api.responses import chunk, completion, final_usage_chunk, sse, tool_st
 from app.api.sampling import SamplingDefaults, choice_sampling, sampling_params
 from app.api.schemas import ChatCompletionRequest
 from app.api.tool_calls import ToolCallStreamer
-from app.api.tool_schemas import check_tools, choice_name, template_tools, tool_constraint
+from app.api.tool_schemas import (
+    ANSWER_KINDS,
+    calls_only,
+    check_tools,
+    choice_name,
+    template_tools,
+    tool_constraint,
+)
 from app.errors import EngineUnavailableError, InvalidRequestError, MMServeError, ModelNotFoundError
 from app.inputs.engine_client import EngineClient
 from app.inputs.input_processor import InputProcessor
@@ -92,7 +99,10 @@ class ChatService:
         outputs = ChoiceOutputs(gens, submitted, self.engine, self.metrics)
         if body.stream:
             return StreamingResponse(
-                self._stream(outputs, body.include_usage), media_type="text/event-stream"
+                self._stream(
+                    outputs, body.include_usage, body.parses_tool_calls and calls_only(body.tool_choice)
+                ),
+                media_type="text/event-stream",
             )
         await outputs.collect_while_connected(raw)
         return JSONResponse(completion(gens))
@@ -144,8 +154,10 @@ class ChatService:
             return RequestTools()
         parser = family.tool_call_parser
         assert parser is not None  # template_tools refuses a family without one
-        tool_cons = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls, parser)
-        if tool_cons is not None and constraint is not None:
+        answer = constraint.constraint if constraint is not None else None
+        beside = answer if answer is not None and answer.kind in ANSWER_KINDS else None
+        tool_cons = tool_constraint(body.tools, body.tool_choice, body.parallel_tool_calls, parser, beside)
+        if tool_cons is not None and constraint is not None and beside is None:
             raise InvalidRequestError(
                 f"tools with tool_choice {choice_name(body.tool_choice)!r} cannot be combined with "
                 f"{constraint.param}: both constrain the answer",
@@ -165,12 +177,16 @@ class ChatService:
         )
         return choice_sampling(first, index)
 
-    async def _stream(self, outputs: ChoiceOutputs, include_usage: bool) -> AsyncIterator[str]:
-        """SSE events: each choice's role chunk, then its deltas as they come, then the usage."""
+    async def _stream(
+        self, outputs: ChoiceOutputs, include_usage: bool, calls_only: bool = False
+    ) -> AsyncIterator[str]:
+        """SSE events: each choice's role chunk (its content null where the answer is calls only, as
+        OpenAI's), then its deltas as they come, then the usage."""
         gens = outputs.gens
         try:
             for gen in gens:
-                yield sse(chunk(gen, {"role": "assistant", "content": ""}, include_usage))
+                first = {"role": "assistant", "content": None if calls_only else ""}
+                yield sse(chunk(gen, first, include_usage))
             calls = {gen.index: ToolCallStreamer() for gen in gens if gen.parse_tool_calls}
             async for delta in outputs.deltas():
                 gen = gens[delta.index]

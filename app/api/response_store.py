@@ -127,6 +127,11 @@ class ResponseStore:
     def enabled(self) -> bool:
         return self.max_responses > 0 and self.max_bytes > 0
 
+    def holds(self, items: list[dict[str, Any]]) -> bool:
+        """Whether a response whose conversation begins with ``items`` may be stored: the store is on,
+        and they alone are within the byte bound (what the answer adds may still take it over)."""
+        return self.enabled and _Row.of(items, {}).num_bytes_alone <= self.max_bytes
+
     def put(
         self,
         tenant: str,

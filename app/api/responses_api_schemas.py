@@ -13,6 +13,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    Tag,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -21,6 +22,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from app.api.request_fields import is_default
 from app.api.schemas import MAX_CACHE_SALT_CHARS, MediaUuid, media_or_uuid
+from app.api.tool_schemas import TOOL_CHOICE_KIND, Modes
 
 # field -> (values accepted as "off", why it is refused otherwise)
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -332,7 +334,13 @@ class ResponsesInput(_Body):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS, strict=True)
     mm_processor_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = Field(None, max_length=128)  # function tools (``_tool``), as on chat
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | AllowedTools | None = None
+    tool_choice: (
+        Annotated[
+            Modes | Annotated[NamedFunction, Tag("Named")] | Annotated[AllowedTools, Tag("Allowed")],
+            TOOL_CHOICE_KIND,
+        ]
+        | None
+    ) = None
     parallel_tool_calls: bool | None = None
     truncation: Literal["auto", "disabled"] | None = None  # auto: the oldest items dropped to fit
     # refused unless off (REFUSED)

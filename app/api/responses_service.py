@@ -85,11 +85,11 @@ class ResponsesService:
         arrival, response_id = time.time(), f"resp_{uuid.uuid4().hex}"
         if body.background:
             await self._check_input(body, history, raw)
-            turn = self._turn(body, history, tenant, self._generation(response_id, arrival))
+            turn = await self._turn(body, history, tenant, self._generation(response_id, arrival))
             return await self._start_background(turn, history, raw)
         chat_body, submitted = await self._submit(body, history, raw)
         gen = self._generation(response_id, arrival, chat_body, submitted)
-        turn = self._turn(body, history, tenant, gen)
+        turn = await self._turn(body, history, tenant, gen)
         outputs = ChoiceOutputs([gen], submitted, self.chat.engine, self.chat.metrics)
         if body.stream:
             return StreamingResponse(self._stream(turn, outputs), media_type="text/event-stream")
@@ -120,16 +120,20 @@ class ResponsesService:
             stop_token_ids=frozenset(self.chat.inputs.family.eos_token_ids),
         )
 
-    def _turn(
+    async def _turn(
         self, body: ResponsesRequest, history: list[dict[str, Any]], tenant: str, gen: Generation
     ) -> Turn:
+        """A stored response's input already over the store's byte bound says ``store`` false from its
+        first event on."""
         defaults = self.chat.defaults
+        items = [*history, *with_ids(dump_items(body.input_items()), gen.response_id)]
+        store = body.store is not False and await asyncio.to_thread(self.store.holds, items)
         return Turn(
             body,
             gen,
             tenant,
-            [*history, *with_ids(dump_items(body.input_items()), gen.response_id)],
-            body.store is not False and self.store.enabled,
+            items,
+            store,
             defaults.temperature if body.temperature is None else body.temperature,
             defaults.top_p if body.top_p is None else body.top_p,
             background=body.background is True,

@@ -7,12 +7,13 @@ The model writes free text and zero or more calls, each::
     </tool_call>
 
 Text outside the calls is content. A call is the span from a ``<tool_call>`` to the first
-``</tool_call>`` after it. A span whose JSON does not decode to a name and an arguments object stays in
-the content as raw text, so the client sees what the model said. An unterminated ``<tool_call>`` (the
-output cut by the max tokens: a started call is constrained to the end) is an incomplete call when its
-name was written, with the arguments' text so far, as OpenAI returns a call cut off; cut before its
-name, it is dropped: markup is never content. So is the start of ``<tool_call>`` (``<tool_``) that ends
-an output cut off by the max tokens or a stop string: a call was being opened. ``parse_tool_calls``
+``</tool_call>`` after it outside a JSON string (a string argument may hold the tag: code, markup). A
+span whose JSON does not decode to a name and an arguments object stays in the content as raw text, so
+the client sees what the model said. An unterminated ``<tool_call>`` (the output cut by the max tokens:
+a started call is constrained to the end) is an incomplete call when its name was written, with the
+arguments' text so far (none, cut before them), as OpenAI returns a call cut off; cut before its name,
+it is dropped: markup is never content. So is the start of ``<tool_call>`` (``<tool_``) that ends an
+output cut off by the max tokens or a stop string: a call was being opened. ``parse_tool_calls``
 reads a whole output; ``ToolCallStreamer`` reads it delta by delta and reassembles to exactly the same
 result for any split of the text.
 """
@@ -31,7 +32,12 @@ CLOSE_TAG = "</tool_call>"
 
 CallIdFactory = Callable[[], str]
 # the start of a call cut off after its name: ``{"name": "get_weather", "arguments": {"city": "Pa``
-_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)
+_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")(.*)', re.DOTALL)
+_CUT_ARGUMENTS = re.compile(r'\s*,\s*"arguments"\s*:\s*(.*)', re.DOTALL)  # (what of them was written)
+# in a call's JSON: outside a string, a quote opens one and a close tag ends the call; inside, an escape
+# is skipped and a quote closes it
+_OUTSIDE_STRING = re.compile('"|' + re.escape(CLOSE_TAG))
+_INSIDE_STRING = re.compile(r'\\.|"', re.DOTALL)
 
 
 def new_call_id() -> str:
@@ -113,12 +119,54 @@ def _cut_call(body: str) -> tuple[str, str] | None:
         return None
     if not name:
         return None
-    written = match.group(2)
+    arguments_so_far = _CUT_ARGUMENTS.match(match.group(2))
+    if arguments_so_far is None:  # cut between its name and its arguments: none written
+        return name, ""
+    written = arguments_so_far.group(1)
     try:  # arguments whole, the call cut after them (in its closing brace or tag): only the arguments
         arguments, _ = json.JSONDecoder().raw_decode(written.lstrip())
     except (ValueError, RecursionError):
         return name, written.rstrip()
     return name, _compact_json(arguments) if isinstance(arguments, dict) else written.rstrip()
+
+
+class _CallEnd:
+    """Where an open call's body ends: at the first close tag outside a JSON string, found as the body
+    grows (each character is read once). A body that does not begin as JSON (``{``) ends at its first
+    close tag."""
+
+    def __init__(self) -> None:
+        self._pos = 0  # the body is read up to here
+        self._in_string = False
+        self._json: bool | None = None  # undecided while the body is whitespace
+
+    def find(self, body: str) -> int:
+        """The index in ``body`` (the call's text so far, after ``<tool_call>``) of its close tag, or -1."""
+        if self._json is None:
+            first = body.lstrip()[:1]
+            if not first:
+                return -1
+            self._json = first == "{"
+        if not self._json:
+            end = body.find(CLOSE_TAG, self._pos)
+            self._pos = max(self._pos, len(body) - len(CLOSE_TAG) + 1)
+            return end
+        while True:
+            if self._in_string:
+                found = _INSIDE_STRING.search(body, self._pos)
+                if found is None:  # (an unread backslash that ends the body escapes what comes next)
+                    unread_backslash = self._pos < len(body) and body.endswith("\\")
+                    self._pos = len(body) - 1 if unread_backslash else len(body)
+                    return -1
+                self._pos, self._in_string = found.end(), found.group() != '"'
+                continue
+            found = _OUTSIDE_STRING.search(body, self._pos)
+            if found is None:
+                self._pos = max(self._pos, len(body) - len(CLOSE_TAG) + 1)
+                return -1
+            if found.group() == CLOSE_TAG:
+                return found.start()
+            self._pos, self._in_string = found.end(), True
 
 
 def _compact_json(value: dict[str, Any]) -> str:
@@ -138,7 +186,9 @@ def parse_tool_calls(
     tool_calls: list[ToolCall] = []
     pos, cut_off = 0, False
     while (start := text.find(OPEN_TAG, pos)) >= 0:
-        end = text.find(CLOSE_TAG, start + len(OPEN_TAG))
+        body_at = start + len(OPEN_TAG)
+        end = _CallEnd().find(text[body_at:])
+        end = end + body_at if end >= 0 else -1
         outside.append(text[pos:start])
         if end < 0:  # cut off: an incomplete call, or nothing
             written = _cut_call(text[start + len(OPEN_TAG) :])
@@ -185,7 +235,7 @@ class ToolCallStreamer:
         self._new_call_id = new_call_id
         self._buffer = ""  # undecided text: a partial open tag, or the body of the open call
         self._in_call = False
-        self._num_scanned_chars = 0  # how much of an open call's body was searched for the close tag
+        self._call_end = _CallEnd()  # the open call's
         self._pending_whitespace = ""
         self._sent_content = False
         self._finished = False
@@ -199,10 +249,8 @@ class ToolCallStreamer:
         out: list[StreamDelta] = []
         while True:
             if self._in_call:
-                scan_from = max(0, self._num_scanned_chars - len(CLOSE_TAG) + 1)
-                end = self._buffer.find(CLOSE_TAG, scan_from)
+                end = self._call_end.find(self._buffer)
                 if end < 0:
-                    self._num_scanned_chars = len(self._buffer)
                     return out
                 out += self._close_call(self._buffer[:end])
                 self._buffer = self._buffer[end + len(CLOSE_TAG) :]
@@ -216,7 +264,7 @@ class ToolCallStreamer:
                     return out
                 out += self._content(self._buffer[:start])
                 self._buffer = self._buffer[start + len(OPEN_TAG) :]
-                self._in_call, self._num_scanned_chars = True, 0
+                self._in_call, self._call_end = True, _CallEnd()
 
     def finish(self, cut: bool = False) -> list[StreamDelta]:
         """Called once after the last ``push``: releases held text; an unterminated call is an incomplete

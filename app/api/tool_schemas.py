@@ -12,9 +12,9 @@ is ``auto`` or ``required`` over some of the tools, all of which the prompt stil
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from app.api.json_schema_support import check_json_schema
 from app.errors import InvalidRequestError
@@ -70,7 +70,27 @@ class AllowedToolChoice(_Open):
     allowed_tools: AllowedTools
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolChoice
+def choice_kind(value: Any) -> str | None:
+    """Which member of a tool choice ``value`` is meant as: a string a mode, an object by its ``type``.
+    Only that member validates it, so an error names its field (``tool_choice.function.name``)."""
+    if isinstance(value, str):
+        return "Mode"
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return {"function": "Named", "allowed_tools": "Allowed"}.get(kind) if isinstance(kind, str) else None
+
+
+# (the tags are capitalised: an error's parameter leaves them out, app/api/error_handlers.py)
+TOOL_CHOICE_KIND = Discriminator(
+    choice_kind,
+    custom_error_type="invalid_tool_choice",
+    custom_error_message="Input should be 'none', 'auto', 'required', or an object of type 'function' or "
+    "'allowed_tools'",
+)
+Modes = Annotated[Literal["none", "auto", "required"], Tag("Mode")]
+ToolChoice = Annotated[
+    Modes | Annotated[NamedToolChoice, Tag("Named")] | Annotated[AllowedToolChoice, Tag("Allowed")],
+    TOOL_CHOICE_KIND,
+]
 
 
 class FunctionCallParam(_Open):
@@ -155,6 +175,13 @@ def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) ->
         raise InvalidRequestError("tool_choice 'required' needs tools", param="tool_choice")
 
 
+def calls_only(tool_choice: ToolChoice | None) -> bool:
+    """Whether the answer is calls and nothing else: ``required`` (allowed tools' too), a named function."""
+    if isinstance(tool_choice, AllowedToolChoice):
+        return tool_choice.allowed_tools.mode == "required"
+    return tool_choice == "required" or isinstance(tool_choice, NamedToolChoice)
+
+
 def choice_name(tool_choice: ToolChoice | None) -> str:
     """How an error names the tool choice: ``auto`` (left out), ``required``, ``function``, …"""
     if tool_choice is None or isinstance(tool_choice, str):
@@ -204,11 +231,22 @@ def template_tools(family: Any, tools: list[ChatTool] | None, messages: list[Any
     return tools_json(tools or [])
 
 
+# an output format a request with tools may have beside them: its answer is then that JSON, or calls
+ANSWER_KINDS = (ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT)
+JSON_OBJECT = '{"type":"object"}'
+
+
 def tool_constraint(
-    tools: list[ChatTool] | None, tool_choice: ToolChoice | None, parallel: bool, parser: str
+    tools: list[ChatTool] | None,
+    tool_choice: ToolChoice | None,
+    parallel: bool,
+    parser: str,
+    answer: Constraint | None = None,
 ) -> Constraint | None:
     """The constraint of a request with tools (None where nothing is constrained: no tools, or
-    ``tool_choice`` none)."""
+    ``tool_choice`` none). ``answer``, an output format of ``ANSWER_KINDS``: where the model may answer
+    without calling (``auto``), it answers that JSON alone or calls alone; where it may not, the format
+    has no text to hold."""
     if not tools or tool_choice == "none":
         return None
     if isinstance(tool_choice, NamedToolChoice):
@@ -230,16 +268,20 @@ def tool_constraint(
         }
         for t in tools
     ]
-    spec = json.dumps(
-        {
-            "format": STRUCTURAL_TAG_FORMATS[parser],
-            "tools": functions,
-            "tool_choice": choice,
-            "parallel_tool_calls": parallel,
-        },
-        ensure_ascii=False,
-        separators=(",", ":"),
-    )
+    fields: dict[str, Any] = {
+        "format": STRUCTURAL_TAG_FORMATS[parser],
+        "tools": functions,
+        "tool_choice": choice,
+        "parallel_tool_calls": parallel,
+    }
+    if answer is not None and not calls_only(tool_choice):
+        json_object = answer.kind is ConstraintKind.JSON_OBJECT
+        fields["answer"] = {
+            "schema": json.loads(JSON_OBJECT if json_object else answer.spec),
+            "strict": not json_object,  # (json_object: any properties)
+            "any_whitespace": answer.any_whitespace,
+        }
+    spec = json.dumps(fields, ensure_ascii=False, separators=(",", ":"))
     if len(spec) > MAX_CONSTRAINT_CHARS:
         raise InvalidRequestError(
             f"the tools are {len(spec)} characters long as a constraint; at most {MAX_CONSTRAINT_CHARS}",

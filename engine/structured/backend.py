@@ -110,15 +110,34 @@ class XGrammarBackend:
         fields = json.loads(spec)
         for tool in fields["tools"]:
             stand_ins(strict_formats(tool["function"]["parameters"]), patterns)
+        answer = fields.get("answer")  # (under ``auto``: that JSON alone, or calls alone)
+        tool_choice: Any = "required" if answer is not None else fields["tool_choice"]
         tag = self._xgr.get_model_structural_tag(
             fields["format"],
             tools=fields["tools"],
-            tool_choice=fields["tool_choice"],
+            tool_choice=tool_choice,
             reasoning="disabled",
             max_whitespace_cnt=TOOL_CALL_MAX_WHITESPACE,
             parallel_tool_calls=fields["parallel_tool_calls"],
         )
-        return self._calls_only(tag) if fields["tool_choice"] == "required" else tag
+        tag = self._calls_only(tag) if tool_choice == "required" else tag
+        return tag if answer is None else self._answer_or_calls(answer, tag, patterns)
+
+    def _answer_or_calls(self, answer: dict[str, Any], calls: Any, patterns: dict[str, str]) -> Any:
+        """The output format's JSON (its grammar as a ``JSON_SCHEMA`` constraint's, as text: xgrammar's
+        format for a schema in a tag cannot be compact) or the calls of ``calls``."""
+        schema = strict_formats(answer["schema"])
+        stand_ins(schema, patterns)
+        any_whitespace = answer["any_whitespace"]
+        grammar = self._xgr.Grammar.from_json_schema(
+            json.dumps(schema, ensure_ascii=False, separators=(",", ":")),
+            any_whitespace=any_whitespace,
+            max_whitespace_cnt=JSON_MAX_WHITESPACE if any_whitespace else None,
+            strict_mode=answer["strict"],
+        )
+        st = self._xgr.structural_tag
+        either = st.OrFormat(elements=[st.GrammarFormat(grammar=str(grammar)), calls.format])
+        return self._xgr.StructuralTag(format=either)
 
     def _calls_only(self, tag: Any) -> Any:
         """``required`` with parallel calls: xgrammar's tag lets free text follow the first call (its

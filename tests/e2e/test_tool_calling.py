@@ -167,7 +167,7 @@ def test_streamed_deltas_reassemble_to_the_message(family: str, family_server: C
         state.handle_chunk(chunk)
     streamed = state.get_final_completion().choices[0]
     assert streamed.finish_reason == whole["finish_reason"] == "tool_calls"
-    assert streamed.message.content in (None, "")
+    assert streamed.message.content is None is whole["message"]["content"]  # (calls only: OpenAI's null)
     [call] = streamed.message.tool_calls or []
     [want] = whole["message"]["tool_calls"]
     assert (call.function.name, json.loads(call.function.arguments)) == (
@@ -302,8 +302,8 @@ def test_bad_tool_requests_are_400s_naming_their_field(family_server: Callable[.
     assert (
         bad(server, {**body("qwen2_5_vl", "auto"), "messages": orphan})["param"] == "messages[1].tool_call_id"
     )
-    both = {**body("qwen2_5_vl", "required"), "response_format": {"type": "json_object"}}
-    assert bad(server, both)["param"] == "response_format"
+    both = {**body("qwen2_5_vl", "auto"), "structured_outputs": {"regex": "[a-z]+"}}
+    assert bad(server, both)["param"].startswith("structured_outputs")
     assert bad(server, {**body("qwen2_5_vl", "required"), "tools": []})["param"] == "tool_choice"
     # arguments are an object: a schema of another type would make calls that leak into content
     for root in ("integer", "array", "string", "null"):
@@ -439,3 +439,40 @@ def test_responses_call_a_function_streamed_or_not_and_take_its_output(
         f"{server.base_url}/tokenize", json={"messages": as_messages, "tools": TOOLS}, timeout=60
     )
     assert tokenized.status_code == 200 and tokenized.json()["count"] == counted.input_tokens
+
+
+REPORT = {
+    "type": "object",
+    "properties": {"place": {"type": "string", "maxLength": 10}, "sunny": {"type": "boolean"}},
+    "required": ["place", "sunny"],
+    "additionalProperties": False,
+}
+
+
+def test_an_output_format_beside_tools_is_the_answer_or_calls(
+    family_server: Callable[..., Server], family_oracle: Callable[[str], Oracle]
+) -> None:
+    """OpenAI's agents send tools with an output type: under ``auto`` the answer is the format's JSON
+    alone or calls alone; under ``required`` calls (the format has no text to hold). On Responses too."""
+    server = family_server("qwen2_5_vl")
+    schema_format = {"type": "json_schema", "json_schema": {"name": "report", "schema": REPORT}}
+    oracle = family_oracle("qwen2_5_vl")
+    bias = open_call_bias(oracle)
+    brace = {str(oracle.processor.tokenizer.convert_tokens_to_ids("{")): 100}  # (the answer's first)
+    answered = ask(server, body("qwen2_5_vl", "auto", response_format=schema_format, logit_bias=brace))
+    choice = answered["choices"][0]
+    assert choice["finish_reason"] == "stop" and not choice["message"].get("tool_calls"), choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), REPORT)
+    called = ask(server, body("qwen2_5_vl", "auto", response_format=schema_format, logit_bias=bias))
+    assert calls_of(called) and called["choices"][0]["message"]["content"] is None
+    required = ask(server, body("qwen2_5_vl", "required", response_format={"type": "json_object"}))
+    assert calls_of(required) and required["choices"][0]["finish_reason"] == "tool_calls"
+    client = OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+    text = {"format": {"type": "json_schema", "name": "report", "schema": REPORT}}
+    response = client.responses.create(**responses_body("qwen2_5_vl", "auto", text=text))
+    assert response.status == "completed"
+    [item] = response.output
+    if item.type == "function_call":
+        jsonschema.validate(json.loads(item.arguments), SCHEMAS[item.name])
+    else:
+        jsonschema.validate(json.loads(response.output_text), REPORT)

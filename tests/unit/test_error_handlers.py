@@ -98,6 +98,33 @@ def test_a_refused_field_is_named(client: TestClient) -> None:
     assert "echo is not supported" in str(error["message"])
 
 
+@pytest.mark.parametrize(
+    ("tool_choice", "param", "code"),
+    [
+        ({"type": "function"}, "tool_choice.function", "missing"),
+        ({"type": "function", "function": {}}, "tool_choice.function.name", "missing"),
+        (
+            {"type": "allowed_tools", "allowed_tools": {"mode": "auto"}},
+            "tool_choice.allowed_tools.tools",
+            "missing",
+        ),
+        ({"type": "web_search"}, "tool_choice", "invalid_value"),
+        ("sometimes", "tool_choice", "invalid_value"),
+    ],
+)
+def test_a_tool_choice_error_names_the_field_of_the_kind_it_was_meant_as(
+    client: TestClient, tool_choice: object, param: str, code: str
+) -> None:
+    """Only the member a value is meant as validates it (an object by its ``type``), so a named function
+    without its name is not told to be one of the modes."""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": tools}
+    response = _post(client, {**body, "tool_choice": tool_choice})
+    assert response.status_code == 400
+    error = _envelope(response)
+    assert (error["param"], error["code"]) == (param, code), error
+
+
 @pytest.mark.parametrize("body", [[1, 2], "text"])
 def test_non_object_body_is_400(client: TestClient, body: object) -> None:
     response = _post(client, body)

@@ -76,7 +76,8 @@ def test_the_byte_bound_counts_images_and_evicts_until_it_holds() -> None:
     assert store.get("", "resp_a") is None
     assert store.get("", "resp_b") is not None and store.get("", "resp_c") is not None
     assert store.totals()[1] <= 12_000
-    # one conversation over the whole bound is not stored, and evicts nothing
+    # one conversation over the whole bound is not stored, and evicts nothing (nor said to be stored)
+    assert store.holds([user("big", IMAGE_A)]) and not store.holds([user("big", "data:," + "D" * 20_000)])
     assert None is store.put("", "resp_big", [user("big", "data:," + "D" * 20_000)], response("resp_big"))
     assert store.totals()[0] == 2
 

@@ -107,3 +107,52 @@ def test_allowed_tools_must_be_declared() -> None:
     with pytest.raises(InvalidRequestError) as caught:
         check_tools([ChatTool.model_validate(TOOL)], AllowedToolChoice.model_validate(choice))
     assert caught.value.param == "tool_choice.allowed_tools.tools[0].function.name"
+
+
+@pytest.mark.parametrize("any_whitespace", [False, True])
+def test_an_output_format_beside_tools_is_its_json_alone_or_calls_alone(
+    tiny_model: Callable[[str], Path], any_whitespace: bool
+) -> None:
+    """Under ``auto`` the format's JSON (as its own constraint compiles it: compact, exact patterns) or
+    calls; under ``required`` calls only; json_object any object."""
+    import xgrammar as xgr
+
+    backend = XGrammarBackend(str(tiny_model("qwen2_5_vl")), 0)
+    code = {"type": "string", "pattern": "^[A-Z]{3}( [0-9]+)?$"}
+    report = {"type": "object", "properties": {"a": {"type": "integer"}, "c": code}, "required": ["a", "c"]}
+    tool = ChatTool.model_validate(
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": code}}},
+        }
+    )
+    texts = [
+        '{"a": 1, "c": "ABC"}',
+        '{ "a" : 1, "c" : "ABC" }',
+        '{"a": 1, "c": "ABC12"}',  # the pattern forbids it
+        '{"z": 1}',
+        '<tool_call>\n{"name": "f", "arguments": {"x": "ABC 1"}}\n</tool_call>',
+        '<tool_call>\n{"name": "f", "arguments": {"x": "ABC1"}}\n</tool_call>',
+        '{"a": 1, "c": "ABC"}\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
+        "Sure.",
+    ]
+    formats = {
+        "schema": Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(report), any_whitespace),
+        "object": Constraint(ConstraintKind.JSON_OBJECT, "", any_whitespace),
+    }
+    spaced = any_whitespace
+    expected = {
+        ("schema", "auto"): [True, spaced, False, False, True, False, False, False],
+        ("object", "auto"): [True, spaced, True, True, True, False, False, False],
+        ("schema", "required"): [False, False, False, False, True, False, False, False],
+    }
+    for (kind, choice), wanted in expected.items():
+        constraint = tool_constraint([tool], choice, True, "hermes", formats[kind])
+        assert constraint is not None
+        compiled = backend.compile(constraint)
+
+        def whole(text: str, compiled: object = compiled) -> bool:
+            matcher = xgr.GrammarMatcher(compiled)
+            return bool(matcher.accept_string(text) and matcher.is_completed())
+
+        assert [whole(text) for text in texts] == wanted, (kind, choice)

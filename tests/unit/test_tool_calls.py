@@ -110,6 +110,23 @@ def test_nested_unicode_and_escaped_quotes_round_trip() -> None:
     assert parsed.arguments == json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
 
 
+def test_a_string_argument_may_hold_the_tags() -> None:
+    """Code or markup in an argument: the call ends at the close tag after its JSON, not in a string."""
+    arguments = {"html": 'see </tool_call> and <tool_call> \\" </tool_call>', "n": 1}
+    text = "Here. " + call("write", arguments) + " Done."
+    expected = ParsedOutput(
+        "Here.  Done.", [ToolCall("call_0", "write", json.dumps(arguments, separators=(",", ":")))]
+    )
+    assert parse(text) == expected
+    assert reassemble(stream(list(text))) == expected
+    # not JSON: it ends at its first close tag, and stays content
+    text = '<tool_call>he said "hi </tool_call> then ' + call("f", {})
+    assert parse(text) == ParsedOutput(
+        '<tool_call>he said "hi </tool_call> then', [ToolCall("call_0", "f", "{}")]
+    )
+    assert reassemble(stream(list(text))) == parse(text)
+
+
 def test_arguments_given_as_json_string_are_decoded_once() -> None:
     text = '<tool_call>{"name": "f", "arguments": "{\\"a\\": [1, 2]}"}</tool_call>'
     assert parse(text).tool_calls == [ToolCall("call_0", "f", '{"a":[1,2]}')]
@@ -138,9 +155,14 @@ def test_bad_calls_stay_content_and_do_not_use_ids() -> None:
 
 
 def test_a_call_cut_off_is_incomplete_once_named_and_dropped_before_never_content() -> None:
-    text = f'{call("a", {})}\nNow <tool_call>\n{{"name": "b", "argum'
+    text = f'{call("a", {})}\nNow <tool_call>\n{{"name": "b'  # cut in its name: left out
     assert parse(text) == ParsedOutput("Now", [ToolCall("call_0", "a", "{}")], cut_off=True)
     assert reassemble(*streamed([text[:30], text[30:]])) == parse(text)
+    for between in ("", ", ", ', "argum'):  # its name written, none of its arguments
+        text = f'{call("a", {})}\nNow <tool_call>\n{{"name": "b"{between}'
+        named = ToolCall("call_1", "b", "", complete=False)
+        assert parse(text) == ParsedOutput("Now", [ToolCall("call_0", "a", "{}"), named], cut_off=True)
+        assert reassemble(*streamed([text[:30], text[30:]])) == parse(text)
     text = f'{call("a", {})}\n<tool_call>\n{{"name": "b", "arguments": {{"city": "Pa'
     cut = ToolCall("call_1", "b", '{"city": "Pa', complete=False)
     assert parse(text) == ParsedOutput(None, [ToolCall("call_0", "a", "{}"), cut], cut_off=True)
@@ -219,14 +241,18 @@ def test_default_call_ids_look_like_openai() -> None:
     int(first[5:], 16)
 
 
+# strings with the tags, quotes and backslashes (escaped in the JSON) that a call's end must see past
+markup = st.lists(
+    st.text(max_size=4) | st.sampled_from(["</tool_call>", "<tool_call>", '"', "\\", "</tool_"]), max_size=3
+).map("".join)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8) | markup,
     lambda children: (
         st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3)
     ),
     max_leaves=8,
 )
-arguments = st.dictionaries(st.text(max_size=6), json_values, max_size=3)
+arguments = st.dictionaries(st.text(max_size=6) | markup, json_values, max_size=3)
 names = st.from_regex(r"[a-z_][a-z0-9_]{0,8}", fullmatch=True)
 spacing = st.sampled_from(["", "\n", " ", "\n\n"])
 
