@@ -119,9 +119,10 @@ class EngineServer:
             events = dict(self._poller.poll(0 if self.has_requests else IDLE_POLL_MS))
             if self.api_sock in events:
                 self._drain_inbox()
-            if self._grammar_wake_read in events:
+            if self._grammar_wake_read in events:  # a compile ended: its figures go out, even idle
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._grammar_wake_read, 4096)
+                self._stats_dirty = True
             if self._core is not None and self._core.grammar_tickets:
                 resolved = self._core.resolve_grammars()
                 self._stats_dirty |= bool(resolved)
