@@ -37,6 +37,8 @@ async def unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)  # let its cleanup run before returning
+        elif not task.cancelled():
+            task.exception()  # (retrieved: leaving on a cancellation of our own, its error is moot)
     if task.cancelled():
         raise ClientLeft
     return task.result()

@@ -20,6 +20,7 @@ log = logging.getLogger("mmserve")
 # what an API process needs after its drain's deadline: the grace after the drain, closing its
 # lifespan, exiting
 API_EXIT_MARGIN_S = 5.0
+ENGINE_EXIT_GRACE_S = 5.0  # for the engine and the worker to exit by message, once the API processes did
 
 ChildMain = Callable[..., None]  # (role, settings[, api_index]) in the child process
 
@@ -183,7 +184,9 @@ class Supervisor:
                     if child.is_alive():
                         _signal(child, signal.SIGINT)
             _end(apis, grace_s=grace_s)
-            _end([child for role, child in self.children.items() if role not in self.api_roles], grace_s=5.0)
+            # (a worker mid-step, say an encoder over a huge image, ends it first: then it is killed)
+            others = [child for role, child in self.children.items() if role not in self.api_roles]
+            _end(others, grace_s=ENGINE_EXIT_GRACE_S, terminate=False)
 
 
 def _signal(child: multiprocessing.process.BaseProcess, sig: signal.Signals) -> None:
@@ -192,13 +195,16 @@ def _signal(child: multiprocessing.process.BaseProcess, sig: signal.Signals) -> 
             os.kill(child.pid, sig)
 
 
-def _end(children: list[multiprocessing.process.BaseProcess], *, grace_s: float) -> None:
-    """Waits ``grace_s`` for children to exit by themselves, then terminates, then kills them."""
+def _end(
+    children: list[multiprocessing.process.BaseProcess], *, grace_s: float, terminate: bool = True
+) -> None:
+    """Waits ``grace_s`` for children to exit by themselves, then terminates (where they heed SIGTERM:
+    the engine and the worker ignore it), then kills them."""
     deadline = time.monotonic() + grace_s
     for child in children:
         child.join(max(0.0, deadline - time.monotonic()))
     for child in children:
-        if child.is_alive():
+        if child.is_alive() and terminate:
             child.terminate()
             child.join(2.0)
         if child.is_alive():

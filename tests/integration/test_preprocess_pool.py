@@ -294,15 +294,22 @@ def test_close_stops_every_process(loop, pools) -> None:
     assert len(pids) == 3
     llava = pools["llava"]
 
-    async def close_under_load() -> list[Any]:
-        calls = [asyncio.ensure_future(llava.process(png(4, (1600, 1200)), {}, PARAM)) for _ in range(5)]
-        await asyncio.sleep(0.05)
-        await llava.close()
-        return await asyncio.gather(*calls, return_exceptions=True)
+    out = io.BytesIO()
+    pixels = np.random.default_rng(7).integers(0, 256, (3000, 4000, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(out, "PNG", compress_level=0)  # seconds of processing
 
-    # running calls finish, queued ones are cancelled: the server is shutting down (503)
-    outcomes = run(loop, close_under_load())
-    assert {type(outcome) for outcome in outcomes} <= {ProcessedItem, EngineUnavailableError}
+    async def close_under_load() -> list[Any]:
+        big = asyncio.ensure_future(llava.process(out.getvalue(), {}, PARAM))
+        calls = [asyncio.ensure_future(llava.process(png(4, (1600, 1200)), {}, PARAM)) for _ in range(5)]
+        await asyncio.sleep(0.3)
+        await llava.close()
+        return await asyncio.gather(big, *calls, return_exceptions=True)
+
+    # running calls are abandoned (nobody waits for them once the server stops), queued ones are
+    # cancelled: the server is shutting down (503); a small call may have finished before
+    big, *outcomes = run(loop, close_under_load())
+    assert isinstance(big, InternalError), big
+    assert {type(outcome) for outcome in outcomes} <= {ProcessedItem, EngineUnavailableError, InternalError}
     for pool in pools.values():
         run(loop, pool.close())
         run(loop, pool.close())  # idempotent

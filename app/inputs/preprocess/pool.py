@@ -423,12 +423,16 @@ class PreprocessPool:
 
     async def close(self) -> None:
         """Called when the server stops (idempotent): waiting calls fail with ``server_shutting_down``,
-        running ones finish, then every process ends."""
+        running ones are abandoned (their processes killed: a drain has already answered or cut off
+        every request, so nobody waits for them, and a large image would hold the exit for seconds),
+        then every process ends."""
         self._closed = True
         self._fail_waiting(lambda: EngineUnavailableError(SHUTTING_DOWN, code="server_shutting_down"))
         self._idle.clear()
         for process in [w for w in self._processes if w not in self._busy]:
             self._retire(process)
+        for process in list(self._busy):
+            process.kill()
         for task in self._replacing:
             task.cancel()
         while self._tasks:
