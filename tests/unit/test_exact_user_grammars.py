@@ -5,8 +5,6 @@ comments may hold quotes and brackets; a grammar xgrammar cannot read is still i
 
 from __future__ import annotations
 
-import random
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +14,7 @@ import xgrammar as xgr
 
 from engine.structured.backend import CompileError, XGrammarBackend
 from engine.structured.patterns import exact_ebnf
-from tests.unit.test_exact_patterns import STRINGS, random_pattern
+from tests.unit.test_exact_patterns import STRINGS, random_mismatches
 from wire.protocol import Constraint, ConstraintKind
 
 
@@ -39,14 +37,12 @@ def regex_rule(pattern: str) -> str:
 
 
 def test_random_regexes_of_a_grammar_take_what_re_fully_matches(compiler: xgr.GrammarCompiler) -> None:
-    rng = random.Random(2)
-    wrong, xgrammar_wrong = [], 0
-    for _ in range(100):
-        pattern = random_pattern(rng)
-        expected = [re.fullmatch(pattern, s) is not None for s in STRINGS]
-        if taken(exact_ebnf(xgr, compiler, regex_rule(pattern)), STRINGS) != expected:
-            wrong.append(pattern)
-        xgrammar_wrong += taken(compiler.compile_grammar(regex_rule(pattern)), STRINGS) != expected
+    wrong, xgrammar_wrong = random_mismatches(
+        2,
+        lambda pattern: exact_ebnf(xgr, compiler, regex_rule(pattern)),
+        lambda pattern: compiler.compile_grammar(regex_rule(pattern)),
+        STRINGS,
+    )
     assert not wrong, wrong[:5]
     assert xgrammar_wrong, "xgrammar's own automata are exact now: a user's grammar may go as it is"
 
