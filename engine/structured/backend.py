@@ -73,13 +73,8 @@ class XGrammarBackend:
         try:
             match constraint.kind:
                 case ConstraintKind.JSON_SCHEMA:
-                    schema = strict_formats(json.loads(constraint.spec))
-                    patterns = stand_ins(schema)
-                    grammar = self._xgr.Grammar.from_json_schema(
-                        json.dumps(schema, ensure_ascii=False, separators=(",", ":")),
-                        any_whitespace=any_whitespace,
-                        max_whitespace_cnt=max_whitespace,
-                    )
+                    patterns: dict[str, str] = {}
+                    grammar = self._schema_grammar(json.loads(constraint.spec), any_whitespace, patterns)
                     return compile_exact(self._xgr, compiler, grammar, patterns)
                 case ConstraintKind.JSON_OBJECT:
                     return compiler.compile_json_schema(
@@ -95,10 +90,10 @@ class XGrammarBackend:
                 case ConstraintKind.GRAMMAR:
                     return exact_ebnf(self._xgr, compiler, constraint.spec)
                 case ConstraintKind.TOOL_CALLS:
-                    in_calls: dict[str, str] = {}
-                    tag = self.tool_calls_tag(constraint.spec, in_calls)
+                    patterns = {}
+                    tag = self.tool_calls_tag(constraint.spec, patterns)
                     grammar = self._xgr.Grammar.from_structural_tag(tag)
-                    return compile_exact(self._xgr, compiler, grammar, in_calls)
+                    return compile_exact(self._xgr, compiler, grammar, patterns)
         except (RuntimeError, ValueError, KeyError, TypeError) as exc:
             raise CompileError(_LOCATION.sub("", str(exc)).strip()) from exc
         raise CompileError(f"unknown constraint kind {constraint.kind!r}")
@@ -123,18 +118,23 @@ class XGrammarBackend:
         tag = self._calls_only(tag) if tool_choice == "required" else tag
         return tag if answer is None else self._answer_or_calls(answer, tag, patterns)
 
-    def _answer_or_calls(self, answer: dict[str, Any], calls: Any, patterns: dict[str, str]) -> Any:
-        """The output format's JSON (its grammar as a ``JSON_SCHEMA`` constraint's, as text: xgrammar's
-        format for a schema in a tag cannot be compact) or the calls of ``calls``."""
-        schema = strict_formats(answer["schema"])
-        stand_ins(schema, patterns)
-        any_whitespace = answer["any_whitespace"]
-        grammar = self._xgr.Grammar.from_json_schema(
+    def _schema_grammar(
+        self, schema: Any, any_whitespace: bool, patterns: dict[str, str], strict: bool = True
+    ) -> Any:
+        """A schema's grammar, its formats strict and its patterns as stand-ins (added to
+        ``patterns``: ``compile_exact`` reads them)."""
+        stand_ins(strict_formats(schema), patterns)
+        return self._xgr.Grammar.from_json_schema(
             json.dumps(schema, ensure_ascii=False, separators=(",", ":")),
             any_whitespace=any_whitespace,
             max_whitespace_cnt=JSON_MAX_WHITESPACE if any_whitespace else None,
-            strict_mode=answer["strict"],
+            strict_mode=strict,
         )
+
+    def _answer_or_calls(self, answer: dict[str, Any], calls: Any, patterns: dict[str, str]) -> Any:
+        """The output format's JSON (its grammar as a ``JSON_SCHEMA`` constraint's, as text: xgrammar's
+        format for a schema in a tag cannot be compact) or the calls of ``calls``."""
+        grammar = self._schema_grammar(answer["schema"], answer["any_whitespace"], patterns, answer["strict"])
         st = self._xgr.structural_tag
         either = st.OrFormat(elements=[st.GrammarFormat(grammar=str(grammar)), calls.format])
         return self._xgr.StructuralTag(format=either)
