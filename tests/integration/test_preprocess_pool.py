@@ -296,20 +296,23 @@ def test_close_stops_every_process(loop, pools) -> None:
 
     out = io.BytesIO()
     pixels = np.random.default_rng(7).integers(0, 256, (3000, 4000, 3), dtype=np.uint8)
-    Image.fromarray(pixels).save(out, "PNG", compress_level=0)  # seconds of processing
+    Image.fromarray(pixels).save(out, "PNG", compress_level=0)  # 36 MB: more than a pipe holds
 
     async def close_under_load() -> list[Any]:
         big = asyncio.ensure_future(llava.process(out.getvalue(), {}, PARAM))
         calls = [asyncio.ensure_future(llava.process(png(4, (1600, 1200)), {}, PARAM)) for _ in range(5)]
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0)  # the big call and the first small one are each given a process
+        for pid in llava.pids:  # neither can answer now, however fast this machine is: both stay busy
+            os.kill(pid, signal.SIGSTOP)
+        await asyncio.sleep(0.3)  # the big call's send blocks on the stopped process's full pipe
         await llava.close()
         return await asyncio.gather(big, *calls, return_exceptions=True)
 
-    # running calls are abandoned (nobody waits for them once the server stops), queued ones are
-    # cancelled: the server is shutting down (503); a small call may have finished before
+    # running calls are abandoned (nobody waits for them once the server stops: their processes are
+    # killed, even mid-send), queued ones are cancelled: the server is shutting down (503)
     big, *outcomes = run(loop, close_under_load())
     assert isinstance(big, InternalError), big
-    assert {type(outcome) for outcome in outcomes} <= {ProcessedItem, EngineUnavailableError, InternalError}
+    assert [type(outcome) for outcome in outcomes] == [InternalError] + [EngineUnavailableError] * 4
     for pool in pools.values():
         run(loop, pool.close())
         run(loop, pool.close())  # idempotent
