@@ -22,9 +22,9 @@ from app.api.request_guards import request_tenant
 from app.api.responses import chunk, completion, final_usage_chunk, sse, tool_stream_deltas
 from app.api.sampling import SamplingDefaults, choice_sampling, sampling_params
 from app.api.schemas import ChatCompletionRequest
-from app.api.tool_calls import ToolCallStreamer
 from app.api.tool_schemas import (
     ANSWER_KINDS,
+    answers_or_calls,
     calls_only,
     check_tools,
     choice_name,
@@ -92,6 +92,7 @@ class ChatService:
                     min_tokens=body.min_tokens,
                 ),
                 parse_tool_calls=body.parses_tool_calls,
+                answer_or_calls=answers_or_calls(spec.constraint),
                 stop_token_ids=frozenset([*self.inputs.family.eos_token_ids, *(body.stop_token_ids or ())]),
             )
             for index, choice in enumerate(submitted.choices)
@@ -187,7 +188,7 @@ class ChatService:
             for gen in gens:
                 first = {"role": "assistant", "content": None if calls_only else ""}
                 yield sse(chunk(gen, first, include_usage))
-            calls = {gen.index: ToolCallStreamer() for gen in gens if gen.parse_tool_calls}
+            calls = {gen.index: gen.call_streamer() for gen in gens if gen.parse_tool_calls}
             async for delta in outputs.deltas():
                 gen = gens[delta.index]
                 logprobs = {"content": delta.logprobs} if gen.want_logprobs else None

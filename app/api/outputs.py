@@ -19,6 +19,7 @@ from fastapi import Request
 
 from app.api.detokenizer import IncrementalDetokenizer
 from app.api.disconnect import unless_client_leaves
+from app.api.tool_calls import ParsedOutput, ToolCallStreamer, parse_tool_calls
 from app.errors import EngineUnavailableError
 from app.inputs.engine_client import EngineClient, EngineGone
 from app.inputs.submission import OutputQueue, Submitted, error_from_engine
@@ -46,6 +47,7 @@ class Generation:
     finish_reason: str | None = None
     last_token_at: float | None = None  # unix time the latest output with tokens reached the API
     parse_tool_calls: bool = False  # the request has tools it lets the model call (app/api/tool_calls.py)
+    answer_or_calls: bool = False  # ... beside a JSON output format: that JSON alone or calls alone
     stop_token_ids: frozenset[int] = frozenset()  # EOS and the request's stop_token_ids: no text of theirs
 
     @property
@@ -61,6 +63,14 @@ class Generation:
     def token_ids(self) -> list[int]:
         """The output's tokens: those the detokenizer took (up to a stop string's last)."""
         return self.detok.token_ids
+
+    def parsed(self) -> ParsedOutput:
+        """The finished text split into content and tool calls (``parse_tool_calls`` is true)."""
+        return parse_tool_calls(self.text, cut=self.cut, answer_or_calls=self.answer_or_calls)
+
+    def call_streamer(self) -> ToolCallStreamer:
+        """What splits the text into content and tool-call deltas as it streams."""
+        return ToolCallStreamer(answer_or_calls=self.answer_or_calls)
 
 
 @dataclass(frozen=True)

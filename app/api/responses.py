@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from app.api.outputs import Generation
-from app.api.tool_calls import ToolCall, ToolCallDelta, ToolCallStreamer, parse_tool_calls
+from app.api.tool_calls import ToolCall, ToolCallDelta, ToolCallStreamer
 from app.api.tool_calls import finish_reason as tool_finish_reason
 
 
@@ -28,7 +28,7 @@ def completion(gens: list[Generation]) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": gen.text}
         reason = gen.finish_reason
         if gen.parse_tool_calls:
-            parsed = parse_tool_calls(gen.text, cut=gen.cut)
+            parsed = gen.parsed()
             message["content"] = parsed.content
             if parsed.tool_calls:
                 message["tool_calls"] = [tool_call_json(call) for call in parsed.tool_calls]

@@ -39,7 +39,7 @@ def output_items(gen: Generation) -> list[dict[str, Any]]:
     if not gen.parse_tool_calls:
         message_id = output_item_id("message", gen.response_id)
         return [_message(message_id, answer_status(gen), [_text_part(gen.text, gen.logprobs)])]
-    stream = OutputStream(gen.response_id, lambda kind, **fields: kind, ToolCallStreamer())
+    stream = OutputStream(gen.response_id, lambda kind, **fields: kind, gen.call_streamer())
     stream.push(gen.text, gen, [])
     return stream.finish(gen)[1]
 

@@ -52,7 +52,7 @@ from app.api.responses_output import OutputStream, output_items
 from app.api.responses_stored import StoredResponses
 from app.api.responses_truncation import fitted
 from app.api.schemas import ChatCompletionRequest
-from app.api.tool_calls import ToolCallStreamer
+from app.api.tool_schemas import answers_or_calls
 from app.errors import (
     ContextLengthError,
     InvalidRequestError,
@@ -66,6 +66,15 @@ from app.inputs.submission import Submitted, prompt_token_ids, submit
 from workers.families.errors import FamilyInputError
 
 RequestBody = TypeVar("RequestBody", bound=ResponsesInput)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Submission:
+    """A response's answer running in the engine, and the request it was made as."""
+
+    chat_body: ChatCompletionRequest
+    submitted: Submitted
+    answer_or_calls: bool  # (Generation's)
 
 
 class ResponsesService:
@@ -87,23 +96,20 @@ class ResponsesService:
             await self._check_input(body, history, raw)
             turn = await self._turn(body, history, tenant, self._generation(response_id, arrival))
             return await self._start_background(turn, history, raw)
-        chat_body, submitted = await self._submit(body, history, raw)
-        gen = self._generation(response_id, arrival, chat_body, submitted)
+        submission = await self._submit(body, history, raw)
+        gen = self._generation(response_id, arrival, submission)
         turn = await self._turn(body, history, tenant, gen)
-        outputs = ChoiceOutputs([gen], submitted, self.chat.engine, self.chat.metrics)
+        outputs = ChoiceOutputs([gen], submission.submitted, self.chat.engine, self.chat.metrics)
         if body.stream:
             return StreamingResponse(self._stream(turn, outputs), media_type="text/event-stream")
         await outputs.collect_while_connected(raw)
         return JSONResponse(await self._finished(turn, output_items(gen)))
 
     def _generation(
-        self,
-        response_id: str,
-        arrival: float,
-        chat_body: ChatCompletionRequest | None = None,
-        submitted: Submitted | None = None,
+        self, response_id: str, arrival: float, submission: _Submission | None = None
     ) -> Generation:
         """The answer's state; before it is submitted (a background response's queued object), empty."""
+        submitted = submission.submitted if submission is not None else None
         if submitted is not None:
             self.chat.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
         return Generation(
@@ -114,9 +120,10 @@ class ResponsesService:
             arrival=arrival,
             num_prompt_tokens=submitted.num_prompt_tokens if submitted is not None else 0,
             num_cached_tokens=submitted.choices[0].first.num_cached_tokens if submitted is not None else 0,
-            want_logprobs=chat_body is not None and chat_body.logprobs,
+            want_logprobs=submission is not None and submission.chat_body.logprobs,
             detok=IncrementalDetokenizer(self.chat.tokenizer),
-            parse_tool_calls=chat_body is not None and chat_body.parses_tool_calls,
+            parse_tool_calls=submission is not None and submission.chat_body.parses_tool_calls,
+            answer_or_calls=submission is not None and submission.answer_or_calls,
             stop_token_ids=frozenset(self.chat.inputs.family.eos_token_ids),
         )
 
@@ -158,7 +165,7 @@ class ResponsesService:
 
     async def _submit(
         self, body: ResponsesRequest, history: list[dict[str, Any]], raw: Request, watched: bool = True
-    ) -> tuple[ChatCompletionRequest, Submitted]:
+    ) -> _Submission:
         """The request made from ``body`` after ``history``, sent to the engine (with ``truncation``
         auto, its oldest turns dropped to fit); an error names the Responses fields. ``watched``: the
         work stops if the client leaves (not for a background response, whose client left at once)."""
@@ -173,14 +180,14 @@ class ResponsesService:
 
     async def _submit_as_is(
         self, body: ResponsesRequest, history: list[dict[str, Any]], raw: Request, watched: bool
-    ) -> tuple[ChatCompletionRequest, Submitted]:
+    ) -> _Submission:
         chat_body, params = chat_request(body, parse_items(history))
         self.chat.check_ready(chat_body)
         with _named_by(params):
             spec = self.chat.spec(chat_body, raw)
             submitting = submit(self.chat.inputs, self.chat.engine, spec)
             submitted = await (unless_client_leaves(raw, submitting) if watched else submitting)
-        return chat_body, submitted
+        return _Submission(chat_body, submitted, answers_or_calls(spec.constraint))
 
     async def _check_input(self, body: ResponsesRequest, history: list[dict[str, Any]], raw: Request) -> None:
         """What submitting would refuse before the engine (the template, the media, the sampling, a
@@ -312,14 +319,14 @@ class ResponsesService:
             delay = 0.05
             while True:  # (a cancel or the process's end cancels the wait)
                 try:
-                    chat_body, submitted = await self._submit(turn.body, history, raw, watched=False)
+                    submission = await self._submit(turn.body, history, raw, watched=False)
                     break
                 except TooManyRequestsError:
                     await asyncio.sleep(delay)
                     delay = min(2 * delay, RESUBMIT_MAX_DELAY_S)
-            gen = self._generation(turn.gen.response_id, turn.gen.arrival, chat_body, submitted)
+            gen = self._generation(turn.gen.response_id, turn.gen.arrival, submission)
             turn = dataclasses.replace(turn, gen=gen)
-            outputs = ChoiceOutputs([gen], submitted, self.chat.engine, self.chat.metrics)
+            outputs = ChoiceOutputs([gen], submission.submitted, self.chat.engine, self.chat.metrics)
             await asyncio.to_thread(self.store.set_status, *key, "in_progress")
             if turn.body.stream:
                 async with contextlib.aclosing(self._events(turn, outputs, events)) as stream:
@@ -384,7 +391,7 @@ class ResponsesService:
             for event in events.taken():
                 yield event
             stream = OutputStream(
-                gen.response_id, events.text, ToolCallStreamer() if gen.parse_tool_calls else None
+                gen.response_id, events.text, gen.call_streamer() if gen.parse_tool_calls else None
             )
             async for delta in outputs.deltas():
                 stream.push(delta.text, gen, delta.logprobs)

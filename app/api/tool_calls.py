@@ -16,6 +16,10 @@ it is dropped: markup is never content. So is the start of ``<tool_call>`` (``<t
 output cut off by the max tokens or a stop string: a call was being opened. ``parse_tool_calls``
 reads a whole output; ``ToolCallStreamer`` reads it delta by delta and reassembles to exactly the same
 result for any split of the text.
+
+An answer constrained to be an output format's JSON alone or calls alone (``answer_or_calls``: tools
+beside a JSON output format, docs/api.md "Tool calling") is read as calls only where it begins with a
+tag: the JSON answer is content whole, ``<tool_call>`` in its strings included.
 """
 
 from __future__ import annotations
@@ -174,14 +178,17 @@ def _compact_json(value: dict[str, Any]) -> str:
 
 
 def parse_tool_calls(
-    text: str, new_call_id: CallIdFactory = new_call_id, *, cut: bool = False
+    text: str, new_call_id: CallIdFactory = new_call_id, *, cut: bool = False, answer_or_calls: bool = False
 ) -> ParsedOutput:
     """Splits a finished output into content and calls; ids come from ``new_call_id``, in order.
 
     Content is the text outside the decoded calls, joined and stripped of leading and trailing
     whitespace (so the newlines the template puts around calls do not become content). ``cut``: the
-    output was cut off (the max tokens, a stop string), not ended by the model.
+    output was cut off (the max tokens, a stop string), not ended by the model. ``answer_or_calls``: the
+    output is an answer alone or calls alone (the module's docstring).
     """
+    if answer_or_calls and _answers(text):
+        return ParsedOutput(text.strip() or None)
     outside: list[str] = []
     tool_calls: list[ToolCall] = []
     pos, cut_off = 0, False
@@ -231,8 +238,10 @@ class ToolCallStreamer:
     and one with all of its arguments, or as content if it does not decode.
     """
 
-    def __init__(self, new_call_id: CallIdFactory = new_call_id) -> None:
+    def __init__(self, new_call_id: CallIdFactory = new_call_id, *, answer_or_calls: bool = False) -> None:
         self._new_call_id = new_call_id
+        # an answer alone, decided at its first character (``parse_tool_calls``' answer_or_calls)
+        self._answer: bool | None = None if answer_or_calls else False
         self._buffer = ""  # undecided text: a partial open tag, or the body of the open call
         self._in_call = False
         self._call_end = _CallEnd()  # the open call's
@@ -246,6 +255,11 @@ class ToolCallStreamer:
         """Called with each new piece of output text; returns the deltas now decided."""
         assert not self._finished, "push after finish"
         self._buffer += delta
+        if self._answer is None and self._buffer.strip():
+            self._answer = _answers(self._buffer)
+        if self._answer:
+            text, self._buffer = self._buffer, ""
+            return self._content(text)
         out: list[StreamDelta] = []
         while True:
             if self._in_call:
@@ -310,6 +324,11 @@ class ToolCallStreamer:
             return []
         self._sent_content = True
         return [ContentDelta(kept)]
+
+
+def _answers(text: str) -> bool:
+    """Whether an answer-or-calls output (with more than whitespace) is the answer: it opens no call."""
+    return not text.lstrip().startswith(OPEN_TAG[0])
 
 
 def _partial_tag_len(text: str) -> int:

@@ -288,3 +288,11 @@ def tool_constraint(
             param="tools",
         )
     return Constraint(ConstraintKind.TOOL_CALLS, spec)
+
+
+def answers_or_calls(constraint: Constraint | None) -> bool:
+    """Whether ``constraint`` is one ``tool_constraint`` made with an answer beside the calls: the
+    output is that JSON alone or calls alone."""
+    if constraint is None or constraint.kind is not ConstraintKind.TOOL_CALLS:
+        return False
+    return "answer" in json.loads(constraint.spec)

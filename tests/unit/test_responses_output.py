@@ -17,7 +17,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from app.api.detokenizer import IncrementalDetokenizer
 from app.api.outputs import Generation
 from app.api.responses_output import OutputStream, output_items
-from app.api.tool_calls import ToolCallStreamer
 from tests.unit.test_tool_calls import texts, unterminated
 
 
@@ -26,7 +25,9 @@ def tokenizer(tiny_model: Callable[[str], Path]) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(tiny_model("qwen2_5_vl"))
 
 
-def generation(tokenizer: PreTrainedTokenizerBase, finish_reason: str | None) -> Generation:
+def generation(
+    tokenizer: PreTrainedTokenizerBase, finish_reason: str | None, answer_or_calls: bool = False
+) -> Generation:
     return Generation(
         req_id="r",
         response_id="resp_0123",
@@ -39,11 +40,12 @@ def generation(tokenizer: PreTrainedTokenizerBase, finish_reason: str | None) ->
         detok=IncrementalDetokenizer(tokenizer),
         finish_reason=finish_reason,
         parse_tool_calls=True,
+        answer_or_calls=answer_or_calls,
     )
 
 
 def streamed(
-    tokenizer: PreTrainedTokenizerBase, pieces: list[str], reason: str
+    tokenizer: PreTrainedTokenizerBase, pieces: list[str], reason: str, answer_or_calls: bool = False
 ) -> tuple[list[tuple[str, dict[str, Any]]], list[dict[str, Any]]]:
     """The stream's events (kind, fields) and items, the answer arriving in ``pieces``."""
     events: list[tuple[str, dict[str, Any]]] = []
@@ -52,8 +54,8 @@ def streamed(
         events.append((kind, json.loads(json.dumps(fields))))
         return kind
 
-    gen = generation(tokenizer, None)
-    stream = OutputStream(gen.response_id, event, ToolCallStreamer())
+    gen = generation(tokenizer, None, answer_or_calls)
+    stream = OutputStream(gen.response_id, event, gen.call_streamer())
     for number, piece in enumerate(pieces, 1):
         gen.text += piece
         gen.finish_reason = reason if number == len(pieces) else None
@@ -115,3 +117,14 @@ def test_an_answer_cut_as_it_opens_a_call_has_no_item(tokenizer: PreTrainedToken
     gen.finish_reason = "stop"  # the model ended it there itself: its text
     [message] = output_items(gen)
     assert message["content"][0]["text"] == "<tool_"
+
+
+def test_a_json_answer_beside_tools_is_one_message_tags_and_all(tokenizer: PreTrainedTokenizerBase) -> None:
+    """An output format beside tools: the answer that opens no call is the format's JSON, whole."""
+    answer = '{"note": "<tool_call> opens a call"}'
+    gen = generation(tokenizer, "stop", answer_or_calls=True)
+    gen.text = answer
+    [message] = output_items(gen)
+    assert message["content"][0]["text"] == answer
+    events, items = streamed(tokenizer, ['{"note": "<tool', "_call> opens a call", '"}'], "stop", True)
+    assert items == output_items(gen)

@@ -32,17 +32,19 @@ def call(name: str, arguments: Any, *, sep: str = "\n") -> str:
     return f"<tool_call>{sep}{json.dumps({'name': name, 'arguments': arguments})}{sep}</tool_call>"
 
 
-def parse(text: str, cut: bool = False) -> ParsedOutput:
-    return parse_tool_calls(text, ids(), cut=cut)
+def parse(text: str, cut: bool = False, answer_or_calls: bool = False) -> ParsedOutput:
+    return parse_tool_calls(text, ids(), cut=cut, answer_or_calls=answer_or_calls)
 
 
 def stream(deltas: list[str]) -> list[StreamDelta]:
     return streamed(deltas)[0]
 
 
-def streamed(deltas: list[str], cut: bool = False) -> tuple[list[StreamDelta], bool]:
+def streamed(
+    deltas: list[str], cut: bool = False, answer_or_calls: bool = False
+) -> tuple[list[StreamDelta], bool]:
     """The stream's deltas, and whether it ended inside a call (``cut``: the output was cut off)."""
-    streamer = ToolCallStreamer(ids())
+    streamer = ToolCallStreamer(ids(), answer_or_calls=answer_or_calls)
     out: list[StreamDelta] = []
     for delta in deltas:
         out += streamer.push(delta)
@@ -309,3 +311,36 @@ def test_any_split_of_any_text_reassembles_to_the_parse(
 @given(text=texts, cut=st.booleans())
 def test_char_by_char_stream_reassembles_to_the_parse(text: str, cut: bool) -> None:
     assert reassemble(*streamed(list(text), cut)) == parse(text, cut)
+
+
+def test_an_answer_or_calls_is_calls_only_where_it_opens_with_one() -> None:
+    """Beside a JSON output format the answer is that JSON alone or calls alone: the JSON is content
+    whole, the call tag in its strings included (read as calls, it would be cut at the tag)."""
+    answer = ' {"note": "x<tool_call>y"}\n'
+    assert parse(answer, answer_or_calls=True) == ParsedOutput(answer.strip())
+    assert parse(answer).content == '{"note": "x'
+    closed = '{"note": "<tool_call>", "end": "</tool_call>"}'
+    assert parse(closed, answer_or_calls=True) == ParsedOutput(closed)
+    calls = call("f", {"a": 1}) + "\n" + call("g", {})
+    assert parse(calls, answer_or_calls=True) == parse(calls)
+    assert parse("<tool_", cut=True, answer_or_calls=True) == ParsedOutput(None, cut_off=True)
+
+
+# what a JSON answer beside tools is: an object whose strings may hold the tags; or calls
+answers_or_calls = st.tuples(
+    spacing, st.dictionaries(st.text(max_size=5) | markup, json_values, max_size=3)
+).map(lambda answer: answer[0] + json.dumps(answer[1])) | st.lists(good_calls(), max_size=3).map("\n".join)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=answers_or_calls, tail=unterminated, cuts=st.lists(st.integers(min_value=0), max_size=8))
+def test_any_split_of_an_answer_or_calls_reassembles_to_the_parse(
+    text: str, tail: str, cuts: list[int]
+) -> None:
+    text = text + tail if text.startswith("<") else text  # (a cut call ends calls only)
+    points = sorted({point % (len(text) + 1) for point in cuts})
+    deltas = [text[a:b] for a, b in zip([0, *points], [*points, len(text)], strict=True)]
+    parsed = parse(text, bool(tail), answer_or_calls=True)
+    assert reassemble(*streamed(deltas, bool(tail), answer_or_calls=True)) == parsed
+    if not text.lstrip().startswith("<"):
+        assert parsed == ParsedOutput(text.strip() or None)
