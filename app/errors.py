@@ -104,6 +104,14 @@ class RequestTooLargeError(MMServeError):
     default_code = "request_too_large"
 
 
+class UnsupportedMediaTypeError(MMServeError):
+    """The request body is sent with a ``Content-Encoding`` the server does not read (415)."""
+
+    http_status = 415
+    err_type = "invalid_request_error"
+    default_code = "unsupported_content_encoding"
+
+
 class TooManyRequestsError(MMServeError):
     """The engine's waiting queue is full (429 with ``Retry-After``); nothing already accepted is dropped."""
 

@@ -44,7 +44,7 @@ MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # Label values exported at 0 from the start. A series that appears with its first increment shows no
 # rate() for that increment, so without these the first error of a kind would not show on a dashboard.
 CHAT_ROUTE = "/v1/chat/completions"
-CHAT_STATUSES = ("200", "400", "401", "404", "413", "429", "499", "500", "503")  # every one it answers
+CHAT_STATUSES = ("200", "400", "401", "404", "413", "415", "429", "499", "500", "503")  # every one it answers
 FINISH_REASONS = ("stop", "length")
 
 # Engine counters exported as one family with a label: family -> (help, label, {label value: counter}).

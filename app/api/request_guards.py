@@ -7,7 +7,9 @@ parsed or buffered first):
                    goes into the scope for the routes
     2. body size   a Content-Length over --max-request-body-mb -> 413 without reading the body; a body
                    without one (chunked) is counted as it streams and refused the moment it passes
-    3. body pace   a body that stalls (no bytes for ``BODY_IDLE_TIMEOUT_S``, as nginx's
+    3. encoding    a body sent with a Content-Encoding other than identity (gzip, br, ...) -> 415: read
+                   as it is, it would be invalid JSON or, worse, taken for plain bytes
+    4. body pace   a body that stalls (no bytes for ``BODY_IDLE_TIMEOUT_S``, as nginx's
                    client_body_timeout) -> 408: a stalled upload holds neither its connection nor its
                    partial body for ever
 
@@ -24,7 +26,7 @@ from fastapi import HTTPException
 from app.api.asgi_types import ASGIApp, Message, Receive, Scope, Send
 from app.api.disconnect import CLIENT_CLOSED_REQUEST
 from app.api.error_handlers import error_response
-from app.errors import AuthenticationError, MMServeError, RequestTooLargeError
+from app.errors import AuthenticationError, MMServeError, RequestTooLargeError, UnsupportedMediaTypeError
 from wire.hashing import framed_digest
 
 BODY_IDLE_TIMEOUT_S = 60.0
@@ -83,6 +85,17 @@ class RequestGuards:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await refuse(self._too_large(), scope, send)
+            return
+        encoding = headers.get(b"content-encoding", b"").strip().lower()
+        if encoding not in (b"", b"identity"):
+            await refuse(
+                UnsupportedMediaTypeError(
+                    f"Request bodies are read as sent; Content-Encoding {encoding.decode('latin-1')!r} is "
+                    "not supported (send the body uncompressed)."
+                ),
+                scope,
+                send,
+            )
             return
         await self.app(scope, self._counting(receive), send)
 

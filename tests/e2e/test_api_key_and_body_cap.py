@@ -4,6 +4,8 @@ size is declared or streamed; the server keeps serving."""
 
 from __future__ import annotations
 
+import gzip
+import json
 from collections.abc import Iterator
 
 import httpx
@@ -54,5 +56,10 @@ def test_bodies_over_the_cap_get_413_declared_or_streamed(guarded_server: Server
         url, content=chunks(), headers={**AUTH, "Content-Type": "application/json"}, timeout=60
     )
     assert streamed.status_code == 413 and streamed.json()["error"]["code"] == "request_too_large"
+    gzipped = gzip.compress(json.dumps(greedy_body([user_message("Hi.")], 4)).encode())
+    headers = {**AUTH, "Content-Type": "application/json", "Content-Encoding": "gzip"}
+    compressed = httpx.post(url, content=gzipped, headers=headers, timeout=60)
+    assert compressed.status_code == 415
+    assert compressed.json()["error"]["code"] == "unsupported_content_encoding"
     image = greedy_body([user_message("Still serving.", make_image(950))], 4)
     assert httpx.post(url, json=image, headers=AUTH, timeout=60).status_code == 200

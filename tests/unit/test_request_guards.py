@@ -4,6 +4,7 @@ OpenAI envelope before any route runs; open routes stay open; bodies are capped 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 from collections.abc import AsyncIterator
 
@@ -91,6 +92,19 @@ def test_declared_body_over_the_cap_is_refused_unread() -> None:
     assert "--max-request-body-mb" in resp.json()["error"]["message"]
     assert seen == []
     assert call(app, "POST", "/v1/echo", content=b"x" * CAP).json() == {"num_bytes": CAP}
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate, gzip", " GZIP "])
+def test_a_body_with_a_content_encoding_is_refused_unread(encoding: str) -> None:
+    """Read as sent, a gzip body would be invalid JSON and a ``br`` one taken for plain bytes: a 415."""
+    app, seen = make_app(None)
+    resp = call(app, "POST", "/v1/echo", content=gzip.compress(b"{}"), headers={"Content-Encoding": encoding})
+    assert resp.status_code == 415 and seen == []
+    error = resp.json()["error"]
+    assert error["code"] == "unsupported_content_encoding" and error["type"] == "invalid_request_error"
+    assert encoding.strip().lower() in error["message"]
+    plain = call(app, "POST", "/v1/echo", content=b"{}", headers={"Content-Encoding": "identity"})
+    assert plain.json() == {"num_bytes": 2}
 
 
 def test_streamed_body_over_the_cap_is_cut_off() -> None:
