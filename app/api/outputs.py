@@ -153,8 +153,8 @@ class ChoiceOutputs:
             gen.finish_reason = "stop"
             self.engine.release(gen.req_id, abort=True)
         elif out.finish_reason is not None:
-            delta += gen.detok.flush()
-            gen.finish_reason = str(out.finish_reason)
+            delta += gen.detok.flush()  # (a stop string may match in what it releases)
+            gen.finish_reason = "stop" if gen.detok.stopped else str(out.finish_reason)
         if gen.finish_reason is not None:
             self.metrics.request_success.labels(finish_reason=gen.finish_reason).inc()
             self.metrics.e2e_latency.observe(time.time() - gen.arrival)

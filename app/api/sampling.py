@@ -106,9 +106,22 @@ def sampling_params(
         )
     top_k = defaults.top_k if body.top_k is None else body.top_k
     logit_bias = {int(key): value for key, value in (body.logit_bias or {}).items()}
+    if len(logit_bias) < len(body.logit_bias or {}):  # ("7" and "07")
+        twice = sorted(key for key in logit_bias if sum(int(k) == key for k in body.logit_bias or {}) > 1)
+        raise InvalidRequestError(
+            f"logit_bias gives token {twice[0]} more than one bias", param="logit_bias", code="invalid_value"
+        )
     _check_vocab("logit_bias", logit_bias, vocab_size)
     _check_vocab("allowed_token_ids", body.allowed_token_ids or [], vocab_size)
     _check_vocab("stop_token_ids", body.stop_token_ids or [], vocab_size)
+    ends = {*eos_token_ids, *(body.stop_token_ids or ())}
+    if body.min_tokens and body.allowed_token_ids is not None and set(body.allowed_token_ids) <= ends:
+        raise InvalidRequestError(
+            f"allowed_token_ids holds only end-of-sequence or stop token ids, which min_tokens "
+            f"({body.min_tokens}) forbids at first: no token would be left to sample.",
+            param="allowed_token_ids",
+            code="invalid_value",
+        )
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=defaults.temperature if body.temperature is None else body.temperature,

@@ -68,6 +68,11 @@ def _check_uuid(uuid: Any) -> Any:
 MediaUuid = Annotated[str | None, BeforeValidator(_check_uuid)]
 
 
+def null_is_default(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """A before-validator: clients often send an explicit null for "use the default"."""
+    return cls.model_fields[info.field_name or ""].default if value is None else value
+
+
 def one_prompt_end(continue_final_message: bool, info: ValidationInfo) -> bool:
     """A chat template either opens the assistant's turn or leaves the last message open, not both."""
     if continue_final_message and info.data.get("add_generation_prompt"):
@@ -155,13 +160,18 @@ _PARTS = TypeAdapter(list[Annotated[ContentPart, BeforeValidator(_validate_part)
 
 class ChatMessageParam(_Request):
     """One request message. ``developer`` is read as ``system``; a ``tool`` message answers an earlier
-    assistant message's call by its ``tool_call_id`` (docs/api.md, "Tool calling")."""
+    assistant message's call by its ``tool_call_id`` (docs/api.md, "Tool calling"). An assistant
+    message's ``refusal`` is what it said, as its content; its ``function_call`` (OpenAI's deprecated
+    form of a call) and ``audio`` (an earlier audio answer) are refused unless null."""
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None  # accepted, ignored
     tool_calls: list[ToolCallParam] | None = None  # assistant messages only
     tool_call_id: str | None = Field(None, validate_default=True)  # tool messages only
+    refusal: str | None = None  # assistant messages only
+    function_call: None = None
+    audio: None = None
 
     @field_validator("role", mode="before")
     @classmethod
@@ -187,6 +197,30 @@ class ChatMessageParam(_Request):
             if media:
                 raise ValueError(f"a tool message's content is text ({', '.join(media)})")
         return parts
+
+    @field_validator("function_call", "audio", mode="before")
+    @classmethod
+    def _only_null(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return None
+        if info.field_name == "function_call":
+            raise ValueError("function_call is OpenAI's deprecated form of a call: send it in tool_calls")
+        raise ValueError("this model takes no audio: an earlier audio answer cannot be part of the messages")
+
+    @field_validator("refusal")
+    @classmethod
+    def _assistant_refusal(cls, refusal: str | None, info: ValidationInfo) -> Any:
+        if refusal is not None and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry a refusal")
+        if refusal is not None and info.data.get("content"):
+            raise ValueError("an assistant message has content or a refusal, not both")
+        return refusal
+
+    @model_validator(mode="after")
+    def _refusal_as_content(self) -> ChatMessageParam:
+        if self.refusal is not None:
+            self.content, self.refusal = self.refusal, None
+        return self
 
     @field_validator("tool_calls")
     @classmethod
@@ -273,15 +307,11 @@ class ChatCompletionRequest(_Request):
         """Whether the answer's calls become ``tool_calls``: it has tools it lets the model call."""
         return bool(self.tools) and self.tool_choice != "none"
 
-    @field_validator(
+    _null_is_default = field_validator(
         "stream", "n", "logprobs", "frequency_penalty", "presence_penalty", "ignore_eos", "min_tokens",
         "include_stop_str_in_output", "skip_special_tokens", "add_generation_prompt",
         "continue_final_message", "parallel_tool_calls", mode="before",
-    )  # fmt: skip
-    @classmethod
-    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
-        # Clients often send explicit nulls for "use the default".
-        return cls.model_fields[info.field_name or ""].default if value is None else value
+    )(classmethod(null_is_default))  # fmt: skip
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from app.api.request_fields import drop_known_fields, is_default
-from app.api.schemas import MAX_CACHE_SALT_CHARS, ChatMessageParam, one_prompt_end
+from app.api.schemas import MAX_CACHE_SALT_CHARS, ChatMessageParam, null_is_default, one_prompt_end
 from app.api.tool_schemas import MAX_TOOLS, ChatTool
 
 # What renders or prepares ``messages``: with a ``prompt`` they would do nothing (vLLM's prompt form takes
@@ -70,6 +70,9 @@ class TokenizeRequest(BaseModel):
         return value
 
     _one_prompt_end = field_validator("continue_final_message")(one_prompt_end)
+    _null_is_default = field_validator(
+        "add_generation_prompt", "continue_final_message", "return_token_strs", mode="before"
+    )(classmethod(null_is_default))
 
 
 class DetokenizeRequest(BaseModel):

@@ -72,6 +72,7 @@ def test_schema_errors_name_the_param(server: Server) -> None:
 
 
 HI = [{"role": "user", "content": "hi"}]
+CALL = {"name": "f", "arguments": "{}"}
 
 
 @pytest.mark.parametrize(
@@ -102,6 +103,13 @@ HI = [{"role": "user", "content": "hi"}]
         ({"top_k": 2**64}, "top_k"),
         ({"min_tokens": 2**64}, "min_tokens"),
         ({"max_tokens": None, "min_tokens": 5000}, "min_tokens"),  # past the default max tokens too
+        ({"logit_bias": {"100": 5, "0100": -5}}, "logit_bias"),  # one token, two biases
+        ({"allowed_token_ids": [2], "min_tokens": 1}, "allowed_token_ids"),  # only EOS, which it masks
+        # OpenAI's assistant-message fields that mmserve cannot render
+        ({"messages": [*HI, {"role": "assistant", "function_call": CALL}]}, "messages[1].function_call"),
+        ({"messages": [*HI, {"role": "assistant", "audio": {"id": "audio_1"}}]}, "messages[1].audio"),
+        ({"messages": [{"role": "user", "content": "hi", "refusal": "no"}]}, "messages[0].refusal"),
+        ({"messages": [*HI, {"role": "assistant", "content": "a", "refusal": "b"}]}, "messages[1].refusal"),
     ],
 )
 def test_each_bad_parameter_is_a_400_naming_it(

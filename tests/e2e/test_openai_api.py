@@ -160,3 +160,20 @@ def test_min_tokens_holds_back_stop_strings_as_vllm(server: Server) -> None:
         assert full[len(content) :].startswith(stop)
     else:
         assert held.choices[0].finish_reason == "length" and content == full
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_in_the_text_released_at_the_end_is_a_stop(server: Server, stream: bool) -> None:
+    """The last token, half a character, is held back until the answer ends at its max tokens; the stop
+    string "\ufffd" then matches in what is released: the answer was stopped, not cut at the length."""
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused")
+    half = 97  # (a byte of a UTF-8 sequence alone in the tiny tokenizer: "\ufffd" decoded by itself)
+    ask = {"model": "tiny-llava", "messages": [user_message("Hi.")], "max_tokens": 1, "temperature": 0}
+    extra = {"allowed_token_ids": [half], "ignore_eos": True}
+    if not stream:
+        [choice] = client.chat.completions.create(**ask, stop=["\ufffd"], extra_body=extra).choices
+        assert (choice.message.content, choice.finish_reason) == ("", "stop")
+        return
+    chunks = list(client.chat.completions.create(**ask, stop=["\ufffd"], extra_body=extra, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "stop"

@@ -103,6 +103,11 @@ def test_template_options_change_the_count(server: Server) -> None:
         {"messages": messages, "add_generation_prompt": False, "continue_final_message": True},
     ).json()["count"]
     assert continued < opened
+    defaults = {"add_generation_prompt": None, "continue_final_message": None, "return_token_strs": None}
+    assert post(server, "/tokenize", {"messages": messages, **defaults}).json()["count"] == opened  # as chat
+    # an assistant's refusal is what it said
+    refused = [messages[0], {"role": "assistant", "content": None, "refusal": "Hello, I am"}]
+    assert post(server, "/tokenize", {"messages": refused}).json()["count"] == opened
 
 
 @pytest.mark.parametrize(
