@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -107,9 +108,9 @@ def sampling_params(
     top_k = defaults.top_k if body.top_k is None else body.top_k
     logit_bias = {int(key): value for key, value in (body.logit_bias or {}).items()}
     if len(logit_bias) < len(body.logit_bias or {}):  # ("7" and "07")
-        twice = sorted(key for key in logit_bias if sum(int(k) == key for k in body.logit_bias or {}) > 1)
+        [(twice, _)] = Counter(int(key) for key in body.logit_bias or {}).most_common(1)
         raise InvalidRequestError(
-            f"logit_bias gives token {twice[0]} more than one bias", param="logit_bias", code="invalid_value"
+            f"logit_bias gives token {twice} more than one bias", param="logit_bias", code="invalid_value"
         )
     _check_vocab("logit_bias", logit_bias, vocab_size)
     _check_vocab("allowed_token_ids", body.allowed_token_ids or [], vocab_size)
