@@ -41,7 +41,7 @@ _HEX_WIDTH = {"x": 2, "u": 4, "U": 8}
 _JSON_STRING_CLOSE = ", json_string=true)"
 _REGEX_CALL = re.compile(r"\bRegex\($")
 _CARET = re.compile(r"\\(\^|x5[eE]|u005[eE]|U0000005[eE]|u\{0*5[eE]\})")  # an escaped caret
-_RULE_NAME = re.compile(r"\broot(_\d+)?\b")
+_RULE_NAME = re.compile(r"\broot((?:_\d+)*)\b")  # (root, root_2, root_1_1: the converter's names)
 _STAND_IN = "mmservepattern{}"  # (a literal: its automaton is a chain of a few states)
 
 Ranges = list[tuple[int, int]]
@@ -142,7 +142,7 @@ def _renamed(ebnf: str, name: str, json_string: bool) -> str:
     out = []
     for kind, text in _segments(ebnf):
         if kind == "other":
-            out.append(_RULE_NAME.sub(lambda m: name + (m.group(1) or ""), text))
+            out.append(_RULE_NAME.sub(lambda m: name + m.group(1), text))
         elif not json_string:
             out.append(text)
         elif kind == "string":

@@ -244,3 +244,40 @@ def test_printed_escapes_read_back_to_their_characters() -> None:
     assert _narrowed("[^\\x00-\\U0010fffd]") == [(0x10FFFE, 0x10FFFF)]
     with pytest.raises(ValueError, match="only characters a JSON string escapes"):
         _narrowed(r"[\"\\\0-\x1f]")
+
+
+def test_two_patterns_with_nested_groups_compile_side_by_side(tiny_model: Callable[[str], Path]) -> None:
+    """xgrammar's converter names a nested group's rules ``root_1_1``; each pattern's rules are renamed
+    whole, so two such patterns (two ipv4 fields, two tools with one each, a grammar's two Regex rules)
+    never define one rule twice."""
+    backend = XGrammarBackend(str(tiny_model("qwen2_5_vl")), 0)
+    ip = {"type": "string", "format": "ipv4"}
+    pair = {"type": "string", "pattern": "^((a|b)(c|d))+$"}
+    schema = {
+        "type": "object",
+        "properties": {"src": ip, "dst": ip, "p": pair, "q": pair},
+        "required": ["src", "dst", "p", "q"],
+        "additionalProperties": False,
+    }
+    good = '{"src": "10.0.0.1", "dst": "192.168.1.255", "p": "acbd", "q": "ad"}'
+    bad = '{"src": "10.0.0.1", "dst": "192.168.1.256", "p": "acbd", "q": "ad"}'
+    assert taken(
+        backend.compile(Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema))), [good, bad]
+    ) == [
+        True,
+        False,
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": name, "parameters": {"type": "object", "properties": {"ip": ip}}},
+        }
+        for name in ("ping", "trace")
+    ]
+    spec = {"format": "qwen_3", "tools": tools, "tool_choice": "required", "parallel_tool_calls": False}
+    call = '<tool_call>\n{{"name": "trace", "arguments": {{"ip": "{}"}}}}\n</tool_call>'
+    compiled = backend.compile(Constraint(ConstraintKind.TOOL_CALLS, json.dumps(spec)))
+    assert taken(compiled, [call.format("1.2.3.4"), call.format("1.2.3.04")]) == [True, False]
+    grammar = 'root ::= a " " b\na ::= Regex("((a|b)(c|d))+")\nb ::= Regex("((x|y)(z|w))+")'
+    compiled = backend.compile(Constraint(ConstraintKind.GRAMMAR, grammar))
+    assert taken(compiled, ["acbd xz", "acb xz"]) == [True, False]
