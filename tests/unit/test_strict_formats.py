@@ -1,5 +1,5 @@
 """The string formats the engine compiles as patterns of its own (engine/structured/formats.py) take
-exactly the valid strings, checked over grids against Python's own parsers: ``ipaddress`` for IPv4,
+exactly the valid strings, checked over grids against Python's own parsers: ``ipaddress`` for IPv4 and IPv6,
 ``datetime`` for dates, pydantic's times (what the openai SDK's ``parse`` gives) within the documented
 bounds. xgrammar's own grammars for them are shown taking some invalid strings, so the rewrite is
 dropped once xgrammar's are exact."""
@@ -140,6 +140,39 @@ def test_an_ipv4_address_has_no_leading_zeros(compiler: xgr.GrammarCompiler) -> 
     assert not accepts("1.2.3") and not accepts("1.2.3.4.5")
     loose = acceptor(compiler, {"type": "string", "format": "ipv4"}, exact=False)
     assert loose("000.000.000.000"), "xgrammar's ipv4 is exact now: drop the rewrite"
+
+
+def an_ipv6(text: str) -> bool:
+    """Python's IPv6 address, without a zone (``%eth0``: not in JSON Schema's ipv6)."""
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return "%" not in text
+
+
+def ipv6_texts() -> list[str]:
+    """Every split of 0 to 9 groups around at most two "::" (groups of 1 to 5 digits), with and
+    without an IPv4 tail (a leading zero in it too)."""
+    groups = ["0", "ab", "FfFf", "00000"]
+    texts = []
+    for before, after in itertools.product(range(10), range(10)):
+        for tail in ("", "1.2.3.4", "1.2.03.4"):
+            for g in groups:
+                left = ":".join([groups[i % 3] for i in range(before)] + ([g] if before else []))
+                right = ":".join([groups[(i + 1) % 3] for i in range(after)] + ([tail] if tail else []))
+                texts += [f"{left}::{right}", f"{left}:{right}" if left and right else left or right]
+    return sorted(set(texts)) + ["::1::", ":::", "1:2:3:4:5:6:7:8%0", ":1::", "::1:"]
+
+
+def test_an_ipv6_address_is_what_python_reads(compiler: xgr.GrammarCompiler) -> None:
+    accepts = acceptor(compiler, strict("ipv6"))
+    texts = ipv6_texts()
+    wrong = [text for text in texts if accepts(text) != an_ipv6(text)]
+    assert not wrong, wrong[:10]
+    assert sum(map(an_ipv6, texts)) > 100 and accepts("1:2:3:4:5:6:1.2.3.4") and accepts("::")
+    loose = acceptor(compiler, {"type": "string", "format": "ipv6"}, exact=False)
+    assert loose("::1.02.3.4") and not loose("1:2:3:4:5:6:1.2.3.4"), "xgrammar's ipv6 is exact now: drop it"
 
 
 def test_the_rewrite_reaches_every_subschema_and_no_data() -> None:
