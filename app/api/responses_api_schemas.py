@@ -395,11 +395,12 @@ class ResponsesRequest(ResponsesInput):
     background_options: BackgroundOptions | None = None
     # refused unless off (REFUSED)
     prompt: Any = None
-    # accepted without effect: labels and hosted-service options
-    user: Any = None
-    safety_identifier: Any = None
-    prompt_cache_key: Any = None
-    prompt_cache_retention: Any = None
+    # accepted without effect, and echoed: labels and hosted-service options
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    # accepted without effect
     prompt_cache_options: Any = None
     service_tier: Any = None
     stream_options: ResponsesStreamOptions | None = None

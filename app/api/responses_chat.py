@@ -55,6 +55,14 @@ _CHAT_PATH = re.compile(
     r"(?:\.\w+|\[\d+\])*"
 )
 _ROOT = re.compile(r"[.\[]")  # where a path's first name ends
+# a context or KV length error's words for chat's fields (app/api/sampling.py, engine/admission.py)
+_CONTEXT_WORDS = (
+    ("the messages are", "the input is"),
+    ("in the messages", "in the input"),
+    ("in the completion", "for the output"),
+    ("room for a completion", "room for an output"),
+    ("Shorten the messages.", "Shorten the input, or set truncation to auto."),
+)
 
 # a chat message's (a call's, a part's) paths -> its input item's (part's), by what the item is
 _WHOLE = {"": ""}
@@ -96,6 +104,9 @@ class ResponsesParams:
         """``exc``, raised by the chat request's checks, naming the Responses fields instead."""
         exc.param = None if exc.param is None else self.name(exc.param)
         exc.message = _CHAT_PATH.sub(lambda found: self.name(found.group()), exc.message)
+        if exc.code in ("context_length_exceeded", "kv_cache_exceeded"):
+            for chat_words, words in _CONTEXT_WORDS:
+                exc.message = exc.message.replace(chat_words, words)
         return exc
 
 

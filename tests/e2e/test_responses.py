@@ -155,14 +155,24 @@ def test_text_format_json_object_is_a_json_object(server: Server) -> None:
     assert response.output_text == chat["choices"][0]["message"]["content"]
 
 
-def test_metadata_is_echoed_and_stored_and_user_changes_nothing(server: Server) -> None:
+def test_metadata_and_labels_are_echoed_and_stored_and_change_nothing(server: Server) -> None:
     metadata = {"trace": "t-42", "team": "vision"}
+    labels: dict[str, Any] = {
+        "user": "user-7",
+        "safety_identifier": "sid-1",
+        "prompt_cache_key": "agent-3",
+        "prompt_cache_retention": "24h",
+        "max_tool_calls": 2,
+    }
     kwargs: Any = {"model": "tiny-llava", "input": "Hello there", "max_output_tokens": 6, "temperature": 0}
-    labelled = client(server).responses.create(**kwargs, metadata=metadata, user="user-7")
-    assert labelled.metadata == metadata
-    assert client(server).responses.retrieve(labelled.id).metadata == metadata
+    labelled = client(server).responses.create(**kwargs, metadata=metadata, **labels)
+    stored = client(server).responses.retrieve(labelled.id)
+    for response in (labelled, stored):
+        assert response.metadata == metadata
+        assert {name: getattr(response, name) for name in labels} == labels
     plain = client(server).responses.create(**kwargs)
     assert plain.metadata == {} and plain.output_text == labelled.output_text
+    assert all(getattr(plain, name) is None for name in labels)
 
 
 def test_a_tiny_top_p_samples_the_top_token(server: Server) -> None:

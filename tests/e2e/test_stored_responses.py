@@ -293,6 +293,12 @@ def test_truncation_auto_drops_the_oldest_turns_to_fit(store_server: Server) -> 
     fourth = {"input": looking_at(7113), "previous_response_id": response_id}
     too_long = post(store_server, fourth)
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    error = too_long.json()["error"]
+    assert (
+        error["param"] == "input"
+        and "the input is" in error["message"]
+        and "messages" not in error["message"]
+    )
     fitted = ask(store_server, sdk=one_process, truncation="auto", **fourth)
     assert fitted.truncation == "auto" and fitted.usage is not None
     # the first turn (its question and answer) dropped: as the later turns sent alone

@@ -265,7 +265,9 @@ def test_an_error_message_names_the_responses_fields_and_leaves_prose_alone() ->
     assert constrained.param == "text.format.schema"
     assert "cannot be combined with text.format.schema: both" in constrained.message
     long = params.error(ContextLengthError("requested 9 tokens (8 in the messages, 1 in the completion)."))
-    assert long.param == "input" and "8 in the messages" in long.message
+    assert long.param == "input" and long.message == "requested 9 tokens (8 in the input, 1 for the output)."
+    full = params.error(ContextLengthError("However, the messages are 9 tokens, ... Shorten the messages."))
+    assert full.message == "However, the input is 9 tokens, ... Shorten the input, or set truncation to auto."
     named = params.error(InvalidRequestError("x", param="tool_choice.function.name"))
     assert named.param == "tool_choice.name"
     assert params.error(InvalidRequestError("x", param="max_completion_tokens")).param == "max_output_tokens"
@@ -336,6 +338,15 @@ def test_max_tool_calls_bounds_built_in_tools_so_changes_nothing_here() -> None:
     assert chat_request(request(max_tool_calls=1), []) == chat_request(request(), [])
     with pytest.raises(ValidationError):
         request(max_tool_calls=0)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"user": 7}, {"safety_identifier": ["a"]}, {"prompt_cache_key": 1.5}, {"prompt_cache_retention": "1h"}],
+)
+def test_echoed_labels_are_of_openais_types(fields: dict[str, Any]) -> None:
+    """The response echoes them, and the SDK reads them as strings (a retention as one of two)."""
+    assert refusal(**fields)[0] == next(iter(fields))
 
 
 def test_item_ids_are_bounded_and_a_null_type_is_no_type() -> None:
