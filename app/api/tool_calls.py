@@ -182,38 +182,55 @@ def parse_tool_calls(
 ) -> ParsedOutput:
     """Splits a finished output into content and calls; ids come from ``new_call_id``, in order.
 
-    Content is the text outside the decoded calls, joined and stripped of leading and trailing
-    whitespace (so the newlines the template puts around calls do not become content). ``cut``: the
-    output was cut off (the max tokens, a stop string), not ended by the model. ``answer_or_calls``: the
-    output is an answer alone or calls alone (the module's docstring).
+    Content is the text outside the decoded calls, joined, less the whitespace at its ends that touches
+    a call (the newlines the template puts around calls do not become content); an answer without calls
+    is content as written. ``cut``: the output was cut off (the max tokens, a stop string), not ended
+    by the model. ``answer_or_calls``: the output is an answer alone or calls alone (the module's
+    docstring).
     """
     if answer_or_calls and _answers(text):
-        return ParsedOutput(text.strip() or None)
-    outside: list[str] = []
+        return ParsedOutput(text or None)
+    between: list[str] = [""]  # the text before each call, and after the last
     tool_calls: list[ToolCall] = []
     pos, cut_off = 0, False
     while (start := text.find(OPEN_TAG, pos)) >= 0:
         body_at = start + len(OPEN_TAG)
         end = _CallEnd().find(text[body_at:])
         end = end + body_at if end >= 0 else -1
-        outside.append(text[pos:start])
+        between[-1] += text[pos:start]
         if end < 0:  # cut off: an incomplete call, or nothing
             written = _cut_call(text[start + len(OPEN_TAG) :])
             if written is not None:
                 tool_calls.append(ToolCall(new_call_id(), *written, complete=False))
             pos, cut_off = len(text), True
+            between.append("")
             break
         decoded = _decode_call(text[start + len(OPEN_TAG) : end])
         if decoded is None:
-            outside.append(text[start : end + len(CLOSE_TAG)])
+            between[-1] += text[start : end + len(CLOSE_TAG)]
         else:
             tool_calls.append(ToolCall(new_call_id(), *decoded))
+            between.append("")
         pos = end + len(CLOSE_TAG)
     rest = text[pos:]
     if cut and not cut_off and (opening := _partial_tag_len(rest)):
-        rest, cut_off = rest[:-opening], True
-    outside.append(rest)
-    return ParsedOutput("".join(outside).strip() or None, tool_calls, cut_off)
+        between[-1] += rest[:-opening]
+        between.append("")
+        cut_off = True
+    else:
+        between[-1] += rest
+    return ParsedOutput(_untouched(between) or None, tool_calls, cut_off)
+
+
+def _untouched(between: list[str]) -> str:
+    """The text between calls joined, less its leading whitespace where a call comes before any text,
+    and its trailing whitespace where no text follows the last call."""
+    content = "".join(between)
+    if len(between) > 1 and not between[0].strip():
+        content = content.lstrip()
+    if len(between) > 1 and not between[-1].strip():
+        content = content.rstrip()
+    return content
 
 
 def finish_reason(parsed: ParsedOutput, engine_reason: str) -> str:
@@ -233,7 +250,8 @@ class ToolCallStreamer:
     content deltas concatenate to ``parse_tool_calls(text).content`` (or "" for None), and the call
     deltas grouped by index give its calls, ids included when both use the same id factory. Outside a
     call, text streams at once except a tail that could still grow into ``<tool_call>`` and trailing
-    whitespace (held until more content follows, dropped at the end). A call is held whole until
+    whitespace (held until more content follows; at the end, sent unless a call came after the last
+    content), and whitespace after a call before any content is dropped. A call is held whole until
     ``</tool_call>``, since only then is it known to decode; it is sent as one delta with id and name
     and one with all of its arguments, or as content if it does not decode.
     """
@@ -245,8 +263,10 @@ class ToolCallStreamer:
         self._buffer = ""  # undecided text: a partial open tag, or the body of the open call
         self._in_call = False
         self._call_end = _CallEnd()  # the open call's
-        self._pending_whitespace = ""
+        self._pending_whitespace = ""  # whitespace after the last content, sent when more follows
         self._sent_content = False
+        self._called = False  # a call came
+        self._called_since_content = False  # a call came after the last content sent
         self._finished = False
         self.num_tool_calls = 0
         self.cut_off = False  # the output ended inside a call
@@ -258,8 +278,9 @@ class ToolCallStreamer:
         if self._answer is None and self._buffer.strip():
             self._answer = _answers(self._buffer)
         if self._answer:
-            text, self._buffer = self._buffer, ""
-            return self._content(text)
+            text, self._buffer = self._pending_whitespace + self._buffer, ""
+            self._pending_whitespace = ""
+            return [ContentDelta(text)] if text else []
         out: list[StreamDelta] = []
         while True:
             if self._in_call:
@@ -289,7 +310,10 @@ class ToolCallStreamer:
             if cut and _partial_tag_len(rest):  # (all of what is held: the open tag's start)
                 self.cut_off = True
                 return []
-            return self._content(rest)
+            out = self._content(rest)
+            if self._pending_whitespace and not self._called_since_content:
+                out.append(ContentDelta(self._pending_whitespace))
+            return out
         self.cut_off = True
         written = _cut_call(rest)
         return [] if written is None else self._call(*written, complete=False)
@@ -302,6 +326,7 @@ class ToolCallStreamer:
         decoded = _decode_call(body)
         if decoded is None:
             return self._content(OPEN_TAG + body + CLOSE_TAG)
+        self._called = self._called_since_content = True
         return self._call(*decoded)
 
     def _call(self, name: str, arguments: str, complete: bool = True) -> list[StreamDelta]:
@@ -314,15 +339,15 @@ class ToolCallStreamer:
         ]
 
     def _content(self, text: str) -> list[StreamDelta]:
-        """Content outside calls, with whitespace trimmed as ``parse_tool_calls`` strips it."""
+        """Content outside calls, with whitespace trimmed as ``parse_tool_calls`` trims it."""
         text = self._pending_whitespace + text
         kept = text.rstrip()
         self._pending_whitespace = text[len(kept) :]
-        if not self._sent_content:
+        if not self._sent_content and self._called:
             kept = kept.lstrip()
         if not kept:
             return []
-        self._sent_content = True
+        self._sent_content, self._called_since_content = True, False
         return [ContentDelta(kept)]
 
 

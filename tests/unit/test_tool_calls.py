@@ -72,7 +72,10 @@ def reassemble(deltas: list[StreamDelta], cut_off: bool = False) -> ParsedOutput
 def test_plain_text_is_content_only() -> None:
     assert parse("The answer is 4.") == ParsedOutput("The answer is 4.", [])
     assert parse("") == ParsedOutput(None, [])
-    assert parse("  \n") == ParsedOutput(None, [])
+    assert parse("  \n") == ParsedOutput("  \n", [])  # (as written: as without tools)
+    assert parse(" 4.\n\n") == ParsedOutput(" 4.\n\n", [])
+    assert parse(f" 4.\n{call('a', {})} then  ").content == " 4.\n then  "  # (no end touches a call)
+    assert parse(f" \n{call('a', {})}\n 4.\n{call('b', {})}\n").content == "4."
 
 
 def test_one_call() -> None:
@@ -317,8 +320,8 @@ def test_an_answer_or_calls_is_calls_only_where_it_opens_with_one() -> None:
     """Beside a JSON output format the answer is that JSON alone or calls alone: the JSON is content
     whole, the call tag in its strings included (read as calls, it would be cut at the tag)."""
     answer = ' {"note": "x<tool_call>y"}\n'
-    assert parse(answer, answer_or_calls=True) == ParsedOutput(answer.strip())
-    assert parse(answer).content == '{"note": "x'
+    assert parse(answer, answer_or_calls=True) == ParsedOutput(answer)
+    assert parse(answer).content == ' {"note": "x'
     closed = '{"note": "<tool_call>", "end": "</tool_call>"}'
     assert parse(closed, answer_or_calls=True) == ParsedOutput(closed)
     calls = call("f", {"a": 1}) + "\n" + call("g", {})
@@ -343,4 +346,4 @@ def test_any_split_of_an_answer_or_calls_reassembles_to_the_parse(
     parsed = parse(text, bool(tail), answer_or_calls=True)
     assert reassemble(*streamed(deltas, bool(tail), answer_or_calls=True)) == parsed
     if not text.lstrip().startswith("<"):
-        assert parsed == ParsedOutput(text.strip() or None)
+        assert parsed == ParsedOutput(text or None)
