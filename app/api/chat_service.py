@@ -21,6 +21,7 @@ from app.api.request_fields import UnknownFields, template_variables, unknown_fi
 from app.api.request_guards import request_tenant
 from app.api.responses import chunk, completion, final_usage_chunk, sse, tool_stream_deltas
 from app.api.sampling import SamplingDefaults, choice_sampling, sampling_params
+from app.api.sampling_schemas import SamplingRequest
 from app.api.schemas import ChatCompletionRequest
 from app.api.tool_schemas import (
     ANSWER_KINDS,
@@ -34,7 +35,7 @@ from app.api.tool_schemas import (
 from app.errors import EngineUnavailableError, InvalidRequestError, MMServeError, ModelNotFoundError
 from app.inputs.engine_client import EngineClient
 from app.inputs.input_processor import InputProcessor
-from app.inputs.submission import RequestSpec, submit
+from app.inputs.submission import RequestSpec, Submitted, submit
 from app.metrics import ApiMetrics
 from wire.protocol import Constraint, SamplingParams
 from workers.families.processing import TemplateOptions
@@ -75,28 +76,12 @@ class ChatService:
         self.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
         response_id = f"chatcmpl-{body.request_id}" if body.request_id is not None else spec.req_ids[0]
         gens = [
-            Generation(
-                req_id=choice.req_id,
-                response_id=response_id,
-                index=index,
-                model_name=self.model_name,
-                arrival=arrival,
-                num_prompt_tokens=submitted.num_prompt_tokens,
-                num_cached_tokens=submitted.choices[0].first.num_cached_tokens,
-                want_logprobs=bool(body.logprobs),
-                detok=IncrementalDetokenizer(
-                    self.tokenizer,
-                    skip_special_tokens=body.skip_special_tokens,
-                    stop=body.stop,
-                    include_stop_str=body.include_stop_str_in_output,
-                    min_tokens=body.min_tokens,
-                ),
-                parse_tool_calls=body.parses_tool_calls,
-                answer_or_calls=answers_or_calls(spec.constraint),
-                stop_token_ids=frozenset([*self.inputs.family.eos_token_ids, *(body.stop_token_ids or ())]),
-            )
-            for index, choice in enumerate(submitted.choices)
+            self.generation(body, submitted, index, response_id, arrival)
+            for index in range(len(submitted.choices))
         ]
+        for gen in gens:
+            gen.parse_tool_calls = body.parses_tool_calls
+            gen.answer_or_calls = answers_or_calls(spec.constraint)
         outputs = ChoiceOutputs(gens, submitted, self.engine, self.metrics)
         if body.stream:
             return StreamingResponse(
@@ -108,7 +93,37 @@ class ChatService:
         await outputs.collect_while_connected(raw)
         return JSONResponse(completion(gens))
 
-    def check_ready(self, body: ChatCompletionRequest) -> None:
+    def generation(
+        self,
+        body: SamplingRequest,
+        submitted: Submitted,
+        choice: int,
+        response_id: str,
+        arrival: float,
+        index: int | None = None,
+    ) -> Generation:
+        """What accumulates choice ``choice`` of ``submitted``'s output (``index``: its index in the
+        response, where it is not ``choice``)."""
+        return Generation(
+            req_id=submitted.choices[choice].req_id,
+            response_id=response_id,
+            index=choice if index is None else index,
+            model_name=self.model_name,
+            arrival=arrival,
+            num_prompt_tokens=submitted.num_prompt_tokens,
+            num_cached_tokens=submitted.choices[0].first.num_cached_tokens,
+            want_logprobs=body.num_top_logprobs() is not None,
+            detok=IncrementalDetokenizer(
+                self.tokenizer,
+                skip_special_tokens=body.skip_special_tokens,
+                stop=body.stop,
+                include_stop_str=body.include_stop_str_in_output,
+                min_tokens=body.min_tokens,
+            ),
+            stop_token_ids=frozenset([*self.inputs.family.eos_token_ids, *(body.stop_token_ids or ())]),
+        )
+
+    def check_ready(self, body: SamplingRequest) -> None:
         """The model is this one and the engine answers; unknown fields are logged."""
         if body.model != self.model_name:
             raise ModelNotFoundError(f"The model `{body.model}` does not exist.")
@@ -118,15 +133,11 @@ class ChatService:
 
     def spec(self, body: ChatCompletionRequest, raw: Request) -> RequestSpec:
         """The request as the input path takes it; its constraint is checked first, before any work."""
-        constraint = requested_constraint(
-            body.response_format, body.structured_outputs, self.response_format_whitespace
-        )
+        constraint = self.answer_constraint(body)
         tools = self._tools(body, constraint)
         if tools.constraint is not None:
             constraint = RequestedConstraint(tools.constraint, "tools")
-        if constraint is not None and body.allowed_token_ids is not None:  # they could leave no token
-            msg = f"allowed_token_ids cannot be combined with an output constraint ({constraint.param})"
-            raise InvalidRequestError(msg, param="allowed_token_ids")
+        alone_with_allowed_tokens(body, constraint)
         scope = self.inputs.cache_scope(request_tenant(raw.scope), body.cache_salt)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         return RequestSpec(
@@ -140,9 +151,15 @@ class ChatService:
                 template_variables(self.inputs.family, body.chat_template_kwargs),
             ),
             req_ids=[base_id, *(f"{base_id}-{index}" for index in range(1, body.n))],
-            sampling=lambda num_prompt_tokens, index: self._sampling(body, num_prompt_tokens, index),
+            sampling=lambda num_prompt_tokens, index: self.sampling(body, num_prompt_tokens, index),
             constraint=constraint.constraint if constraint is not None else None,
             constraint_param=constraint.param if constraint is not None else None,
+        )
+
+    def answer_constraint(self, body: SamplingRequest) -> RequestedConstraint | None:
+        """The constraint ``response_format`` or ``structured_outputs`` asks for, checked (a 400 now)."""
+        return requested_constraint(
+            body.response_format, body.structured_outputs, self.response_format_whitespace
         )
 
     def _tools(self, body: ChatCompletionRequest, constraint: RequestedConstraint | None) -> RequestTools:
@@ -166,7 +183,8 @@ class ChatService:
             )
         return RequestTools(rendered, tool_cons)
 
-    def _sampling(self, body: ChatCompletionRequest, num_prompt_tokens: int, index: int) -> SamplingParams:
+    def sampling(self, body: SamplingRequest, num_prompt_tokens: int, index: int) -> SamplingParams:
+        """Choice ``index``'s parameters for a prompt of ``num_prompt_tokens``."""
         family = self.inputs.family
         first = sampling_params(
             body,
@@ -211,3 +229,10 @@ class ChatService:
             yield sse_error_event(exc)
         finally:
             outputs.release()
+
+
+def alone_with_allowed_tokens(body: SamplingRequest, constraint: RequestedConstraint | None) -> None:
+    """``allowed_token_ids`` and an output constraint together could leave no token: a 400."""
+    if constraint is not None and body.allowed_token_ids is not None:
+        msg = f"allowed_token_ids cannot be combined with an output constraint ({constraint.param})"
+        raise InvalidRequestError(msg, param="allowed_token_ids")

@@ -21,7 +21,8 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from app.api.request_fields import is_default
-from app.api.schemas import MAX_CACHE_SALT_CHARS, MediaUuid, media_or_uuid
+from app.api.sampling_schemas import MAX_CACHE_SALT_CHARS
+from app.api.schemas import MediaUuid, media_or_uuid
 from app.api.tool_schemas import TOOL_CHOICE_KIND, Modes
 
 # field -> (values accepted as "off", why it is refused otherwise)

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from app.api.schemas import ChatCompletionRequest
+from app.api.sampling_schemas import SamplingRequest
 from app.errors import ContextLengthError, InvalidRequestError
 from wire.protocol import INT64_MAX, INT64_MIN, SamplingParams
 
@@ -72,7 +72,7 @@ class SamplingDefaults:
 
 
 def sampling_params(
-    body: ChatCompletionRequest,
+    body: SamplingRequest,
     defaults: SamplingDefaults,
     num_prompt_tokens: int,
     max_model_len: int,

@@ -13,6 +13,7 @@ from fastapi import FastAPI
 from starlette.routing import Route
 
 from app.api.chat_service import ChatService
+from app.api.completion_service import CompletionService
 from app.api.drain import Drain, DrainGuard
 from app.api.error_handlers import install_error_handlers
 from app.api.http_metrics import HttpMetrics
@@ -22,7 +23,7 @@ from app.api.response_store import ResponseStore
 from app.api.responses_background import BACKGROUND_POLL_S, BackgroundResponses, maker_alive
 from app.api.responses_object import closing_event
 from app.api.responses_service import ResponsesService
-from app.api.routes import chat, models, ops
+from app.api.routes import chat, completions, models, ops
 from app.api.routes import responses as responses_routes
 from app.api.routes import tokenize as tokenize_routes
 from app.api.sampling import SamplingDefaults
@@ -43,7 +44,14 @@ from workers.families import load_processing
 
 log = logging.getLogger("mmserve.api")
 # every route reads its body as strict JSON (their StrictJSONRoute: tests/unit/test_json_body.py checks)
-ROUTERS = (chat.router, models.router, ops.router, tokenize_routes.router, responses_routes.router)
+ROUTERS = (
+    chat.router,
+    completions.router,
+    models.router,
+    ops.router,
+    tokenize_routes.router,
+    responses_routes.router,
+)
 
 
 def _log_pool_failure(start: asyncio.Future[None]) -> None:
@@ -111,7 +119,15 @@ def create_app(
             await asyncio.to_thread(response_store.fail_orphans, maker_alive, closing_event)
         await asyncio.to_thread(responses.stored.count, 0)  # (a file may hold responses already)
         app.state.mmserve = ApiState(
-            settings, max_model_len, metrics, engine, chat_service, drain, tokenize, responses
+            settings,
+            max_model_len,
+            metrics,
+            engine,
+            chat_service,
+            drain,
+            tokenize,
+            responses,
+            CompletionService(chat_service),
         )
         pool_start: asyncio.Future[None] | None = None
         try:

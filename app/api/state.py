@@ -8,6 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from app.api.chat_service import ChatService
+from app.api.completion_service import CompletionService
 from app.api.drain import Drain
 from app.api.responses_service import ResponsesService
 from app.api.tokenize_service import TokenizeService
@@ -26,6 +27,7 @@ class ApiState:
     drain: Drain
     tokenize: TokenizeService
     responses: ResponsesService
+    completions: CompletionService
 
 
 def get_state(request: Request) -> ApiState:

@@ -7,7 +7,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from app.api.request_fields import drop_known_fields, is_default
-from app.api.schemas import MAX_CACHE_SALT_CHARS, ChatMessageParam, null_is_default, one_prompt_end
+from app.api.sampling_schemas import MAX_CACHE_SALT_CHARS, null_is_default
+from app.api.schemas import ChatMessageParam, one_prompt_end
 from app.api.tool_schemas import MAX_TOOLS, ChatTool
 
 # What renders or prepares ``messages``: with a ``prompt`` they would do nothing (vLLM's prompt form takes

@@ -99,6 +99,7 @@ class PreparedRequest:
     prompt_token_ids: list[int] = field(default_factory=list)
     spans: list[tuple[int, int]] = field(default_factory=list)  # each item's (first, end) token
     scope: CacheScope = UNSCOPED  # its tenant and salt: media ids are bound under them
+    ids_given: bool = False  # a prompt without media, tokenized once (app/inputs/raw_prompts.py)
 
 
 async def gather_or_cancel(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
@@ -294,6 +295,8 @@ class InputProcessor:
 
     async def resolve(self, prepared: PreparedRequest) -> None:
         """Makes every item's layout known and its tensors available unless the engine holds it."""
+        if prepared.ids_given:
+            return
         for media in prepared.items:
             media.borrowed = False  # decided again: resolve may run again for the request
         misses = [item for item in prepared.items if not self._lookup(item)]

@@ -9,9 +9,9 @@ for the first output and for those after it."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from app.errors import (
     ContextLengthError,
@@ -24,10 +24,12 @@ from app.errors import (
 from app.inputs.engine_client import EngineClient, EngineGone
 from app.inputs.input_processor import InputProcessor, PreparedRequest
 from app.inputs.media_ids import CacheScope
+from app.inputs.raw_prompts import RawPrompt, prepare_prompt
 from wire.protocol import Constraint, ErrorInfo, RequestOutput, SamplingParams
 from workers.families.processing import TemplateOptions
 
 MAX_RESENDS = 2
+T = TypeVar("T")
 # the engine's errors about a request's constraint (engine/structured/): 400s naming the field it came from
 CONSTRAINT_ERROR_CODES = frozenset(
     {"invalid_constraint", "constraint_compile_timeout", "constraint_too_large"}
@@ -52,9 +54,10 @@ def error_from_engine(info: ErrorInfo, constraint_param: str | None = None) -> M
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """What an endpoint asks of the engine, translated at its edge: the chat-template messages' source,
-    how the template ends, the media options, the cache scope, the constraint (and the request field it
-    came from, which errors about it name), and each choice's sampling from the prompt's length."""
+    """What an endpoint asks of the engine, translated at its edge: the chat-template messages' source
+    (or a raw prompt, which has no template and no media), how the template ends, the media options,
+    the cache scope, the constraint (and the request field it came from, which errors about it name),
+    and each choice's sampling from the prompt's length."""
 
     messages: list[Any]
     mm_processor_kwargs: dict[str, Any]
@@ -64,6 +67,7 @@ class RequestSpec:
     sampling: Callable[[int, int], SamplingParams]  # (prompt tokens, choice index) -> its parameters
     constraint: Constraint | None = None
     constraint_param: str | None = None
+    raw_prompt: RawPrompt | None = None  # a prompt as it is, in place of the messages (no template)
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,10 @@ class Submitted:
 async def submit(inputs: InputProcessor, engine: EngineClient, spec: RequestSpec) -> Submitted:
     """Every choice of ``spec`` running in the engine, or a typed error (every choice sent is then
     aborted). Cancelling the caller aborts the choices sent."""
-    prepared = await inputs.prepare(spec.messages, spec.mm_processor_kwargs, spec.scope, spec.template)
+    if spec.raw_prompt is not None:
+        prepared = await prepare_prompt(inputs.family, spec.raw_prompt)
+    else:
+        prepared = await inputs.prepare(spec.messages, spec.mm_processor_kwargs, spec.scope, spec.template)
     send_lock = asyncio.Lock()  # one choice at a time resolves and sends the shared ``prepared``
     first = await _submit_choice(inputs, engine, spec, prepared, 0, send_lock)
     choices = [first]
@@ -105,19 +112,38 @@ async def _submit_rest(
 ) -> list[SubmittedChoice]:
     """The choices after the first, sent together once it is prefilled; if one fails, or the caller is
     cancelled (its client left), the others are cancelled, and those already running are aborted."""
-    tasks = [
-        asyncio.ensure_future(_submit_choice(inputs, engine, spec, prepared, index, send_lock))
+    choices = [
+        _submit_choice(inputs, engine, spec, prepared, index, send_lock)
         for index in range(1, len(spec.req_ids))
     ]
+    return await _all_or_aborted(engine, choices, lambda choice: [choice.req_id])
+
+
+async def submit_together(
+    engine: EngineClient, submissions: list[Coroutine[Any, Any, Submitted]]
+) -> list[Submitted]:
+    """Several requests' ``submit``, run together (a batch of prompts): if one fails, or the caller is
+    cancelled, the others are cancelled, and the choices of those already running are aborted."""
+    return await _all_or_aborted(engine, submissions, lambda done: [choice.req_id for choice in done.choices])
+
+
+async def _all_or_aborted(
+    engine: EngineClient, coros: list[Coroutine[Any, Any, T]], req_ids: Callable[[T], list[str]]
+) -> list[T]:
+    """The results of ``coros``, run together; on a failure or a cancel, the rest are cancelled (one
+    cancelled while it waits aborts its own requests) and the ``req_ids`` of each that had succeeded are
+    aborted."""
+    tasks = [asyncio.ensure_future(coro) for coro in coros]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
         for task in tasks:
-            task.cancel()  # (one cancelled while it waits aborts its own request)
+            task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for task in tasks:
             if not task.cancelled() and task.exception() is None:
-                engine.release(task.result().req_id, abort=True)
+                for req_id in req_ids(task.result()):
+                    engine.release(req_id, abort=True)
         raise
 
 

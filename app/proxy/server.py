@@ -4,7 +4,8 @@ to the shared store; LM instances (``serve --ec-role consumer``) load them inste
 sends each distinct image or video to an encoder first, then the original request to an LM instance, and
 relays the answer (app/proxy/forward.py has the diagram).
 
-Routes: ``POST /v1/chat/completions``; ``POST /v1/responses`` and what reads a stored response (app/proxy/
+Routes: ``POST /v1/chat/completions``; ``POST /v1/completions`` (a prompt has no media: straight to an
+LM); ``POST /v1/responses`` and what reads a stored response (app/proxy/
 responses.py); ``GET /v1/models`` and ``/v1/models/{model}`` (an LM's answer),
 ``GET /health`` (every upstream's ``/health``), ``GET /metrics`` (the proxy's own figures). Errors use the
 OpenAI envelope.
@@ -186,14 +187,20 @@ def create_proxy_app(config: ProxyConfig, *, transport: httpx.AsyncBaseTransport
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
 
+    async def complete(raw: bytes, headers: dict[str, str]) -> Response:
+        return await forward("POST", lms.next(), "/v1/completions", raw, headers)  # (no media to encode)
+
+    works = {"/v1/chat/completions": chat, "/v1/completions": complete, "/v1/responses": respond}
+
     @app.post("/v1/chat/completions")
+    @app.post("/v1/completions")
     @app.post("/v1/responses")
     async def generate(request: Request) -> Response:
         metrics.requests.inc()
         raw = await body_of(request)
         if isinstance(raw, Response):
             return raw
-        work = chat if request.url.path == "/v1/chat/completions" else respond
+        work = works[request.url.path]
         return await _unless_client_leaves(request, work(raw, forwarded_headers(request.headers)))
 
     @app.post("/v1/responses/input_tokens")

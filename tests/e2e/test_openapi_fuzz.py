@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 from typing import Any
 
 import httpx
@@ -131,6 +132,7 @@ def test_every_route_is_fuzzed(api_schema: Any) -> None:
     labels = {operation.label for operation in operations(api_schema)}
     assert labels == {
         "POST /v1/chat/completions",
+        "POST /v1/completions",
         "GET /v1/models",
         "GET /v1/models/{model}",
         "GET /health",
@@ -188,8 +190,8 @@ def test_generated_requests_get_no_server_error(api_schema: Any, mode: Generatio
 EXTREME_NUMBERS = [2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**30, 1e308, -1e308, 5e-324, -0.0]
 
 
-def numeric_fields(openapi: dict[str, Any]) -> list[str]:
-    properties = openapi["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+def numeric_fields(openapi: dict[str, Any], request: str = "ChatCompletionRequest") -> list[str]:
+    properties = openapi["components"]["schemas"][request]["properties"]
 
     def types(schema: dict[str, Any]) -> set[str]:
         found = {schema["type"]} if isinstance(schema.get("type"), str) else set()
@@ -208,3 +210,10 @@ def test_extreme_numbers_get_no_server_error(fuzz_server: Server) -> None:
             body[name] = value
             response = httpx.post(f"{fuzz_server.base_url}/v1/chat/completions", json=body, timeout=60)
             assert response.status_code < 500, (name, value, response.text)
+    for name, value in itertools.product(
+        ["prompt", *numeric_fields(openapi, "CompletionRequest")], EXTREME_NUMBERS
+    ):
+        body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 2}
+        body[name] = [1, value] if name == "prompt" else value  # (a prompt's token ids)
+        response = httpx.post(f"{fuzz_server.base_url}/v1/completions", json=body, timeout=60)
+        assert response.status_code < 500, (name, value, response.text)

@@ -137,6 +137,16 @@ def test_one_encoder_request_per_distinct_image_and_none_for_text(
     assert delta(proxy_before, proxy.metrics(), "mmserve_proxy_encoder_requests_total") == 0
 
 
+def test_a_completion_goes_to_an_lm_alone(proxy: Server, encoder: Server, lm: Server) -> None:
+    body = {"model": "tiny-llava", "prompt": "A red bus", "max_tokens": 6, "temperature": 0}
+    before = encoder.metrics()
+    proxied = httpx.post(f"{proxy.base_url}/v1/completions", json=body, headers=AUTH, timeout=60)
+    direct = httpx.post(f"{lm.base_url}/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert proxied.status_code == direct.status_code == 200, proxied.text
+    assert proxied.json()["choices"] == direct.json()["choices"]
+    assert delta(before, encoder.metrics(), "mmserve_prompt_tokens_total") == 0
+
+
 def test_the_clients_key_reaches_encoder_and_lm(proxy: Server, encoder: Server) -> None:
     body = request("Who may ask?", 7020)
     before, proxy_before = encoder.metrics(), proxy.metrics()

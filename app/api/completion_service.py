@@ -1,0 +1,136 @@
+"""Serves one legacy completion (``POST /v1/completions``): each prompt of the request, as it is (no chat
+template, no media: app/inputs/raw_prompts.py), becomes a ``RequestSpec`` with chat's sampling and output
+constraint (the chat service's own pieces), the prompts are submitted together, and the choices'
+outputs (app/api/outputs.py) become a ``text_completion`` or an SSE stream of them
+(app/api/completion_responses.py). A client that goes away aborts every choice in the engine."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from app.api.chat_service import ChatService, alone_with_allowed_tokens
+from app.api.completion_responses import LegacyLogprobs, chunk, completion, envelope, usage
+from app.api.completion_schemas import CompletionRequest, Prompt
+from app.api.disconnect import unless_client_leaves
+from app.api.error_handlers import sse_error_event
+from app.api.outputs import ChoiceOutputs
+from app.api.request_guards import request_tenant
+from app.api.responses import sse
+from app.errors import InvalidRequestError, MMServeError
+from app.inputs.raw_prompts import RawPrompt
+from app.inputs.submission import RequestSpec, Submitted, submit, submit_together
+from workers.families.processing import TemplateOptions
+
+# a context or KV length error's words for chat's messages (app/api/sampling.py, engine/admission.py)
+_PROMPT_WORDS = (
+    ("the messages are", "the prompt is"),
+    ("in the messages", "in the prompt"),
+    ("Shorten the messages.", "Shorten the prompt."),
+)
+
+
+class CompletionService:
+    def __init__(self, chat: ChatService) -> None:
+        self.chat = chat
+
+    async def create(self, body: CompletionRequest, raw: Request) -> Response:
+        chat = self.chat
+        chat.check_ready(body)
+        if body.echo and body.logprobs is not None:
+            raise InvalidRequestError(
+                "echo with logprobs needs the prompt's logprobs, which are not supported: leave one out",
+                param="echo",
+            )
+        arrival = time.time()
+        constraint = chat.answer_constraint(body)
+        alone_with_allowed_tokens(body, constraint)
+        scope = chat.inputs.cache_scope(request_tenant(raw.scope), body.cache_salt)
+        prompts = body.prompts()
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        specs = []
+        for i, prompt in enumerate(prompts):
+            prompt_id = base_id if i == 0 else f"{base_id}-p{i}"
+            specs.append(
+                RequestSpec(
+                    messages=[],
+                    mm_processor_kwargs={},
+                    scope=scope,
+                    template=TemplateOptions(),
+                    req_ids=[prompt_id, *(f"{prompt_id}-{j}" for j in range(1, body.n))],
+                    sampling=lambda num_prompt_tokens, index: chat.sampling(body, num_prompt_tokens, index),
+                    constraint=constraint.constraint if constraint is not None else None,
+                    constraint_param=constraint.param if constraint is not None else None,
+                    raw_prompt=RawPrompt(
+                        prompt, body.add_special_tokens, "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+                    ),
+                )
+            )
+        submissions = [self._submit(spec) for spec in specs]
+        done = await unless_client_leaves(raw, submit_together(chat.engine, submissions))
+        for submitted in done:
+            chat.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
+        response_id = f"cmpl-{body.request_id}" if body.request_id is not None else base_id
+        gens = [
+            chat.generation(body, submitted, j, response_id, arrival, index=i * body.n + j)
+            for i, submitted in enumerate(done)
+            for j in range(body.n)
+        ]
+        echoed = [self._text(prompt, body.skip_special_tokens) if body.echo else "" for prompt in prompts]
+        every_choice = Submitted(0, [choice for submitted in done for choice in submitted.choices])
+        outputs = ChoiceOutputs(gens, every_choice, chat.engine, chat.metrics)
+        if body.stream:
+            return StreamingResponse(
+                self._stream(outputs, body.n, echoed, body.include_usage), media_type="text/event-stream"
+            )
+        await outputs.collect_while_connected(raw)
+        return JSONResponse(completion(gens, body.n, echoed))
+
+    async def _submit(self, spec: RequestSpec) -> Submitted:
+        """``submit``, its errors naming the prompt where chat's would name the messages."""
+        try:
+            return await submit(self.chat.inputs, self.chat.engine, spec)
+        except MMServeError as exc:
+            assert spec.raw_prompt is not None
+            if exc.param == "messages":
+                exc.param = spec.raw_prompt.param
+            if exc.code in ("context_length_exceeded", "kv_cache_exceeded"):
+                for chat_words, words in _PROMPT_WORDS:
+                    exc.message = exc.message.replace(chat_words, words)
+            raise
+
+    def _text(self, prompt: Prompt, skip_special_tokens: bool) -> str:
+        """A prompt's text as echoed: as sent, or its token ids decoded as the answer's are."""
+        if isinstance(prompt, str):
+            return prompt
+        return str(self.chat.tokenizer.decode(prompt, skip_special_tokens=skip_special_tokens))
+
+    async def _stream(
+        self, outputs: ChoiceOutputs, n: int, echoed: list[str], include_usage: bool
+    ) -> AsyncIterator[str]:
+        """SSE events: each choice's echoed prompt (with ``echo``), then its text as it comes, then the
+        usage (with ``include_usage``)."""
+        gens = outputs.gens
+        try:
+            logprobs = {
+                gen.index: LegacyLogprobs(len(echoed[gen.index // n])) for gen in gens if gen.want_logprobs
+            }
+            for gen in gens:
+                if echoed[gen.index // n]:
+                    yield sse(chunk(gen, echoed[gen.index // n], include_usage))
+            async for delta in outputs.deltas():
+                gen = gens[delta.index]
+                legacy = logprobs.get(delta.index)
+                piece = legacy.piece(delta.logprobs) if legacy is not None else None
+                yield sse(chunk(gen, delta.text, include_usage, piece, delta.finish_reason))
+            if include_usage:
+                yield sse(envelope(gens[0], [], usage(gens, n)))
+            yield "data: [DONE]\n\n"
+        except MMServeError as exc:
+            yield sse_error_event(exc)
+        finally:
+            outputs.release()
