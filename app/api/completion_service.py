@@ -47,11 +47,39 @@ class CompletionService:
                 param="echo",
             )
         arrival = time.time()
+        prompts = body.prompts()
+        base_id = f"cmpl-{uuid.uuid4().hex}"
+        specs = self._specs(body, raw, prompts, base_id)
+        submissions = [self._submit(spec) for spec in specs]
+        done = await unless_client_leaves(raw, submit_together(chat.engine, submissions))
+        for submitted in done:
+            chat.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
+        response_id = f"cmpl-{body.request_id}" if body.request_id is not None else base_id
+        gens = [
+            chat.generation(body, submitted, j, response_id, arrival, index=i * body.n + j)
+            for i, submitted in enumerate(done)
+            for j in range(body.n)
+        ]
+        echoed = [self._text(prompt, body.skip_special_tokens) if body.echo else "" for prompt in prompts]
+        # (ChoiceOutputs reads the choices alone: each Generation has its own prompt's count)
+        every_choice = Submitted(0, [choice for submitted in done for choice in submitted.choices])
+        outputs = ChoiceOutputs(gens, every_choice, chat.engine, chat.metrics)
+        if body.stream:
+            return StreamingResponse(
+                self._stream(outputs, body.n, echoed, body.include_usage), media_type="text/event-stream"
+            )
+        await outputs.collect_while_connected(raw)
+        return JSONResponse(completion(gens, body.n, echoed))
+
+    def _specs(
+        self, body: CompletionRequest, raw: Request, prompts: list[Prompt], base_id: str
+    ) -> list[RequestSpec]:
+        """One request into the engine per prompt, its constraint checked first (before any work); the
+        first prompt's first choice has ``base_id``."""
+        chat = self.chat
         constraint = chat.answer_constraint(body)
         alone_with_allowed_tokens(body, constraint)
         scope = chat.inputs.cache_scope(request_tenant(raw.scope), body.cache_salt)
-        prompts = body.prompts()
-        base_id = f"cmpl-{uuid.uuid4().hex}"
         specs = []
         for i, prompt in enumerate(prompts):
             prompt_id = base_id if i == 0 else f"{base_id}-p{i}"
@@ -70,25 +98,7 @@ class CompletionService:
                     ),
                 )
             )
-        submissions = [self._submit(spec) for spec in specs]
-        done = await unless_client_leaves(raw, submit_together(chat.engine, submissions))
-        for submitted in done:
-            chat.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
-        response_id = f"cmpl-{body.request_id}" if body.request_id is not None else base_id
-        gens = [
-            chat.generation(body, submitted, j, response_id, arrival, index=i * body.n + j)
-            for i, submitted in enumerate(done)
-            for j in range(body.n)
-        ]
-        echoed = [self._text(prompt, body.skip_special_tokens) if body.echo else "" for prompt in prompts]
-        every_choice = Submitted(0, [choice for submitted in done for choice in submitted.choices])
-        outputs = ChoiceOutputs(gens, every_choice, chat.engine, chat.metrics)
-        if body.stream:
-            return StreamingResponse(
-                self._stream(outputs, body.n, echoed, body.include_usage), media_type="text/event-stream"
-            )
-        await outputs.collect_while_connected(raw)
-        return JSONResponse(completion(gens, body.n, echoed))
+        return specs
 
     async def _submit(self, spec: RequestSpec) -> Submitted:
         """``submit``, its errors naming the prompt where chat's would name the messages."""
