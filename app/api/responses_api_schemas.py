@@ -92,12 +92,16 @@ def _each(values: list[Any], validate: Callable[[Any], Any], title: str) -> list
 
 def _part(part: Any, role: str | None = None) -> Any:
     """A content part (of a message by ``role``: an assistant's parts are text, and only an assistant's
-    text is ``output_text``, as OpenAI's item shapes have them)."""
+    text is ``output_text``, as OpenAI's item shapes have them; its ``refusal`` part is read as its text)."""
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "output_text" and role not in (None, "assistant"):
         raise ValueError(f"output_text is an assistant message's text: a {role} message's is input_text")
     if kind in ("input_text", "output_text"):
         return InputText.model_validate(part)
+    if kind == "refusal" and role == "assistant":  # an OpenAI model's refusal sent back: what it said
+        if not isinstance(part.get("refusal"), str):
+            raise ValueError("a refusal part's refusal must be a string")
+        return InputText(type="output_text", text=part["refusal"])
     if kind == "input_image":
         if role == "assistant":
             raise ValueError("an assistant message holds text (output_text), not images")

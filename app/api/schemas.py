@@ -139,11 +139,22 @@ def _validate_part(part: Any) -> Any:
 _PARTS = TypeAdapter(list[Annotated[ContentPart, BeforeValidator(_validate_part)]])
 
 
+def _refusal_as_text(part: Any) -> Any:
+    """An assistant's refusal part (what an OpenAI model said when it refused: its message's ``refusal``
+    as a part) as a text part."""
+    if not isinstance(part, dict) or part.get("type") != "refusal":
+        return part
+    if not isinstance(part.get("refusal"), str):
+        raise ValueError("a refusal part's refusal must be a string")
+    return {"type": "text", "text": part["refusal"]}
+
+
 class ChatMessageParam(RequestModel):
     """One request message. ``developer`` is read as ``system``; a ``tool`` message answers an earlier
     assistant message's call by its ``tool_call_id`` (docs/api.md, "Tool calling"). An assistant
-    message's ``refusal`` is what it said, as its content; its ``function_call`` (OpenAI's deprecated
-    form of a call) and ``audio`` (an earlier audio answer) are refused unless null."""
+    message's ``refusal`` is what it said, as its content (a refusal part, as a text part); its
+    ``function_call`` (OpenAI's deprecated form of a call) and ``audio`` (an earlier audio answer) are
+    refused unless null."""
 
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = Field(None, validate_default=True)
@@ -172,6 +183,8 @@ class ChatMessageParam(RequestModel):
             return content
         if not isinstance(content, list):
             raise ValueError("content must be a string or a list of content parts")
+        if info.data.get("role") == "assistant":
+            content = [_refusal_as_text(part) for part in content]
         parts = _PARTS.validate_python(content)
         if info.data.get("role") == "tool":
             media = [f"content[{j}] is {part.type}" for j, part in enumerate(parts) if part.type != "text"]

@@ -108,6 +108,12 @@ def test_template_options_change_the_count(server: Server) -> None:
     # an assistant's refusal is what it said
     refused = [messages[0], {"role": "assistant", "content": None, "refusal": "Hello, I am"}]
     assert post(server, "/tokenize", {"messages": refused}).json()["count"] == opened
+    as_part = [messages[0], {"role": "assistant", "content": [{"type": "refusal", "refusal": "Hello, I am"}]}]
+    assert post(server, "/tokenize", {"messages": as_part}).json()["count"] == opened
+    not_said = [messages[0], {"role": "assistant", "content": [{"type": "refusal", "refusal": 7}]}]
+    assert post(server, "/tokenize", {"messages": not_said}).json()["error"]["param"] == "messages[1].content"
+    by_user = [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]
+    assert post(server, "/tokenize", {"messages": by_user}).status_code == 400
 
 
 @pytest.mark.parametrize(

@@ -382,6 +382,19 @@ def test_parts_are_those_of_the_messages_role_and_a_status_is_openais() -> None:
     request(input=[{"role": "user", "content": "a", "status": "completed"}])
 
 
+def test_an_assistants_refusal_part_is_what_it_said() -> None:
+    """OpenAI's output message may hold a refusal part; sent back, it is the assistant's text."""
+    said = request(input=[{"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}])
+    written = request(input=[{"role": "assistant", "content": [{"type": "output_text", "text": "I can't."}]}])
+    assert said == written
+    assert refusal(input=[{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}])[0] == (
+        "input[0].content[0]"
+    )
+    assert (
+        refusal(input=[{"role": "assistant", "content": [{"type": "refusal"}]}])[0] == "input[0].content[0]"
+    )
+
+
 def test_a_call_in_the_history_of_a_model_without_a_tool_format_is_named() -> None:
     llava = SimpleNamespace(tool_chat_template=None, tool_call_parser=None, config={"model_type": "llava"})
     items = [
