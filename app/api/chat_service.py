@@ -101,9 +101,11 @@ class ChatService:
         response_id: str,
         arrival: float,
         index: int | None = None,
+        after_prompt: bool = False,
     ) -> Generation:
         """What accumulates choice ``choice`` of ``submitted``'s output (``index``: its index in the
-        response, where it is not ``choice``)."""
+        response, where it is not ``choice``; ``after_prompt``: its text decoded after the prompt's last
+        ids, as a raw prompt's continuation; a chat answer is decoded alone, as transformers decodes it)."""
         return Generation(
             req_id=submitted.choices[choice].req_id,
             response_id=response_id,
@@ -119,6 +121,7 @@ class ChatService:
                 stop=body.stop,
                 include_stop_str=body.include_stop_str_in_output,
                 min_tokens=body.min_tokens,
+                context=list(submitted.prompt_tail) if after_prompt else None,
             ),
             stop_token_ids=frozenset([*self.inputs.family.eos_token_ids, *(body.stop_token_ids or ())]),
         )

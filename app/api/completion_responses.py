@@ -3,10 +3,11 @@ chunks, built from each choice's ``Generation`` (app/api/outputs.py). Choices ar
 prompt (prompt i's choice j is ``i * n + j``); the usage counts each prompt once and every choice's
 tokens. Logprobs take the legacy form: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the sampled
 token and the top alternatives, as vLLM's) and ``text_offset`` (each token's offset in the choice's
-text, the echoed prompt included)."""
+text, the echoed prompt included, counted in characters)."""
 
 from __future__ import annotations
 
+import codecs
 from typing import Any
 
 from app.api.outputs import Generation
@@ -29,16 +30,18 @@ def usage(gens: list[Generation], n: int) -> dict[str, Any]:
 
 class LegacyLogprobs:
     """Turns a choice's logprob entries (chat's form, app/api/outputs.py) into the legacy form, piece by
-    piece as they stream, each token's ``text_offset`` following on from the previous piece's."""
+    piece as they stream, each token's ``text_offset`` following on from the previous piece's: the
+    characters its bytes complete, so a token that is part of a character points at that character."""
 
     def __init__(self, start: int) -> None:
         self._offset = start  # where the next token's text begins: after the echoed prompt, if any
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def piece(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
         offsets = []
         for entry in entries:
             offsets.append(self._offset)
-            self._offset += len(entry["token"])
+            self._offset += len(self._utf8.decode(bytes(entry["bytes"])))
         return {
             "tokens": [entry["token"] for entry in entries],
             "token_logprobs": [entry["logprob"] for entry in entries],

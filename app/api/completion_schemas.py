@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, StrictInt, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from app.api.sampling_schemas import INT64_MAX, SamplingRequest, null_is_default
@@ -32,9 +32,10 @@ Prompt = str | list[int]
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # (strict: a bool or a float is no token id, nor a count: chat's "logprobs": false is not 0)
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
     suffix: None = None  # text after the insertion point: these models do not fill in the middle
     prompt_embeds: None = None  # vLLM's embeddings as the prompt: not supported

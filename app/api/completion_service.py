@@ -56,7 +56,7 @@ class CompletionService:
             chat.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
         response_id = f"cmpl-{body.request_id}" if body.request_id is not None else base_id
         gens = [
-            chat.generation(body, submitted, j, response_id, arrival, index=i * body.n + j)
+            chat.generation(body, submitted, j, response_id, arrival, index=i * body.n + j, after_prompt=True)
             for i, submitted in enumerate(done)
             for j in range(body.n)
         ]
@@ -106,7 +106,7 @@ class CompletionService:
             return await submit(self.chat.inputs, self.chat.engine, spec)
         except MMServeError as exc:
             assert spec.raw_prompt is not None
-            if exc.param == "messages":
+            if exc.param == "messages" or exc.code == "kv_cache_exceeded":  # (the engine's names none)
                 exc.param = spec.raw_prompt.param
             if exc.code in ("context_length_exceeded", "kv_cache_exceeded"):
                 for chat_words, words in _PROMPT_WORDS:

@@ -6,6 +6,7 @@ and TGI)::
     token_ids:  ... | prefix_offset ........ read_offset ........ len(token_ids)
                       └─ decoded as context ─┘└─ new text, once it decodes cleanly ─┘
 
+The first window starts after ``context``, ids before the output (a raw prompt's), where given.
 Text is released only once the window no longer ends in an incomplete UTF-8 sequence (decoded as
 U+FFFD), so byte-level BPE output never streams half a character. Released text then passes a second
 hold-back: while the tail could still grow into a stop string it is kept, so a stop string is never
@@ -62,6 +63,7 @@ class IncrementalDetokenizer:
         stop: list[str] | None = None,
         include_stop_str: bool = False,
         min_tokens: int = 0,
+        context: list[int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.min_tokens = min_tokens
@@ -84,6 +86,12 @@ class IncrementalDetokenizer:
         self._decode_fn = backend.decode if backend is not None else tokenizer.decode
         self._byte_level = backend is not None and "ByteLevel" in repr(backend.decoder)
         self._bytes_by_token: dict[int, list[int]] = {}
+        # ids before the output (a raw prompt's last ones): its first tokens decode after them, as they
+        # would in the prompt's text (a SentencePiece "▁Paris" keeps its space); none where they end in
+        # half a character
+        self._context = list(context or [])
+        if self._context and self._decode(self._context).endswith(_REPLACEMENT):
+            self._context = []
 
     @property
     def text(self) -> str:
@@ -156,8 +164,9 @@ class IncrementalDetokenizer:
         that decoders that strip a leading space only ever strip it from the context)."""
         if self._read_offset == len(self.token_ids):
             return ""
-        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
-        new_text = self._decode(self.token_ids[self._prefix_offset :])
+        context = self._context if self._prefix_offset == 0 else []  # (the window's start: the output's)
+        prefix_text = self._decode(context + self.token_ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(context + self.token_ids[self._prefix_offset :])
         if len(new_text) <= len(prefix_text) and not final:
             return ""  # e.g. only special tokens, skipped
         if new_text.endswith(_REPLACEMENT) and not final:

@@ -29,6 +29,7 @@ from wire.protocol import Constraint, ErrorInfo, RequestOutput, SamplingParams
 from workers.families.processing import TemplateOptions
 
 MAX_RESENDS = 2
+PROMPT_TAIL = 5  # ids of context for decoding an answer (vLLM's detokenizer starts 5 ids back too)
 T = TypeVar("T")
 # the engine's errors about a request's constraint (engine/structured/): 400s naming the field it came from
 CONSTRAINT_ERROR_CODES = frozenset(
@@ -81,6 +82,7 @@ class SubmittedChoice:
 class Submitted:
     num_prompt_tokens: int
     choices: list[SubmittedChoice]
+    prompt_tail: tuple[int, ...] = ()  # its last ids: what a raw prompt's answer is decoded after
 
 
 async def submit(inputs: InputProcessor, engine: EngineClient, spec: RequestSpec) -> Submitted:
@@ -100,7 +102,7 @@ async def submit(inputs: InputProcessor, engine: EngineClient, spec: RequestSpec
             engine.release(first.req_id, abort=True)
             raise
     inputs.count_uuid_hits(prepared)
-    return Submitted(len(prepared.prompt_token_ids), choices)
+    return Submitted(len(prepared.prompt_token_ids), choices, tuple(prepared.prompt_token_ids[-PROMPT_TAIL:]))
 
 
 async def _submit_rest(

@@ -168,6 +168,12 @@ def test_prompt_that_can_never_fit_the_kv_pool_is_rejected(tiny_pool_server: Ser
     resp = httpx.post(f"{tiny_pool_server.base_url}/v1/chat/completions", json=body, timeout=60)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["code"] == "kv_cache_exceeded"
+    # a completion's batch says which prompt, in a prompt's words
+    batch = {"model": "tiny-llava", "prompt": [[5] * 10, [5] * 600], "max_tokens": 600}
+    resp = httpx.post(f"{tiny_pool_server.base_url}/v1/completions", json=batch, timeout=60)
+    error = resp.json()["error"]
+    assert resp.status_code == 400 and error["code"] == "kv_cache_exceeded" and error["param"] == "prompt[1]"
+    assert "in the prompt" in error["message"] and "messages" not in error["message"]
 
 
 def test_preempted_requests_resume_exactly(tiny_pool_server: Server, oracle: Oracle) -> None:
