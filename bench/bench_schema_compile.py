@@ -5,7 +5,7 @@ backends call), side by side in one process over one tokenizer.
     python bench/bench_schema_compile.py [--model models/tiny-llava] [--repeats 3] [--chart PATH]
 
 Four schemas: ten everyday patterns (an e-mail address, a phone number, a UUID, a postcode, a semantic
-version, …); the four formats mmserve compiles as patterns of its own (``ipv4``, ``date``,
+version, …); the five formats mmserve compiles as patterns of its own (``ipv4``, ``ipv6``, ``date``,
 ``date-time``, ``time``); 120 long bounded repetitions (``([a-z0-9]{2,300}@){1,N}``, N = 30…149, as a
 hostile client may send); 1,500 optional properties (no pattern: the control). Each compile is median
 seconds over ``--repeats`` runs (compilers without a cache), then mmserve's ratio to xgrammar's.
@@ -52,7 +52,9 @@ def strings(fields: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 SCHEMAS = {
     "10 everyday patterns": strings({k: {"type": "string", "pattern": p} for k, p in EVERYDAY.items()}),
-    "4 formats": strings({f: {"type": "string", "format": f} for f in ("ipv4", "date", "date-time", "time")}),
+    "5 formats": strings(
+        {f: {"type": "string", "format": f} for f in ("ipv4", "ipv6", "date", "date-time", "time")}
+    ),
     "120 long repetitions": strings(
         {f"p{i}": {"type": "string", "pattern": f"([a-z0-9]{{2,300}}@){{1,{30 + i}}}"} for i in range(120)}
     ),
