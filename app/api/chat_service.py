@@ -21,7 +21,7 @@ from app.api.request_fields import UnknownFields, template_variables, unknown_fi
 from app.api.request_guards import request_tenant
 from app.api.responses import chunk, completion, final_usage_chunk, sse, tool_stream_deltas
 from app.api.sampling import SamplingDefaults, choice_sampling, sampling_params
-from app.api.sampling_schemas import SamplingRequest
+from app.api.sampling_schemas import MAX_REQUEST_ID_CHARS, SamplingRequest
 from app.api.schemas import ChatCompletionRequest
 from app.api.tool_schemas import (
     ANSWER_KINDS,
@@ -70,11 +70,12 @@ class ChatService:
 
     async def create(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_ready(body)
+        given = client_request_id(raw, body)
         arrival = time.time()
         spec = self.spec(body, raw)
         submitted = await unless_client_leaves(raw, submit(self.inputs, self.engine, spec))
         self.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
-        response_id = f"chatcmpl-{body.request_id}" if body.request_id is not None else spec.req_ids[0]
+        response_id = f"chatcmpl-{given}" if given is not None else spec.req_ids[0]
         gens = [
             self.generation(body, submitted, index, response_id, arrival)
             for index in range(len(submitted.choices))
@@ -239,3 +240,17 @@ def alone_with_allowed_tokens(body: SamplingRequest, constraint: RequestedConstr
     if constraint is not None and body.allowed_token_ids is not None:
         msg = f"allowed_token_ids cannot be combined with an output constraint ({constraint.param})"
         raise InvalidRequestError(msg, param="allowed_token_ids")
+
+
+def client_request_id(raw: Request, body: SamplingRequest) -> str | None:
+    """The id a client gave its request: the ``X-Request-Id`` header over the body's ``request_id``, as
+    vLLM reads them (the same bounds: 1-128 printable characters, or a 400 naming the header)."""
+    header = raw.headers.get("x-request-id")
+    if header is None:
+        return body.request_id
+    if not 1 <= len(header) <= MAX_REQUEST_ID_CHARS or not header.isprintable():
+        raise InvalidRequestError(
+            f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID_CHARS} printable characters",
+            param="x-request-id",
+        )
+    return header

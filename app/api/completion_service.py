@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.api.chat_service import ChatService, alone_with_allowed_tokens
+from app.api.chat_service import ChatService, alone_with_allowed_tokens, client_request_id
 from app.api.completion_responses import LegacyLogprobs, chunk, completion, envelope, usage
 from app.api.completion_schemas import CompletionRequest, Prompt
 from app.api.disconnect import unless_client_leaves
@@ -41,6 +41,7 @@ class CompletionService:
     async def create(self, body: CompletionRequest, raw: Request) -> Response:
         chat = self.chat
         chat.check_ready(body)
+        given = client_request_id(raw, body)
         if body.echo and body.logprobs is not None:
             raise InvalidRequestError(
                 "echo with logprobs needs the prompt's logprobs, which are not supported: leave one out",
@@ -54,7 +55,7 @@ class CompletionService:
         done = await unless_client_leaves(raw, submit_together(chat.engine, submissions))
         for submitted in done:
             chat.metrics.prompt_tokens.inc(submitted.num_prompt_tokens)
-        response_id = f"cmpl-{body.request_id}" if body.request_id is not None else base_id
+        response_id = f"cmpl-{given}" if given is not None else base_id
         gens = [
             chat.generation(body, submitted, j, response_id, arrival, index=i * body.n + j, after_prompt=True)
             for i, submitted in enumerate(done)

@@ -133,6 +133,19 @@ def test_stop_strings_end_each_choice_on_its_own(server: Server) -> None:
 def test_request_id_names_the_response(server: Server) -> None:
     body = sampled_body(9106, 2, request_id="my-trace-42", max_tokens=2)
     assert post(server, body)["id"] == "chatcmpl-my-trace-42"
+    # the X-Request-Id header over the body's, as vLLM reads them; on completions too
+    chat, completions = f"{server.base_url}/v1/chat/completions", f"{server.base_url}/v1/completions"
+    headed = httpx.post(chat, json=body, headers={"X-Request-Id": "hdr-7"}, timeout=60)
+    assert headed.status_code == 200 and headed.json()["id"] == "chatcmpl-hdr-7"
+    prompt = {"model": "tiny-llava", "prompt": "Hi", "max_tokens": 2, "request_id": "b-1"}
+    assert httpx.post(completions, json=prompt, timeout=60).json()["id"] == "cmpl-b-1"
+    headed = httpx.post(completions, json=prompt, headers={"X-Request-Id": "hdr-8"}, timeout=60)
+    assert headed.json()["id"] == "cmpl-hdr-8"
+    sent = server.metrics()["mmserve_engine_requests_sent_total"]
+    for url, sent_body in ((chat, body), (completions, prompt)):
+        refused = httpx.post(url, json=sent_body, headers={"X-Request-Id": "x" * 129}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "x-request-id"
+    assert server.metrics()["mmserve_engine_requests_sent_total"] == sent  # refused before any work
 
 
 LEAK_TOKENS = 3000  # a choice the client left that ran on would take about 3 s (idle)
