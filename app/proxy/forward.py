@@ -32,7 +32,7 @@ MEDIA_PART_TYPES = ("image_url", "video_url")  # {"type": t, t: {"url": str, ...
 # encoder requests of one client request open at once: a request of a thousand images (which the LM
 # refuses past its --limit-mm-per-prompt) does not open a thousand connections
 MAX_OPEN_ENCODES = 8
-FORWARDED_REQUEST_HEADERS = ("authorization", "content-type")
+FORWARDED_REQUEST_HEADERS = ("authorization", "content-type", "x-request-id")
 RELAYED_RESPONSE_HEADERS = ("content-type", "retry-after", "www-authenticate", "x-mmserve-api-process")
 
 
@@ -111,7 +111,7 @@ def encoder_body(body: Mapping[str, Any], part: Mapping[str, Any]) -> dict[str, 
 
 
 def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The client headers an upstream needs: its API key and the body's content type."""
+    """The client headers an upstream needs: its API key, the body's content type, the request's id."""
     return {name: headers[name] for name in FORWARDED_REQUEST_HEADERS if name in headers}
 
 

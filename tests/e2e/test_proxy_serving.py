@@ -145,6 +145,13 @@ def test_a_completion_goes_to_an_lm_alone(proxy: Server, encoder: Server, lm: Se
     assert proxied.status_code == direct.status_code == 200, proxied.text
     assert proxied.json()["choices"] == direct.json()["choices"]
     assert delta(before, encoder.metrics(), "mmserve_prompt_tokens_total") == 0
+    named = httpx.post(
+        f"{proxy.base_url}/v1/completions",
+        json=body,
+        headers={**AUTH, "X-Request-Id": "via-proxy"},
+        timeout=60,
+    )
+    assert named.json()["id"] == "cmpl-via-proxy"  # the header reaches the LM
 
 
 def test_the_clients_key_reaches_encoder_and_lm(proxy: Server, encoder: Server) -> None:

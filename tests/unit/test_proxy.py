@@ -91,9 +91,15 @@ def test_round_robin_cycles_in_order_and_drops_trailing_slashes() -> None:
     assert [urls.next() for _ in range(7)] == ["http://a", "http://b", "http://c"] * 2 + ["http://a"]
 
 
-def test_only_auth_and_content_type_are_forwarded() -> None:
-    headers = httpx.Headers({"Authorization": "Bearer k", "Content-Type": "application/json", "Cookie": "c"})
-    assert forwarded_headers(headers) == {"authorization": "Bearer k", "content-type": "application/json"}
+def test_only_auth_content_type_and_request_id_are_forwarded() -> None:
+    headers = httpx.Headers(
+        {"Authorization": "Bearer k", "Content-Type": "application/json", "Cookie": "c", "X-Request-Id": "r"}
+    )
+    assert forwarded_headers(headers) == {
+        "authorization": "Bearer k",
+        "content-type": "application/json",
+        "x-request-id": "r",
+    }
 
 
 @pytest.mark.parametrize(
