@@ -8,6 +8,13 @@
 The connection goes to the address that was checked, never to a second DNS answer (no rebinding). The
 whole fetch, redirects and a slow drip included, has one deadline (``timeout_s``); the body is counted
 while it streams, against the image's cap and the request's shared ``RequestImageBudget``.
+
+The fetch runs in a task of its own that is never cancelled: httpcore (1.0.9, its issue #1093) leaves a
+connection cancelled before it was established in its pool for good, and enough of them (URLs that never
+answer, fetches cancelled when a sibling failed) fill the pool, after which every fetch of the process
+times out. At the deadline, or when the request is cancelled, the caller goes on at once and the task is
+told to stop: it ends at its next chunk, or by httpx's own timeouts (``timeout_s`` a step), and its
+connection goes back to the pool or is closed as httpx does after any error.
 """
 
 from __future__ import annotations
@@ -82,9 +89,11 @@ class MediaFetcher:
     ) -> bytes:
         """The body behind an http(s) URL, after every hop passed the policy; a ``MediaError`` else."""
         timeout_s = self.policy.timeout_s
+        stop = asyncio.Event()
+        fetching = asyncio.ensure_future(self._follow(url, param, budget, kind, stop))
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._follow(url, param, budget, kind)
+                return await asyncio.shield(fetching)
         except MediaError:
             raise
         except TimeoutError as exc:
@@ -93,6 +102,10 @@ class MediaFetcher:
         except (httpx.HTTPError, httpx.InvalidURL, httpx.StreamError, OSError, ValueError) as exc:
             message = f"Fetching {kind} {url!r} failed: {type(exc).__name__}: {exc}"
             raise fetch_failed(message, param, kind) from exc
+        finally:
+            if not fetching.done():  # (the deadline, or the request cancelled): it stops by itself
+                stop.set()
+                fetching.add_done_callback(_retrieved)
 
     async def read_file(
         self,
@@ -114,8 +127,9 @@ class MediaFetcher:
         return data
 
     async def _follow(
-        self, url: str, param: str, budget: RequestImageBudget | None, kind: MediaKind
+        self, url: str, param: str, budget: RequestImageBudget | None, kind: MediaKind, stop: asyncio.Event
     ) -> bytes:
+        """The fetch, hop by hop; it ends with ``FetchAbandoned`` at its next step once ``stop`` is set."""
         policy = self.policy
         num_redirects = 0
         while True:
@@ -123,11 +137,13 @@ class MediaFetcher:
             addresses = [target.ip] if target.ip is not None else await self._resolve(target, param, kind)
             policy.check_addresses(target, addresses, param=param, kind=kind)
             request = self._request(target, addresses[0])
+            _unless_stopped(stop)
             response = await self.client.send(request, stream=True, follow_redirects=False)
             try:
+                _unless_stopped(stop)
                 location = response.headers.get("location")
                 if response.status_code not in REDIRECT_STATUSES or location is None:
-                    return await self._read_body(response, url, param, budget, kind)
+                    return await self._read_body(response, url, param, budget, kind, stop)
             finally:
                 await response.aclose()
             if num_redirects >= policy.max_redirects:
@@ -174,6 +190,7 @@ class MediaFetcher:
         param: str,
         budget: RequestImageBudget | None,
         kind: MediaKind,
+        stop: asyncio.Event,
     ) -> bytes:
         if not response.is_success:
             message = f"Fetching {kind} {url!r} failed with HTTP status {response.status_code}."
@@ -186,6 +203,7 @@ class MediaFetcher:
         chunks: list[bytes] = []
         num_bytes = 0
         async for raw in response.aiter_raw():
+            _unless_stopped(stop)
             for chunk in _decoded(decoder, raw, max_bytes + 1 - num_bytes, url, param, kind):
                 num_bytes += len(chunk)
                 if num_bytes > max_bytes:
@@ -213,6 +231,21 @@ class MediaFetcher:
         if not data:
             raise MediaError(f"{kind.noun} file is empty.", param=param, code=kind.invalid_code)
         return data
+
+
+class FetchAbandoned(Exception):
+    """A fetch nobody waits for any more stopped (``MediaFetcher.fetch_http``)."""
+
+
+def _unless_stopped(stop: asyncio.Event) -> None:
+    if stop.is_set():
+        raise FetchAbandoned
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """An abandoned fetch's outcome, read so that asyncio does not log it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 def read_regular_file(path: Path, max_bytes: int) -> bytes | None:
