@@ -48,9 +48,9 @@ class MediaError(InvalidRequestError):
     or a format outside the decoded ones), ``unsupported_image_format`` (SVG, HEIC/HEIF, AVIF).
 
     Video codes (``app.media.video``): ``invalid_video`` (not a video, or bytes FFmpeg cannot read or
-    decode), ``video_is_an_image`` (PNG, JPEG, GIF, BMP, TIFF, still WebP, HEIF/AVIF sent as a video),
-    ``unsupported_video_format`` (a container other than MP4/MOV and WebM/Matroska: AVI, FLV, MPEG-TS,
-    animated WebP...), ``unsupported_video_codec`` (other than H.264, HEVC, VP8, VP9, AV1, or not
+    decode), ``video_is_an_image`` (PNG, JPEG, GIF, BMP, TIFF, WebP, HEIF/AVIF sent as a video, animated
+    or not), ``unsupported_video_format`` (a container other than MP4/MOV and WebM/Matroska: AVI, FLV,
+    MPEG-TS...), ``unsupported_video_codec`` (other than H.264, HEVC, VP8, VP9, AV1, or not
     decodable here), ``video_stream_missing`` (audio only), ``video_empty`` (no frames),
     ``video_dimensions_too_large`` (frame pixels over the limit), ``video_too_long`` (frames or duration
     over the limits), ``video_variable_frame_rate``, ``video_rotated`` (a display matrix that rotates or

@@ -62,9 +62,9 @@ def sniff_container(data: bytes, *, param: str) -> ContainerFamily:
             raise _image(param, "a HEIF/AVIF image")
         return ContainerFamily.MP4
     if data.startswith(b"RIFF") and data[8:12] == b"WEBP":
-        # VP8X's flags byte has the animation bit (0x02); a still WebP is an image.
+        # VP8X's flags byte has the animation bit (0x02): an animated image, as an animated GIF is
         if data[12:16] == b"VP8X" and len(data) > 20 and data[20] & 0x02:
-            raise _unsupported(param, "Animated WebP")
+            raise _image(param, "an animated WebP image")
         raise _image(param, "a WebP image")
     if data.startswith(_IMAGE_MAGIC):
         raise _image(param, "an image")
