@@ -264,10 +264,36 @@ def _decoder(encoding: str, url: str, param: str, kind: MediaKind) -> Any:
     name = encoding.strip().lower()
     if name in ("", "identity"):
         return None
-    if name in ("gzip", "x-gzip", "deflate"):
-        return zlib.decompressobj(zlib.MAX_WBITS | (16 if name != "deflate" else 0))
+    if name in ("gzip", "x-gzip"):
+        return zlib.decompressobj(zlib.MAX_WBITS | 16)
+    if name == "deflate":
+        return _Deflate()
     message = f"{kind.noun} at {url!r} was sent with Content-Encoding {encoding!r} (gzip, deflate are read)."
     raise fetch_failed(message, param, kind)
+
+
+class _Deflate:
+    """``deflate`` as curl and browsers read it: zlib-wrapped (as HTTP defines it) or raw deflate (as some
+    servers send it), told apart by a zlib header's first two bytes."""
+
+    def __init__(self) -> None:
+        self._inner: Any = None
+        self._head = b""
+
+    @property
+    def unconsumed_tail(self) -> bytes:
+        return b"" if self._inner is None else bytes(self._inner.unconsumed_tail)
+
+    def decompress(self, data: bytes, max_length: int) -> bytes:
+        if self._inner is None:
+            self._head += data
+            if len(self._head) < 2:
+                return b""
+            first, second = self._head[0], self._head[1]
+            wrapped = first & 0x0F == 8 and ((first << 8) | second) % 31 == 0  # (RFC 1950's check)
+            self._inner = zlib.decompressobj(zlib.MAX_WBITS if wrapped else -zlib.MAX_WBITS)
+            data, self._head = self._head, b""
+        return bytes(self._inner.decompress(data, max_length))
 
 
 def _decoded(decoder: Any, raw: bytes, room: int, url: str, param: str, kind: MediaKind) -> Iterator[bytes]:

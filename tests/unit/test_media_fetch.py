@@ -236,11 +236,12 @@ def encoded(body: bytes, encoding: str) -> Callable[[httpx.Request], httpx.Respo
 def test_a_body_sent_compressed_is_read_decompressed_within_the_cap() -> None:
     """Asked for ``identity``, a store may still send what it holds gzip-encoded: it is decoded, and a
     small body that would decompress past the cap stops there."""
-    deflated = zlib.compressobj(wbits=zlib.MAX_WBITS)
+    deflated, raw = zlib.compressobj(wbits=zlib.MAX_WBITS), zlib.compressobj(wbits=-zlib.MAX_WBITS)
     network = Recorder(
         {
             "/gz": encoded(gzip.compress(BODY), "gzip"),
             "/deflate": encoded(deflated.compress(BODY) + deflated.flush(), "deflate"),
+            "/raw-deflate": encoded(raw.compress(BODY) + raw.flush(), "deflate"),  # (no zlib header)
             "/bomb": encoded(gzip.compress(bytes(50 << 20)), "gzip"),  # 50 MiB of zeros in ~50 KB
             "/br": encoded(b"\x0b\x02\x80hi\x03", "br"),
             "/broken": encoded(b"not gzip at all", "gzip"),
@@ -249,6 +250,7 @@ def test_a_body_sent_compressed_is_read_decompressed_within_the_cap() -> None:
     dns = FakeDNS(images_test=[PUBLIC])
     assert fetch("http://images.test/gz", dns, network) == BODY
     assert fetch("http://images.test/deflate", dns, network) == BODY
+    assert fetch("http://images.test/raw-deflate", dns, network) == BODY
     small = MediaPolicy(max_image_bytes=1 << 20)
     assert fetch_error("http://images.test/bomb", dns, network, policy=small).code == "image_too_large"
     assert "Content-Encoding 'br'" in fetch_error("http://images.test/br", dns, network).message
