@@ -123,9 +123,14 @@ _PART_MODELS: dict[str, type[BaseModel]] = {
 
 
 def _validate_part(part: Any) -> Any:
-    """Dispatch on ``type`` so that errors carry the part's own path, not a union label."""
+    """Dispatch on ``type`` so that errors carry the part's own path, not a union label. vLLM's short
+    media part, a bare URL without ``type`` (``{"image_url": "https://..."}``), is read as the full one."""
     if isinstance(part, BaseModel):
         return part
+    if isinstance(part, dict) and "type" not in part and len(part) == 1:
+        [(key, value)] = part.items()
+        if key in ("image_url", "video_url") and isinstance(value, str):
+            part = {"type": key, key: {"url": value}}
     part_type = part.get("type") if isinstance(part, dict) else None
     if isinstance(part_type, str) and part_type in _PART_MODELS:
         return _PART_MODELS[part_type].model_validate(part)

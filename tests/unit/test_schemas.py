@@ -110,6 +110,19 @@ def test_top_k_off_is_kept(top_k: int) -> None:
     assert request(top_k=top_k).top_k == top_k
 
 
+def test_vllms_short_media_parts_are_the_full_ones() -> None:
+    """A bare URL under ``image_url`` or ``video_url`` and no ``type``, as vLLM takes it."""
+    short = [{"image_url": IMAGE}, {"video_url": "https://example.com/a.mp4"}]
+    full = [
+        {"type": "image_url", "image_url": {"url": IMAGE}},
+        {"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}},
+    ]
+    as_short, as_full = (request(messages=[{"role": "user", "content": parts}]) for parts in (short, full))
+    assert as_short == as_full
+    with pytest.raises(ValidationError):  # (an object is the full form's: it needs its type)
+        request(messages=[{"role": "user", "content": [{"image_url": {"url": IMAGE}}]}])
+
+
 @pytest.mark.parametrize(
     "fields",
     [
