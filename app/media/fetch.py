@@ -34,7 +34,7 @@ import httpx
 
 from app.errors import MediaError
 from app.media.kinds import MediaKind
-from app.media.url_policy import IPAddress, MediaPolicy, Target
+from app.media.url_policy import IPAddress, MediaPolicy, Target, forbidden
 
 # async resolve(host, port) -> every address the name has; tests inject a fake one.
 Resolver = Callable[[str, int], Awaitable[list[IPAddress]]]
@@ -138,7 +138,11 @@ class MediaFetcher:
             policy.check_addresses(target, addresses, param=param, kind=kind)
             request = self._request(target, addresses[0])
             _unless_stopped(stop)
-            response = await self.client.send(request, stream=True, follow_redirects=False)
+            try:
+                response = await self.client.send(request, stream=True, follow_redirects=False)
+            except httpx.InvalidURL as exc:  # (httpx reads a redirect's Location even when not following it)
+                message = f"{kind.noun} URL {url!r} redirected to a URL that is not http(s) ({exc})."
+                raise forbidden(message, param, kind) from exc
             try:
                 _unless_stopped(stop)
                 location = response.headers.get("location")

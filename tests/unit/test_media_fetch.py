@@ -171,6 +171,8 @@ def test_an_answer_that_changes_between_hops_is_checked_again() -> None:
         "http://internal.test/x.png",
         "file:///etc/passwd",
         "ftp://images.test/x.png",
+        "data:image/png;base64,AAAA",  # (no "//": httpx itself cannot read it as a URL)
+        "mailto:someone@images.test",
     ],
 )
 def test_a_redirect_to_a_refused_url_is_refused(location: str, tmp_path: Path) -> None:
