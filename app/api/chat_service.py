@@ -80,10 +80,10 @@ class ChatService:
             self.generation(body, submitted, index, response_id, arrival)
             for index in range(len(submitted.choices))
         ]
+        answer_or_calls = answers_or_calls(spec.constraint)  # (once: it decodes the constraint's spec)
         for gen in gens:
-            gen.parse_tool_calls = body.parses_tool_calls
-            gen.answer_or_calls = answers_or_calls(spec.constraint)
-        outputs = ChoiceOutputs(gens, submitted, self.engine, self.metrics)
+            gen.parse_tool_calls, gen.answer_or_calls = body.parses_tool_calls, answer_or_calls
+        outputs = ChoiceOutputs(gens, submitted.choices, self.engine, self.metrics)
         if body.stream:
             return StreamingResponse(
                 self._stream(

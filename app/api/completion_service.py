@@ -21,12 +21,13 @@ from app.api.error_handlers import sse_error_event
 from app.api.outputs import ChoiceOutputs
 from app.api.request_guards import request_tenant
 from app.api.responses import sse
+from app.api.sampling import reword_length_error
 from app.errors import InvalidRequestError, MMServeError
 from app.inputs.raw_prompts import RawPrompt
 from app.inputs.submission import RequestSpec, Submitted, submit, submit_together
 from workers.families.processing import TemplateOptions
 
-# a context or KV length error's words for chat's messages (app/api/sampling.py, engine/admission.py)
+# a length error's words for the prompt, where chat's speak of messages (app/api/sampling.py)
 _PROMPT_WORDS = (
     ("the messages are", "the prompt is"),
     ("in the messages", "in the prompt"),
@@ -62,8 +63,7 @@ class CompletionService:
             for j in range(body.n)
         ]
         echoed = [self._text(prompt, body.skip_special_tokens) if body.echo else "" for prompt in prompts]
-        # (ChoiceOutputs reads the choices alone: each Generation has its own prompt's count)
-        every_choice = Submitted(0, [choice for submitted in done for choice in submitted.choices])
+        every_choice = [choice for submitted in done for choice in submitted.choices]
         outputs = ChoiceOutputs(gens, every_choice, chat.engine, chat.metrics)
         if body.stream:
             return StreamingResponse(
@@ -109,9 +109,7 @@ class CompletionService:
             assert spec.raw_prompt is not None
             if exc.param == "messages" or exc.code == "kv_cache_exceeded":  # (the engine's names none)
                 exc.param = spec.raw_prompt.param
-            if exc.code in ("context_length_exceeded", "kv_cache_exceeded"):
-                for chat_words, words in _PROMPT_WORDS:
-                    exc.message = exc.message.replace(chat_words, words)
+            reword_length_error(exc, _PROMPT_WORDS)
             raise
 
     def _text(self, prompt: Prompt, skip_special_tokens: bool) -> str:

@@ -22,7 +22,7 @@ from app.api.disconnect import unless_client_leaves
 from app.api.tool_calls import ParsedOutput, ToolCallStreamer, parse_tool_calls
 from app.errors import EngineUnavailableError
 from app.inputs.engine_client import EngineClient, EngineGone
-from app.inputs.submission import OutputQueue, Submitted, error_from_engine
+from app.inputs.submission import OutputQueue, SubmittedChoice, error_from_engine
 from app.metrics import ApiMetrics
 from wire.protocol import FinishReason, RequestOutput, TokenLogprobs
 
@@ -89,12 +89,16 @@ class ChoiceOutputs:
     ``deltas`` is called once; ``release`` always, last (it aborts the choices not finished)."""
 
     def __init__(
-        self, gens: list[Generation], submitted: Submitted, engine: EngineClient, metrics: ApiMetrics
+        self,
+        gens: list[Generation],
+        choices: list[SubmittedChoice],
+        engine: EngineClient,
+        metrics: ApiMetrics,
     ) -> None:
         self.gens = gens
         self.engine = engine
         self.metrics = metrics
-        self._outputs = [request_outputs(c.first, c.queue) for c in submitted.choices]
+        self._outputs = [request_outputs(c.first, c.queue) for c in choices]
 
     def release(self) -> None:
         for gen in self.gens:

@@ -35,6 +35,7 @@ from app.api.responses_api_schemas import (
     NamedFunction,
     ResponsesRequest,
 )
+from app.api.sampling import reword_length_error
 from app.api.schemas import ChatCompletionRequest
 from app.errors import InvalidRequestError, MMServeError
 
@@ -55,7 +56,7 @@ _CHAT_PATH = re.compile(
     r"(?:\.\w+|\[\d+\])*"
 )
 _ROOT = re.compile(r"[.\[]")  # where a path's first name ends
-# a context or KV length error's words for chat's fields (app/api/sampling.py, engine/admission.py)
+# a length error's words for the input and the output, where chat's speak of messages and a completion
 _CONTEXT_WORDS = (
     ("the messages are", "the input is"),
     ("in the messages", "in the input"),
@@ -104,9 +105,7 @@ class ResponsesParams:
         """``exc``, raised by the chat request's checks, naming the Responses fields instead."""
         exc.param = None if exc.param is None else self.name(exc.param)
         exc.message = _CHAT_PATH.sub(lambda found: self.name(found.group()), exc.message)
-        if exc.code in ("context_length_exceeded", "kv_cache_exceeded"):
-            for chat_words, words in _CONTEXT_WORDS:
-                exc.message = exc.message.replace(chat_words, words)
+        reword_length_error(exc, _CONTEXT_WORDS)
         return exc
 
 

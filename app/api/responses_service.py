@@ -99,7 +99,7 @@ class ResponsesService:
         submission = await self._submit(body, history, raw)
         gen = self._generation(response_id, arrival, submission)
         turn = await self._turn(body, history, tenant, gen)
-        outputs = ChoiceOutputs([gen], submission.submitted, self.chat.engine, self.chat.metrics)
+        outputs = ChoiceOutputs([gen], submission.submitted.choices, self.chat.engine, self.chat.metrics)
         if body.stream:
             return StreamingResponse(self._stream(turn, outputs), media_type="text/event-stream")
         await outputs.collect_while_connected(raw)
@@ -326,7 +326,7 @@ class ResponsesService:
                     delay = min(2 * delay, RESUBMIT_MAX_DELAY_S)
             gen = self._generation(turn.gen.response_id, turn.gen.arrival, submission)
             turn = dataclasses.replace(turn, gen=gen)
-            outputs = ChoiceOutputs([gen], submission.submitted, self.chat.engine, self.chat.metrics)
+            outputs = ChoiceOutputs([gen], submission.submitted.choices, self.chat.engine, self.chat.metrics)
             await asyncio.to_thread(self.store.set_status, *key, "in_progress")
             if turn.body.stream:
                 async with contextlib.aclosing(self._events(turn, outputs, events)) as stream:

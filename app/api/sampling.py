@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from app.api.sampling_schemas import SamplingRequest
-from app.errors import ContextLengthError, InvalidRequestError
+from app.errors import ContextLengthError, InvalidRequestError, MMServeError
 from wire.protocol import INT64_MAX, INT64_MIN, SamplingParams
 
 log = logging.getLogger("mmserve.api")
@@ -163,3 +163,15 @@ def _check_vocab(param: str, token_ids: Any, vocab_size: int) -> None:
             param=param,
             code="invalid_value",
         )
+
+
+LENGTH_ERROR_CODES = ("context_length_exceeded", "kv_cache_exceeded")
+
+
+def reword_length_error(exc: MMServeError, words: tuple[tuple[str, str], ...]) -> None:
+    """A context or KV length error (its message in chat's words: ``sampling_params`` above and
+    engine/admission.py speak of messages and a completion) in another endpoint's ``words``, each pair
+    (chat's, its own); any other error is left as it is."""
+    if exc.code in LENGTH_ERROR_CODES:
+        for chat_words, own in words:
+            exc.message = exc.message.replace(chat_words, own)
