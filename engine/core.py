@@ -381,7 +381,7 @@ class EngineCore:
             return dict(outputs)
         try:
             runner_output = self.executor.wait(plan.step_id)
-            check_runner_output(plan, runner_output)
+            check_runner_output(plan, runner_output, self.scheduler.requests)
         except WorkerLost:
             raise
         except BadMessage as bad:
@@ -401,6 +401,7 @@ class EngineCore:
             if token_ids:
                 self.metrics.record_tokens(request)
             entry = logprobs.get(req_id)
+            first = bool(token_ids) and len(token_ids) == len(request.output_token_ids)
             outputs[request.client].append(
                 RequestOutput(
                     req_id=req_id,
@@ -410,6 +411,7 @@ class EngineCore:
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     error=request.error,
+                    prompt_logprobs=request.prompt_logprobs if first else None,
                 )
             )
         return dict(outputs)

@@ -7,7 +7,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from wire.protocol import ErrorInfo, FinishReason, MMFeature, SamplingParams, ShmItemRef
+from wire.protocol import (
+    ErrorInfo,
+    FinishReason,
+    MMFeature,
+    PromptLogprobs,
+    SamplingParams,
+    ShmItemRef,
+    TokenLogprobs,
+)
 
 
 class OutputGrammar(Protocol):
@@ -96,8 +104,12 @@ class Request:
     # mm_hash -> end of its last placement: an image may appear several times in one prompt, and its
     # encoder output is needed until the last of them is computed
     mm_last_end: dict[str, int] = field(init=False)
+    # where it asked for them (``sampling.num_prompt_logprobs``): its prompt tokens' logprobs so far,
+    # from the second token on (the worker's runs, each kept once: a resumed request recomputes them)
+    prompt_logprobs: list[TokenLogprobs] | None = field(init=False)
 
     def __post_init__(self) -> None:
+        self.prompt_logprobs = [] if self.sampling.num_prompt_logprobs is not None else None
         self.mm_last_end = {}
         for f in self.mm_features:
             self.mm_last_end[f.mm_hash] = max(self.mm_last_end.get(f.mm_hash, 0), f.end)
@@ -113,6 +125,26 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def follows_on(self, run: PromptLogprobs) -> bool:
+        """Whether ``run`` is prompt logprobs this request asked for that leave no gap after those it
+        has (a resumed request's come again) and stay within its prompt."""
+        have = self.prompt_logprobs
+        return (
+            have is not None
+            and run.first <= len(have) + 1
+            and run.first + len(run.entries) <= self.num_prompt_tokens
+        )
+
+    def add_prompt_logprobs(self, run: PromptLogprobs) -> None:
+        """Keeps what a run that ``follows_on`` adds to the prompt logprobs so far."""
+        assert self.prompt_logprobs is not None
+        self.prompt_logprobs += run.entries[len(self.prompt_logprobs) + 1 - run.first :]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt is computed whole, never read from the prefix cache: logprobs need its logits."""
+        return self.prompt_logprobs is not None
 
     @property
     def is_finished(self) -> bool:

@@ -199,7 +199,10 @@ class Scheduler:
         ):
             # the first in line that is not waiting for its grammar (those keep their places)
             request = next(r for r in self.waiting if not r.awaits_grammar)
-            computed_blocks, num_computed = self.kv_cache.get_computed_blocks(request)
+            # (one that wants prompt logprobs computes it whole: docs/architecture.md, "Prompt logprobs")
+            computed_blocks, num_computed = (
+                self.kv_cache.get_computed_blocks(request) if not request.wants_prompt_logprobs else ([], 0)
+            )
             request.num_computed_tokens = num_computed  # the prefix-cache hits, if it starts now
             wanted = min(request.num_tokens - num_computed, token_budget)
             num_tokens = 0
@@ -331,6 +334,10 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is not None and not request.is_finished:
                 request.num_pending_outputs -= 1
+        for req_id, run in output.prompt_logprobs.items():
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished:
+                request.add_prompt_logprobs(run)  # (check_runner_output checked that it follows on)
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids, strict=True):
             request = self.requests.get(req_id)
             if request is None or request.is_finished:

@@ -4,10 +4,10 @@ grammar bitmask), the check of the worker's reply, and the engine's item for a r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from engine.kv_cache_manager import KVCacheManager
-from engine.request import MMItem
+from engine.request import MMItem, Request
 from engine.step_plan import StepPlan
 from engine.structured.grammar import RequestGrammar, stack_rows
 from wire.bad_messages import BadMessage
@@ -39,9 +39,11 @@ def item_from_wire(feature: MMFeature, frames: Sequence[memoryview]) -> MMItem |
     )
 
 
-def check_runner_output(plan: StepPlan, output: RunnerOutput) -> None:
+def check_runner_output(plan: StepPlan, output: RunnerOutput, requests: Mapping[str, Request]) -> None:
     """A reply the engine can take for ``plan``: one sampled token, with its logprobs entry, per request
-    of the step at most. ``BadMessage`` otherwise (the step fails, as one the worker failed)."""
+    of the step at most, and prompt logprobs only for prompt tokens the step computed, which follow on
+    from those its request (one of ``requests``, while it runs) has. ``BadMessage`` otherwise (the step
+    fails, as one the worker failed)."""
     if not len(output.req_ids) == len(output.sampled_token_ids) == len(output.logprobs):
         raise BadMessage("reply lengths differ", f"step {plan.step_id}")
     scheduled = plan.num_scheduled_tokens
@@ -49,6 +51,12 @@ def check_runner_output(plan: StepPlan, output: RunnerOutput) -> None:
         raise BadMessage("reply names a request not in the step", f"step {plan.step_id}")
     if any(token_id < 0 for token_id in output.sampled_token_ids):
         raise BadMessage("negative token id", f"step {plan.step_id}")
+    for req_id, run in output.prompt_logprobs.items():
+        request = requests.get(req_id)
+        if req_id not in scheduled or len(run.entries) > scheduled[req_id]:
+            raise BadMessage("prompt logprobs the step did not compute", f"step {plan.step_id}")
+        if request is not None and not request.follows_on(run):
+            raise BadMessage(f"prompt logprobs of {req_id!r} do not follow on", f"step {plan.step_id}")
 
 
 def to_scheduler_output(

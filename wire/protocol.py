@@ -82,6 +82,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: tuple[TokenId, ...] = ()
     # None: no logprobs at all; 0: only the sampled token's
     num_top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # None: none; k: each prompt token's after the first, with its position's k most likely tokens
+    # (the engine then computes the whole prompt, without prefix-cache hits)
+    num_prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # penalties and biases, as vLLM applies them (workers/sampler.py); the defaults are off
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # x count of the id in the output
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0  # once if the id is in the output
@@ -235,6 +238,14 @@ class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
     top: list[Logprob]
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """A run of a prompt's logprobs: ``entries[i]`` is for prompt token ``first + i`` (its ``sampled``
+    is that token), given the tokens before it. The first prompt token has none (``first`` >= 1)."""
+
+    first: PosInt
+    entries: list[TokenLogprobs]
+
+
 class ErrorInfo(msgspec.Struct, frozen=True):
     message: str
     code: str  # OpenAI error code, e.g. "context_length_exceeded"
@@ -248,6 +259,8 @@ class RequestOutput(msgspec.Struct, frozen=True):
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
+    # with the first output token, where the request asked for them: prompt tokens 1, 2, ...'s
+    prompt_logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     error: ErrorInfo | None = None
 
@@ -423,6 +436,8 @@ class RunnerOutput(msgspec.Struct, frozen=True, tag="runner"):
     step_seconds: float = 0.0  # the worker's whole time on the step, from receiving it to replying
     ec_stats: ECStepStats | None = None
     num_bad_messages: int = 0  # messages from the engine this worker dropped so far (all steps)
+    # the prompt logprobs this step computed, per request that asked (a run of its prompt's tokens)
+    prompt_logprobs: dict[str, PromptLogprobs] = {}
 
 
 UNDECODABLE_STEP_ID = -1  # WorkerError.step_id when frame 0 was not a valid WorkerInbound message

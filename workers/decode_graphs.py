@@ -37,6 +37,7 @@ from workers.attention.triton_decode import triton_available
 from workers.fused_decode import FusedDecoder, fusable, merge_projections
 from workers.host_copies import to_device
 from workers.paged_lm import Deepstack, PagedLanguageModel
+from workers.prompt_logprobs import PromptLogprobRows
 
 logger = logging.getLogger(__name__)
 
@@ -123,10 +124,12 @@ class DecodeGraphs:
         spans: list[SeqSpan],
         logits_rows: list[int],
         deepstack: Deepstack | None = None,
+        prompt_logprobs: PromptLogprobRows | None = None,
     ) -> torch.Tensor:
-        shape = self._shape_for(spans, position_ids.shape[0]) if deepstack is None else None
+        eager = deepstack is not None or (prompt_logprobs is not None and bool(prompt_logprobs.rows))
+        shape = None if eager else self._shape_for(spans, position_ids.shape[0])
         if shape is None:
-            return self.model(inputs_embeds, position_ids, spans, logits_rows, deepstack)
+            return self.model(inputs_embeds, position_ids, spans, logits_rows, deepstack, prompt_logprobs)
         logits = self._replay(shape, inputs_embeds, position_ids, spans)
         if logits_rows == list(range(len(spans))):
             return logits

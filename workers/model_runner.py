@@ -47,6 +47,7 @@ from workers.families import family_for
 from workers.frames import Buffer, tensor_from_frame, tensors_from_shm
 from workers.kv_pool import KVPool, kv_bytes_per_token, plan_num_kv_blocks
 from workers.paged_lm import PagedLanguageModel
+from workers.prompt_logprobs import PromptLogprobRows
 from workers.runner_requests import (
     Pool,
     RequestState,
@@ -77,6 +78,7 @@ class LaunchedStep:
     rows: list[SamplingRow] = field(default_factory=list)
     logits: torch.Tensor | None = None
     sampled: Sampled | None = None
+    prompt_logprobs: PromptLogprobRows = field(default_factory=PromptLogprobRows)
 
 
 class EncoderOutputUnavailable(RuntimeError):
@@ -269,6 +271,7 @@ class ModelRunner:
             forward_seconds=step.forward_seconds + elapsed,
             step_seconds=step.seconds + elapsed,
             ec_stats=self.ec_connector.take_stats() if self.ec_connector is not None else None,
+            prompt_logprobs=step.prompt_logprobs.to_host(),
         )
 
     def forget_pending(self) -> None:
@@ -367,6 +370,11 @@ class ModelRunner:
         for span in spans:
             req = self.requests[span.req_id]
             num_computed = span.num_past_tokens + span.num_new_tokens
+            num_top = req.sampling.num_prompt_logprobs
+            if num_top is not None:  # its positions that predict a prompt token: all but the prompt's last
+                first = span.num_past_tokens + 1
+                targets = req.token_ids[first : min(num_computed + 1, req.num_prompt_tokens)]
+                step.prompt_logprobs.add(span.req_id, len(token_ids), first, targets, num_top)
             token_ids.extend(req.token_ids[span.num_past_tokens : num_computed])
             if num_computed > len(req.token_ids):  # its last: sampled by the step before, on the device
                 assert req.pending is not None  # (step_spans counted it)
@@ -388,7 +396,9 @@ class ModelRunner:
             self.embed_tokens, token_ids, spans, self.requests, self.encoder_store, self.device, pending
         )
         assert self.lm_forward is not None  # (launch runs the LM only where there is one)
-        step.logits = self.lm_forward(embeds, _step_positions(positions), spans, logits_rows, deepstack)
+        step.logits = self.lm_forward(
+            embeds, _step_positions(positions), spans, logits_rows, deepstack, step.prompt_logprobs
+        )
         if not set(allowed) <= set(step.req_ids):
             raise StepError(
                 "grammar bitmask rows for requests that do not sample: "

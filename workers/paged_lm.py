@@ -19,6 +19,7 @@ from workers.attention import AttentionBackend, SeqSpan, StepAttention
 from workers.host_copies import to_device
 from workers.kv_pool import KVPool
 from workers.paged_attention import PAGED_ATTENTION, register_paged_attention
+from workers.prompt_logprobs import PromptLogprobRows
 
 
 @dataclass(frozen=True)
@@ -68,14 +69,18 @@ class PagedLanguageModel:
         spans: list[SeqSpan],
         logits_rows: list[int],
         deepstack: Deepstack | None = None,
+        prompt_logprobs: PromptLogprobRows | None = None,
     ) -> torch.Tensor:
         """Forward ``inputs_embeds`` ([num_tokens, hidden], ordered as ``spans``) at ``position_ids``
         ([rows, num_tokens]: one row, or M-RoPE's three), writing the new K/V into the pool; return
-        float32 logits of the rows ``logits_rows`` ([len(logits_rows), vocab])."""
+        float32 logits of the rows ``logits_rows`` ([len(logits_rows), vocab]). ``prompt_logprobs``:
+        prompt positions whose logprobs the step computes too, from the same hidden states."""
         device = inputs_embeds.device
         assert inputs_embeds.shape[0] == sum(span.num_new_tokens for span in spans)
         step = self.attention(self.kv_pool, spans, device)
         hidden = self.decoder(inputs_embeds, position_ids.to(device), step, deepstack)
+        if prompt_logprobs is not None:
+            prompt_logprobs.compute(hidden, self.logits)
         rows = to_device(logits_rows, device, torch.long)
         return self.logits(hidden.index_select(0, rows))
 

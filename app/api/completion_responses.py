@@ -3,23 +3,28 @@ chunks, built from each choice's ``Generation`` (app/api/outputs.py). Choices ar
 prompt (prompt i's choice j is ``i * n + j``); the usage counts each prompt once and every choice's
 tokens. Logprobs take the legacy form: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the sampled
 token and the top alternatives, as vLLM's) and ``text_offset`` (each token's offset in the choice's
-text, the echoed prompt included, counted in characters)."""
+text, the echoed prompt included, counted in characters); with ``echo`` they begin with the prompt's
+tokens, the first of which has none (nothing comes before it)."""
 
 from __future__ import annotations
 
 import codecs
+from collections.abc import Sequence
 from typing import Any
 
-from app.api.outputs import Generation
+from app.api.detokenizer import IncrementalDetokenizer
+from app.api.outputs import Generation, logprob_entries
+from wire.protocol import TokenLogprobs
 
 OBJECT = "text_completion"
 
 
-def usage(gens: list[Generation], n: int) -> dict[str, Any]:
-    """Each prompt's tokens once (its first choice's count), every choice's completion."""
+def usage(gens: list[Generation], n: int, echo_only: bool = False) -> dict[str, Any]:
+    """Each prompt's tokens once (its first choice's count), every choice's completion (none where the
+    answer is the prompt alone)."""
     firsts = gens[::n]
     num_prompt = sum(gen.num_prompt_tokens for gen in firsts)
-    num_completion = sum(len(gen.token_ids) for gen in gens)
+    num_completion = 0 if echo_only else sum(len(gen.token_ids) for gen in gens)
     return {
         "prompt_tokens": num_prompt,
         "completion_tokens": num_completion,
@@ -45,30 +50,69 @@ class LegacyLogprobs:
         return {
             "tokens": [entry["token"] for entry in entries],
             "token_logprobs": [entry["logprob"] for entry in entries],
-            "top_logprobs": [
-                {entry["token"]: entry["logprob"]}
-                | {alt["token"]: alt["logprob"] for alt in entry["top_logprobs"]}
-                for entry in entries
-            ],
+            "top_logprobs": [_top(entry) for entry in entries],
             "text_offset": offsets,
         }
 
 
-def completion(gens: list[Generation], n: int, echoed: list[str]) -> dict[str, Any]:
-    """The whole ``text_completion``; ``echoed``: each prompt's text before its choices' (or "")."""
+def _top(entry: dict[str, Any]) -> dict[str, float]:
+    """A token's ``top_logprobs`` item: itself and its alternatives, by token text."""
+    return {entry["token"]: entry["logprob"]} | {
+        alt["token"]: alt["logprob"] for alt in entry["top_logprobs"]
+    }
+
+
+def prompt_logprobs(
+    prompt_ids: Sequence[int], entries: list[TokenLogprobs], detok: IncrementalDetokenizer, echoed: str
+) -> dict[str, Any]:
+    """An echoed prompt's legacy logprobs: its first token's null, then each token's (``entries``, from
+    the engine) given those before it; each token's ``text_offset`` is where its text begins in the
+    prompt as its ids decode (``detok``, fresh: pushed here), within ``echoed``."""
+    items = logprob_entries(entries, detok)
+    offsets = []
+    length = 0
+    for token_id in prompt_ids:
+        offsets.append(min(length, len(echoed)))
+        length += len(detok.push([token_id]))
+    return {
+        "tokens": [*detok.token_strings(list(prompt_ids[:1])), *(item["token"] for item in items)],
+        "token_logprobs": [None, *(item["logprob"] for item in items)],
+        "top_logprobs": [None, *(_top(item) for item in items)],
+        "text_offset": offsets,
+    }
+
+
+def joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two runs of legacy logprobs as one (the prompt's, then the answer's)."""
+    if first is None or then is None:
+        return then if first is None else first
+    return {key: first[key] + then[key] for key in first}
+
+
+def completion(
+    gens: list[Generation],
+    n: int,
+    echoed: list[str],
+    prompt_pieces: list[dict[str, Any] | None],
+    echo_only: bool = False,
+) -> dict[str, Any]:
+    """The whole ``text_completion``; ``echoed``: each prompt's text before its choices' (or ""), with
+    its logprobs (``prompt_pieces``, None without); ``echo_only``: the answers are left out."""
     choices = []
     for gen in gens:
         prefix = echoed[gen.index // n]
-        logprobs = LegacyLogprobs(len(prefix)).piece(gen.logprobs) if gen.want_logprobs else None
+        logprobs = None
+        if gen.want_logprobs and not echo_only:
+            logprobs = LegacyLogprobs(len(prefix)).piece(gen.logprobs)
         choices.append(
             {
                 "index": gen.index,
-                "text": prefix + gen.text,
-                "logprobs": logprobs,
-                "finish_reason": gen.finish_reason,
+                "text": prefix if echo_only else prefix + gen.text,
+                "logprobs": joined(prompt_pieces[gen.index // n], logprobs),
+                "finish_reason": "length" if echo_only else gen.finish_reason,
             }
         )
-    return envelope(gens[0], choices, usage(gens, n))
+    return envelope(gens[0], choices, usage(gens, n, echo_only))
 
 
 def chunk(

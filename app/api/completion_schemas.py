@@ -34,6 +34,8 @@ Prompt = str | list[int]
 class CompletionRequest(SamplingRequest):
     # (strict: a bool or a float is no token id, nor a count: chat's "logprobs": false is not 0)
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    # 0 with ``echo``: the prompt alone, scored (with ``logprobs``, its tokens' logprobs), as vLLM's
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, strict=True)
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS before a text prompt
@@ -76,6 +78,25 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("a prompt's token ids must be non-negative integers")
         return prompt
 
+    @model_validator(mode="after")
+    def _no_tokens_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            error: InitErrorDetails = {
+                "type": PydanticCustomError(
+                    "no_tokens", "max_tokens must be at least 1 (0 only with echo, to score the prompt)"
+                ),
+                "loc": ("max_tokens",),
+                "input": 0,
+            }
+            raise ValidationError.from_exception_data("CompletionRequest", [error])
+        return self
+
+    @property
+    def echo_only(self) -> bool:
+        """``max_tokens`` 0 with ``echo``: the answer is the prompt alone (the engine samples one token,
+        which is dropped: its prompt logprobs come with its first)."""
+        return self.echo and self.max_tokens == 0 and self.max_completion_tokens is None
+
     @field_validator("suffix", "prompt_embeds", mode="before")
     @classmethod
     def _refused(cls, value: Any, info: Any) -> Any:
@@ -95,10 +116,14 @@ class CompletionRequest(SamplingRequest):
     def effective_max_tokens(self) -> int | None:
         """The max tokens; 16 where left out (OpenAI's default for completions, and vLLM's)."""
         given = super().effective_max_tokens()
-        return DEFAULT_MAX_TOKENS if given is None else given
+        return DEFAULT_MAX_TOKENS if given is None else max(given, 1)  # (0: echo_only)
 
     def num_top_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """With ``echo`` and ``logprobs``: the prompt's too, with as many alternatives."""
+        return self.logprobs if self.echo else None
 
 
 def _token_ids(prompt: Any) -> bool:

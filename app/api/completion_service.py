@@ -9,22 +9,27 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.api.chat_service import ChatService, alone_with_allowed_tokens, client_request_id
-from app.api.completion_responses import LegacyLogprobs, chunk, completion, envelope, usage
+from app.api.completion_responses import LegacyLogprobs, chunk, completion, envelope, prompt_logprobs, usage
 from app.api.completion_schemas import CompletionRequest, Prompt
+from app.api.detokenizer import IncrementalDetokenizer
 from app.api.disconnect import unless_client_leaves
 from app.api.error_handlers import sse_error_event
 from app.api.outputs import ChoiceOutputs
 from app.api.request_guards import request_tenant
 from app.api.responses import sse
 from app.api.sampling import reword_length_error
-from app.errors import InvalidRequestError, MMServeError
+from app.errors import MMServeError
 from app.inputs.raw_prompts import RawPrompt
 from app.inputs.submission import RequestSpec, Submitted, submit, submit_together
+from wire.protocol import SamplingParams
 from workers.families.processing import TemplateOptions
 
 # a length error's words for the prompt, where chat's speak of messages (app/api/sampling.py)
@@ -43,11 +48,6 @@ class CompletionService:
         chat = self.chat
         chat.check_ready(body)
         given = client_request_id(raw, body)
-        if body.echo and body.logprobs is not None:
-            raise InvalidRequestError(
-                "echo with logprobs needs the prompt's logprobs, which are not supported: leave one out",
-                param="echo",
-            )
         arrival = time.time()
         prompts = body.prompts()
         base_id = f"cmpl-{uuid.uuid4().hex}"
@@ -63,14 +63,19 @@ class CompletionService:
             for j in range(body.n)
         ]
         echoed = [self._text(prompt, body.skip_special_tokens) if body.echo else "" for prompt in prompts]
+        pieces = [
+            self._prompt_piece(submitted, text, body) if body.num_prompt_logprobs() is not None else None
+            for submitted, text in zip(done, echoed, strict=True)
+        ]
         every_choice = [choice for submitted in done for choice in submitted.choices]
         outputs = ChoiceOutputs(gens, every_choice, chat.engine, chat.metrics)
+        echo = Echo(echoed, pieces, body.echo_only)
         if body.stream:
             return StreamingResponse(
-                self._stream(outputs, body.n, echoed, body.include_usage), media_type="text/event-stream"
+                self._stream(outputs, body.n, echo, body.include_usage, raw), media_type="text/event-stream"
             )
         await outputs.collect_while_connected(raw)
-        return JSONResponse(completion(gens, body.n, echoed))
+        return JSONResponse(completion(gens, body.n, echoed, pieces, body.echo_only))
 
     def _specs(
         self, body: CompletionRequest, raw: Request, prompts: list[Prompt], base_id: str
@@ -91,7 +96,7 @@ class CompletionService:
                     scope=scope,
                     template=TemplateOptions(),
                     req_ids=[prompt_id, *(f"{prompt_id}-{j}" for j in range(1, body.n))],
-                    sampling=lambda num_prompt_tokens, index: chat.sampling(body, num_prompt_tokens, index),
+                    sampling=lambda num_prompt_tokens, index: self._sampling(body, num_prompt_tokens, index),
                     constraint=constraint.constraint if constraint is not None else None,
                     constraint_param=constraint.param if constraint is not None else None,
                     raw_prompt=RawPrompt(
@@ -100,6 +105,19 @@ class CompletionService:
                 )
             )
         return specs
+
+    def _sampling(self, body: CompletionRequest, num_prompt_tokens: int, index: int) -> SamplingParams:
+        """Chat's; the first choice computes the prompt's logprobs where ``echo`` asks for them (every
+        choice echoes that one's)."""
+        params = self.chat.sampling(body, num_prompt_tokens, index)
+        if index == 0 and body.num_prompt_logprobs() is not None:
+            params = msgspec.structs.replace(params, num_prompt_logprobs=body.num_prompt_logprobs())
+        return params
+
+    def _prompt_piece(self, submitted: Submitted, echoed: str, body: CompletionRequest) -> dict[str, Any]:
+        """The echoed prompt's legacy logprobs."""
+        detok = IncrementalDetokenizer(self.chat.tokenizer, skip_special_tokens=body.skip_special_tokens)
+        return prompt_logprobs(submitted.prompt_token_ids, submitted.prompt_logprobs, detok, echoed)
 
     async def _submit(self, spec: RequestSpec) -> Submitted:
         """``submit``, its errors naming the prompt where chat's would name the messages."""
@@ -119,27 +137,45 @@ class CompletionService:
         return str(self.chat.tokenizer.decode(prompt, skip_special_tokens=skip_special_tokens))
 
     async def _stream(
-        self, outputs: ChoiceOutputs, n: int, echoed: list[str], include_usage: bool
+        self, outputs: ChoiceOutputs, n: int, echo: Echo, include_usage: bool, raw: Request
     ) -> AsyncIterator[str]:
-        """SSE events: each choice's echoed prompt (with ``echo``), then its text as it comes, then the
-        usage (with ``include_usage``)."""
+        """SSE events: each choice's echoed prompt (with ``echo``, and its logprobs), then its text as it
+        comes (none, and ``length``, where the answer is the prompt alone), then the usage (with
+        ``include_usage``)."""
         gens = outputs.gens
         try:
             logprobs = {
-                gen.index: LegacyLogprobs(len(echoed[gen.index // n])) for gen in gens if gen.want_logprobs
+                gen.index: LegacyLogprobs(len(echo.texts[gen.index // n]))
+                for gen in gens
+                if gen.want_logprobs
             }
+            if echo.only:
+                await outputs.collect_while_connected(raw)  # (each choice ran one token, not sent)
             for gen in gens:
-                if echoed[gen.index // n]:
-                    yield sse(chunk(gen, echoed[gen.index // n], include_usage))
-            async for delta in outputs.deltas():
-                gen = gens[delta.index]
-                legacy = logprobs.get(delta.index)
-                piece = legacy.piece(delta.logprobs) if legacy is not None else None
-                yield sse(chunk(gen, delta.text, include_usage, piece, delta.finish_reason))
+                prompt = gen.index // n
+                if echo.texts[prompt] or echo.only:
+                    reason = "length" if echo.only else None
+                    yield sse(chunk(gen, echo.texts[prompt], include_usage, echo.pieces[prompt], reason))
+            if not echo.only:
+                async for delta in outputs.deltas():
+                    gen = gens[delta.index]
+                    legacy = logprobs.get(delta.index)
+                    piece = legacy.piece(delta.logprobs) if legacy is not None else None
+                    yield sse(chunk(gen, delta.text, include_usage, piece, delta.finish_reason))
             if include_usage:
-                yield sse(envelope(gens[0], [], usage(gens, n)))
+                yield sse(envelope(gens[0], [], usage(gens, n, echo.only)))
             yield "data: [DONE]\n\n"
         except MMServeError as exc:
             yield sse_error_event(exc)
         finally:
             outputs.release()
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What a completion echoes of its prompts: each one's text ("" without ``echo``) and its legacy
+    logprobs (None without ``logprobs``); ``only``: the prompts alone, no answer (``max_tokens`` 0)."""
+
+    texts: list[str]
+    pieces: list[dict[str, Any] | None]
+    only: bool

@@ -230,7 +230,10 @@ def merged(out: RequestOutput, following: RequestOutput) -> RequestOutput:
     if out.logprobs is not None or following.logprobs is not None:
         logprobs = [*(out.logprobs or []), *(following.logprobs or [])]
     return msgspec.structs.replace(
-        following, new_token_ids=[*out.new_token_ids, *following.new_token_ids], logprobs=logprobs
+        following,
+        new_token_ids=[*out.new_token_ids, *following.new_token_ids],
+        logprobs=logprobs,
+        prompt_logprobs=out.prompt_logprobs or following.prompt_logprobs,
     )
 
 

@@ -25,7 +25,7 @@ from app.inputs.engine_client import EngineClient, EngineGone
 from app.inputs.input_processor import InputProcessor, PreparedRequest
 from app.inputs.media_ids import CacheScope
 from app.inputs.raw_prompts import RawPrompt, prepare_prompt
-from wire.protocol import Constraint, ErrorInfo, RequestOutput, SamplingParams
+from wire.protocol import Constraint, ErrorInfo, RequestOutput, SamplingParams, TokenLogprobs
 from workers.families.processing import TemplateOptions
 
 MAX_RESENDS = 2
@@ -82,7 +82,17 @@ class SubmittedChoice:
 class Submitted:
     num_prompt_tokens: int
     choices: list[SubmittedChoice]
-    prompt_tail: tuple[int, ...] = ()  # its last ids: what a raw prompt's answer is decoded after
+    prompt_token_ids: tuple[int, ...] = ()
+
+    @property
+    def prompt_tail(self) -> tuple[int, ...]:
+        """The prompt's last ids: what a raw prompt's answer is decoded after."""
+        return self.prompt_token_ids[-PROMPT_TAIL:]
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprobs]:
+        """Its prompt tokens' logprobs from the second on, where its first choice asked for them."""
+        return self.choices[0].first.prompt_logprobs or []
 
 
 async def submit(inputs: InputProcessor, engine: EngineClient, spec: RequestSpec) -> Submitted:
@@ -102,7 +112,7 @@ async def submit(inputs: InputProcessor, engine: EngineClient, spec: RequestSpec
             engine.release(first.req_id, abort=True)
             raise
     inputs.count_uuid_hits(prepared)
-    return Submitted(len(prepared.prompt_token_ids), choices, tuple(prepared.prompt_token_ids[-PROMPT_TAIL:]))
+    return Submitted(len(prepared.prompt_token_ids), choices, tuple(prepared.prompt_token_ids))
 
 
 async def _submit_rest(

@@ -176,7 +176,6 @@ def test_stop_strings_and_structured_outputs_apply(server: Server) -> None:
         ({"prompt": "x", "max_tokens": 4095}, "prompt"),
         ({"prompt": ["x", "y" * 9000], "max_tokens": 8}, "prompt[1]"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "best_of": 2}, "best_of"),
         ({"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}, "messages"),

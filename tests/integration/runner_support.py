@@ -136,8 +136,8 @@ def record_logits(runner: ModelRunner) -> list[torch.Tensor]:
     forward = runner.lm_forward
     assert forward is not None
 
-    def recording(embeds, positions, spans, logits_rows, deepstack=None):
-        logits = forward(embeds, positions, spans, list(range(embeds.shape[0])), deepstack)
+    def recording(embeds, positions, spans, logits_rows, deepstack=None, prompt_logprobs=None):
+        logits = forward(embeds, positions, spans, list(range(embeds.shape[0])), deepstack, prompt_logprobs)
         recorded.append(logits)
         return logits[logits_rows]
 

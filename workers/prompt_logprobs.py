@@ -1,0 +1,83 @@
+"""Prompt logprobs: for a request that asks (``SamplingParams.num_prompt_logprobs``), the logprob of
+each prompt token after the first, given the tokens before it, and that position's most likely tokens
+(docs/api.md, "Completions": ``echo`` with ``logprobs``). They are read from the hidden states of the
+prompt's positions that a step computes anyway (the engine computes such a prompt whole, never from the
+prefix cache: docs/architecture.md, "Prompt logprobs"), a slice of rows at a time, so that a long chunk
+never holds its whole [tokens, vocab] logits at once. Values are ``log_softmax`` of the raw logits, as
+the sampled tokens' logprobs are (workers/sampler.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from wire.protocol import Logprob, PromptLogprobs, TokenLogprobs
+from workers.host_copies import to_device
+
+ROWS_PER_SLICE = 256  # positions whose [vocab] logits exist at once
+
+
+@dataclass(frozen=True)
+class _Run:
+    req_id: str
+    first: int  # the prompt token the run's first entry is for
+    count: int
+    num_top: int
+
+
+@dataclass
+class PromptLogprobRows:
+    """One step's positions whose next prompt token's logprob is asked for, filled while the step's
+    tokens are laid out (``add``), computed on the device after the decoder (``compute``), read back
+    with the step's sampled tokens (``to_host``)."""
+
+    rows: list[int] = field(default_factory=list)  # each position's index among the step's tokens
+    targets: list[int] = field(default_factory=list)  # the prompt token that follows it
+    runs: list[_Run] = field(default_factory=list)
+    _result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def add(self, req_id: str, first_row: int, first: int, targets: list[int], num_top: int) -> None:
+        """Positions ``first_row``, ``first_row + 1``, ... of the step predict prompt tokens ``first``,
+        ``first + 1``, ... (``targets``)."""
+        if targets:
+            self.rows += range(first_row, first_row + len(targets))
+            self.targets += targets
+            self.runs.append(_Run(req_id, first, len(targets), num_top))
+
+    def compute(self, hidden: torch.Tensor, logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """From the step's last hidden states ([tokens, hidden]) and the model's ``logits`` of a few:
+        each row's target logprob and its top tokens, on the device."""
+        if not self.rows:
+            return
+        device = hidden.device
+        num_top = max(run.num_top for run in self.runs)
+        rows = to_device(self.rows, device, torch.long)
+        targets = to_device(self.targets, device, torch.long)
+        chosen, top_values, top_ids = [], [], []
+        for start in range(0, len(self.rows), ROWS_PER_SLICE):
+            stop = start + ROWS_PER_SLICE
+            logprobs = torch.log_softmax(logits(hidden.index_select(0, rows[start:stop])), dim=-1)
+            chosen.append(logprobs.gather(1, targets[start:stop].unsqueeze(1)).squeeze(1))
+            values, ids = logprobs.topk(num_top, dim=-1)
+            top_values.append(values)
+            top_ids.append(ids)
+        self._result = (torch.cat(chosen), torch.cat(top_values), torch.cat(top_ids))
+
+    def to_host(self) -> dict[str, PromptLogprobs]:
+        """Each asking request's entries of this step (waits for them)."""
+        if self._result is None:
+            return {}
+        chosen, top_values, top_ids = (tensor.tolist() for tensor in self._result)
+        result: dict[str, PromptLogprobs] = {}
+        row = 0
+        for run in self.runs:
+            entries = []
+            for k in range(row, row + run.count):
+                n = run.num_top
+                top = [Logprob(t, v) for t, v in zip(top_ids[k][:n], top_values[k][:n], strict=True)]
+                entries.append(TokenLogprobs(Logprob(self.targets[k], chosen[k]), top))
+            result[run.req_id] = PromptLogprobs(run.first, entries)
+            row += run.count
+        return result
