@@ -411,7 +411,7 @@ class EngineCore:
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     error=request.error,
-                    prompt_logprobs=request.prompt_logprobs if first else None,
+                    prompt_logprobs=request.prompt_logprobs_run() if first else None,
                 )
             )
         return dict(outputs)

@@ -105,11 +105,14 @@ class Request:
     # encoder output is needed until the last of them is computed
     mm_last_end: dict[str, int] = field(init=False)
     # where it asked for them (``sampling.num_prompt_logprobs``): its prompt tokens' logprobs so far,
-    # from the second token on (the worker's runs, each kept once: a resumed request recomputes them)
+    # from the second token on, and their ranks (the worker's runs, each token kept once: a resumed
+    # request computes them again)
     prompt_logprobs: list[TokenLogprobs] | None = field(init=False)
+    prompt_ranks: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.prompt_logprobs = [] if self.sampling.num_prompt_logprobs is not None else None
+        self.prompt_ranks = []
         self.mm_last_end = {}
         for f in self.mm_features:
             self.mm_last_end[f.mm_hash] = max(self.mm_last_end.get(f.mm_hash, 0), f.end)
@@ -139,7 +142,15 @@ class Request:
     def add_prompt_logprobs(self, run: PromptLogprobs) -> None:
         """Keeps what a run that ``follows_on`` adds to the prompt logprobs so far."""
         assert self.prompt_logprobs is not None
-        self.prompt_logprobs += run.entries[len(self.prompt_logprobs) + 1 - run.first :]
+        new = len(self.prompt_logprobs) + 1 - run.first
+        self.prompt_logprobs += run.entries[new:]
+        self.prompt_ranks += run.ranks[new:]
+
+    def prompt_logprobs_run(self) -> PromptLogprobs | None:
+        """Its prompt logprobs as one run, where it asked for them."""
+        if self.prompt_logprobs is None:
+            return None
+        return PromptLogprobs(1, self.prompt_logprobs, self.prompt_ranks)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -240,10 +240,12 @@ class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
     """A run of a prompt's logprobs: ``entries[i]`` is for prompt token ``first + i`` (its ``sampled``
-    is that token), given the tokens before it. The first prompt token has none (``first`` >= 1)."""
+    is that token), given the tokens before it, and ``ranks[i]`` is that token's rank there (1: the most
+    likely). The first prompt token has none (``first`` >= 1)."""
 
     first: PosInt
     entries: list[TokenLogprobs]
+    ranks: list[PosInt]
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):
@@ -259,8 +261,8 @@ class RequestOutput(msgspec.Struct, frozen=True):
     logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
-    # with the first output token, where the request asked for them: prompt tokens 1, 2, ...'s
-    prompt_logprobs: list[TokenLogprobs] | None = None
+    # with the first output token, where the request asked for them: every prompt token's from the second
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     error: ErrorInfo | None = None
 

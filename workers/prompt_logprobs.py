@@ -36,7 +36,7 @@ class PromptLogprobRows:
     rows: list[int] = field(default_factory=list)  # each position's index among the step's tokens
     targets: list[int] = field(default_factory=list)  # the prompt token that follows it
     runs: list[_Run] = field(default_factory=list)
-    _result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _result: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def add(self, req_id: str, first_row: int, first: int, targets: list[int], num_top: int) -> None:
         """Positions ``first_row``, ``first_row + 1``, ... of the step predict prompt tokens ``first``,
@@ -48,28 +48,30 @@ class PromptLogprobRows:
 
     def compute(self, hidden: torch.Tensor, logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """From the step's last hidden states ([tokens, hidden]) and the model's ``logits`` of a few:
-        each row's target logprob and its top tokens, on the device."""
+        each row's target logprob, its rank and the top tokens, on the device."""
         if not self.rows:
             return
         device = hidden.device
         num_top = max(run.num_top for run in self.runs)
         rows = to_device(self.rows, device, torch.long)
         targets = to_device(self.targets, device, torch.long)
-        chosen, top_values, top_ids = [], [], []
+        chosen, ranks, top_values, top_ids = [], [], [], []
         for start in range(0, len(self.rows), ROWS_PER_SLICE):
             stop = start + ROWS_PER_SLICE
             logprobs = torch.log_softmax(logits(hidden.index_select(0, rows[start:stop])), dim=-1)
-            chosen.append(logprobs.gather(1, targets[start:stop].unsqueeze(1)).squeeze(1))
+            target = logprobs.gather(1, targets[start:stop].unsqueeze(1))
+            chosen.append(target.squeeze(1))
+            ranks.append((logprobs > target).sum(dim=1) + 1)
             values, ids = logprobs.topk(num_top, dim=-1)
             top_values.append(values)
             top_ids.append(ids)
-        self._result = (torch.cat(chosen), torch.cat(top_values), torch.cat(top_ids))
+        self._result = (torch.cat(chosen), torch.cat(ranks), torch.cat(top_values), torch.cat(top_ids))
 
     def to_host(self) -> dict[str, PromptLogprobs]:
         """Each asking request's entries of this step (waits for them)."""
         if self._result is None:
             return {}
-        chosen, top_values, top_ids = (tensor.tolist() for tensor in self._result)
+        chosen, ranks, top_values, top_ids = (tensor.tolist() for tensor in self._result)
         result: dict[str, PromptLogprobs] = {}
         row = 0
         for run in self.runs:
@@ -78,6 +80,6 @@ class PromptLogprobRows:
                 n = run.num_top
                 top = [Logprob(t, v) for t, v in zip(top_ids[k][:n], top_values[k][:n], strict=True)]
                 entries.append(TokenLogprobs(Logprob(self.targets[k], chosen[k]), top))
-            result[run.req_id] = PromptLogprobs(run.first, entries)
+            result[run.req_id] = PromptLogprobs(run.first, entries, ranks[row : row + run.count])
             row += run.count
         return result

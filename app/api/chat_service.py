@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -17,6 +18,7 @@ from app.api.detokenizer import IncrementalDetokenizer
 from app.api.disconnect import unless_client_leaves
 from app.api.error_handlers import sse_error_event
 from app.api.outputs import ChoiceOutputs, Generation
+from app.api.prompt_logprobs import vllm_prompt_logprobs
 from app.api.request_fields import UnknownFields, template_variables, unknown_field_names
 from app.api.request_guards import request_tenant
 from app.api.responses import chunk, completion, final_usage_chunk, sse, tool_stream_deltas
@@ -92,7 +94,14 @@ class ChatService:
                 media_type="text/event-stream",
             )
         await outputs.collect_while_connected(raw)
-        return JSONResponse(completion(gens))
+        response = completion(gens)
+        if body.prompt_logprobs is not None:
+            detok = IncrementalDetokenizer(self.tokenizer)
+            run = submitted.prompt_logprobs
+            response["prompt_logprobs"] = vllm_prompt_logprobs(
+                submitted.prompt_token_ids, run, detok, body.prompt_logprobs
+            )
+        return JSONResponse(response)
 
     def generation(
         self,
@@ -198,7 +207,10 @@ class ChatService:
             family.eos_token_ids,
             family.vocab_size,
         )
-        return choice_sampling(first, index)
+        params = choice_sampling(first, index)
+        if index == 0 and body.num_prompt_logprobs() is not None:  # (the others echo the first's)
+            params = msgspec.structs.replace(params, num_prompt_logprobs=body.num_prompt_logprobs())
+        return params
 
     async def _stream(
         self, outputs: ChoiceOutputs, include_usage: bool, calls_only: bool = False

@@ -14,7 +14,8 @@ from typing import Any
 
 from app.api.detokenizer import IncrementalDetokenizer
 from app.api.outputs import Generation, logprob_entries
-from wire.protocol import TokenLogprobs
+from app.api.prompt_logprobs import trimmed
+from wire.protocol import PromptLogprobs
 
 OBJECT = "text_completion"
 
@@ -63,12 +64,12 @@ def _top(entry: dict[str, Any]) -> dict[str, float]:
 
 
 def prompt_logprobs(
-    prompt_ids: Sequence[int], entries: list[TokenLogprobs], detok: IncrementalDetokenizer, echoed: str
+    prompt_ids: Sequence[int], run: PromptLogprobs, detok: IncrementalDetokenizer, echoed: str, num_top: int
 ) -> dict[str, Any]:
-    """An echoed prompt's legacy logprobs: its first token's null, then each token's (``entries``, from
-    the engine) given those before it; each token's ``text_offset`` is where its text begins in the
-    prompt as its ids decode (``detok``, fresh: pushed here), within ``echoed``."""
-    items = logprob_entries(entries, detok)
+    """An echoed prompt's legacy logprobs: its first token's null, then each token's (the engine's
+    ``run``) given those before it, with ``num_top`` alternatives; each token's ``text_offset`` is where
+    its text begins in the prompt as its ids decode (``detok``, fresh: pushed here), within ``echoed``."""
+    items = logprob_entries(trimmed(run.entries, num_top), detok)
     offsets = []
     length = 0
     for token_id in prompt_ids:
@@ -95,23 +96,27 @@ def completion(
     echoed: list[str],
     prompt_pieces: list[dict[str, Any] | None],
     echo_only: bool = False,
+    vllm_prompt_logprobs: list[list[Any]] | None = None,
 ) -> dict[str, Any]:
     """The whole ``text_completion``; ``echoed``: each prompt's text before its choices' (or ""), with
-    its logprobs (``prompt_pieces``, None without); ``echo_only``: the answers are left out."""
+    its logprobs (``prompt_pieces``, None without); ``echo_only``: the answers are left out;
+    ``vllm_prompt_logprobs``: each prompt's, where vLLM's ``prompt_logprobs`` asked for them."""
     choices = []
     for gen in gens:
-        prefix = echoed[gen.index // n]
+        prompt = gen.index // n
+        prefix = echoed[prompt]
         logprobs = None
         if gen.want_logprobs and not echo_only:
             logprobs = LegacyLogprobs(len(prefix)).piece(gen.logprobs)
-        choices.append(
-            {
-                "index": gen.index,
-                "text": prefix if echo_only else prefix + gen.text,
-                "logprobs": joined(prompt_pieces[gen.index // n], logprobs),
-                "finish_reason": "length" if echo_only else gen.finish_reason,
-            }
-        )
+        choice = {
+            "index": gen.index,
+            "text": prefix if echo_only else prefix + gen.text,
+            "logprobs": joined(prompt_pieces[prompt], logprobs),
+            "finish_reason": "length" if echo_only else gen.finish_reason,
+        }
+        if vllm_prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs[prompt]
+        choices.append(choice)
     return envelope(gens[0], choices, usage(gens, n, echo_only))
 
 

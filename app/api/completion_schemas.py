@@ -122,8 +122,11 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs
 
     def num_prompt_logprobs(self) -> int | None:
-        """With ``echo`` and ``logprobs``: the prompt's too, with as many alternatives."""
-        return self.logprobs if self.echo else None
+        """vLLM's ``prompt_logprobs``, and with ``echo`` and ``logprobs`` the prompt's too: as many
+        alternatives as the two ask for at most."""
+        echoed = self.logprobs if self.echo else None
+        asked = [count for count in (self.prompt_logprobs, echoed) if count is not None]
+        return max(asked) if asked else None
 
 
 def _token_ids(prompt: Any) -> bool:

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -23,13 +22,13 @@ from app.api.detokenizer import IncrementalDetokenizer
 from app.api.disconnect import unless_client_leaves
 from app.api.error_handlers import sse_error_event
 from app.api.outputs import ChoiceOutputs
+from app.api.prompt_logprobs import vllm_prompt_logprobs
 from app.api.request_guards import request_tenant
 from app.api.responses import sse
 from app.api.sampling import reword_length_error
 from app.errors import MMServeError
 from app.inputs.raw_prompts import RawPrompt
 from app.inputs.submission import RequestSpec, Submitted, submit, submit_together
-from wire.protocol import SamplingParams
 from workers.families.processing import TemplateOptions
 
 # a length error's words for the prompt, where chat's speak of messages (app/api/sampling.py)
@@ -63,10 +62,18 @@ class CompletionService:
             for j in range(body.n)
         ]
         echoed = [self._text(prompt, body.skip_special_tokens) if body.echo else "" for prompt in prompts]
+        scored = body.echo and body.logprobs is not None
         pieces = [
-            self._prompt_piece(submitted, text, body) if body.num_prompt_logprobs() is not None else None
+            self._prompt_piece(submitted, text, body) if scored else None
             for submitted, text in zip(done, echoed, strict=True)
         ]
+        vllm_pieces = None
+        if body.prompt_logprobs is not None:
+            detok = IncrementalDetokenizer(chat.tokenizer)
+            vllm_pieces = [
+                vllm_prompt_logprobs(s.prompt_token_ids, s.prompt_logprobs, detok, body.prompt_logprobs)
+                for s in done
+            ]
         every_choice = [choice for submitted in done for choice in submitted.choices]
         outputs = ChoiceOutputs(gens, every_choice, chat.engine, chat.metrics)
         echo = Echo(echoed, pieces, body.echo_only)
@@ -75,7 +82,7 @@ class CompletionService:
                 self._stream(outputs, body.n, echo, body.include_usage, raw), media_type="text/event-stream"
             )
         await outputs.collect_while_connected(raw)
-        return JSONResponse(completion(gens, body.n, echoed, pieces, body.echo_only))
+        return JSONResponse(completion(gens, body.n, echoed, pieces, body.echo_only, vllm_pieces))
 
     def _specs(
         self, body: CompletionRequest, raw: Request, prompts: list[Prompt], base_id: str
@@ -96,7 +103,7 @@ class CompletionService:
                     scope=scope,
                     template=TemplateOptions(),
                     req_ids=[prompt_id, *(f"{prompt_id}-{j}" for j in range(1, body.n))],
-                    sampling=lambda num_prompt_tokens, index: self._sampling(body, num_prompt_tokens, index),
+                    sampling=lambda num_prompt_tokens, index: chat.sampling(body, num_prompt_tokens, index),
                     constraint=constraint.constraint if constraint is not None else None,
                     constraint_param=constraint.param if constraint is not None else None,
                     raw_prompt=RawPrompt(
@@ -106,18 +113,13 @@ class CompletionService:
             )
         return specs
 
-    def _sampling(self, body: CompletionRequest, num_prompt_tokens: int, index: int) -> SamplingParams:
-        """Chat's; the first choice computes the prompt's logprobs where ``echo`` asks for them (every
-        choice echoes that one's)."""
-        params = self.chat.sampling(body, num_prompt_tokens, index)
-        if index == 0 and body.num_prompt_logprobs() is not None:
-            params = msgspec.structs.replace(params, num_prompt_logprobs=body.num_prompt_logprobs())
-        return params
-
     def _prompt_piece(self, submitted: Submitted, echoed: str, body: CompletionRequest) -> dict[str, Any]:
         """The echoed prompt's legacy logprobs."""
+        assert body.logprobs is not None
         detok = IncrementalDetokenizer(self.chat.tokenizer, skip_special_tokens=body.skip_special_tokens)
-        return prompt_logprobs(submitted.prompt_token_ids, submitted.prompt_logprobs, detok, echoed)
+        return prompt_logprobs(
+            submitted.prompt_token_ids, submitted.prompt_logprobs, detok, echoed, body.logprobs
+        )
 
     async def _submit(self, spec: RequestSpec) -> Submitted:
         """``submit``, its errors naming the prompt where chat's would name the messages."""

@@ -58,7 +58,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "use n"),
     "truncate_prompt_tokens": ((None,), _NOT_SUPPORTED),
     "truncation_side": ((None,), _NOT_SUPPORTED),
-    "prompt_logprobs": ((None,), _NOT_SUPPORTED),
     "logprob_token_ids": ((None,), _NOT_SUPPORTED),
     "bad_words": ((None, []), _NOT_SUPPORTED),
     "documents": ((None,), _NOT_SUPPORTED),

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from app.api.constraint_schemas import ResponseFormat, StructuredOutputs
 from app.api.request_fields import drop_known_fields
+from wire.protocol import MAX_TOP_LOGPROBS
 
 # Integers that travel to the engine must fit its wire format and torch (a seed is a torch.long, as in vLLM).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -79,6 +80,8 @@ class SamplingRequest(RequestModel):
     # structured outputs (docs/api.md): OpenAI's response_format, or vLLM's structured_outputs
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: each prompt token's logprob and its position's most likely tokens (app/api/prompt_logprobs.py)
+    prompt_logprobs: int | None = Field(None, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -123,6 +126,18 @@ class SamplingRequest(RequestModel):
         return request_id
 
     # The checks below read fields declared earlier (``info.data``), so each error names its field.
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be from 0 to {MAX_TOP_LOGPROBS} (-1, the whole vocabulary, is not "
+                "supported)"
+            )
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return value
+
     @field_validator("stream_options")
     @classmethod
     def _only_when_streaming(cls, options: StreamOptions | None, info: ValidationInfo) -> Any:
@@ -142,6 +157,10 @@ class SamplingRequest(RequestModel):
     def effective_max_tokens(self) -> int | None:
         """``max_completion_tokens`` over ``max_tokens``; None means up to the context limit."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_prompt_logprobs(self) -> int | None:
+        """``SamplingParams.num_prompt_logprobs`` of the first choice (the others echo its)."""
+        return self.prompt_logprobs
 
     def num_top_logprobs(self) -> int | None:
         """``SamplingParams.num_top_logprobs``: None without logprobs, else alternatives per token (an

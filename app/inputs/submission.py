@@ -25,7 +25,7 @@ from app.inputs.engine_client import EngineClient, EngineGone
 from app.inputs.input_processor import InputProcessor, PreparedRequest
 from app.inputs.media_ids import CacheScope
 from app.inputs.raw_prompts import RawPrompt, prepare_prompt
-from wire.protocol import Constraint, ErrorInfo, RequestOutput, SamplingParams, TokenLogprobs
+from wire.protocol import Constraint, ErrorInfo, PromptLogprobs, RequestOutput, SamplingParams
 from workers.families.processing import TemplateOptions
 
 MAX_RESENDS = 2
@@ -90,9 +90,9 @@ class Submitted:
         return self.prompt_token_ids[-PROMPT_TAIL:]
 
     @property
-    def prompt_logprobs(self) -> list[TokenLogprobs]:
+    def prompt_logprobs(self) -> PromptLogprobs:
         """Its prompt tokens' logprobs from the second on, where its first choice asked for them."""
-        return self.choices[0].first.prompt_logprobs or []
+        return self.choices[0].first.prompt_logprobs or PromptLogprobs(1, [], [])
 
 
 async def submit(inputs: InputProcessor, engine: EngineClient, spec: RequestSpec) -> Submitted:

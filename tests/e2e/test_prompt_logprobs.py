@@ -1,10 +1,11 @@
-"""``echo`` with ``logprobs`` on ``POST /v1/completions``: each prompt token's logprob given those before
-it (the first has none) and its position's top tokens, equal to ``log_softmax`` of transformers' logits
-over the prompt (LLaVA and Qwen2.5-VL; a prompt longer than a step, computed in chunks); never read
-from the prefix cache, which stays as it was for everyone else; ``max_tokens`` 0 scores the prompt
-alone; a log-likelihood request as lm-eval's ``local-completions`` sends it gives transformers' sums
-and greediness; streamed, the echo chunk carries them; every choice of ``n`` echoes the same
-(docs/api.md, "Completions")."""
+"""Prompt logprobs: ``echo`` with ``logprobs`` on ``POST /v1/completions``, and vLLM's ``prompt_logprobs`` on
+completions and chat. Each prompt token's logprob given those before it (the first has none) and its
+position's top tokens equal ``log_softmax`` of transformers' logits over the prompt (LLaVA and
+Qwen2.5-VL; a prompt longer than a step, computed in chunks; a chat prompt with an image, with each
+token's rank); never read from the prefix cache, which stays as it was for everyone else;
+``max_tokens`` 0 scores the prompt alone; a log-likelihood request as lm-eval's ``local-completions``
+sends it gives transformers' sums and greediness; streamed, the echo chunk carries them; every choice
+of ``n`` echoes the same (docs/api.md, "Request fields" and "Completions")."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.conftest import Oracle
+from tests.e2e.conftest import Oracle, make_image, user_message
 from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
@@ -199,3 +200,72 @@ def test_no_tokens_without_echo_is_a_400(server: Server) -> None:
         timeout=60,
     )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens", resp.text
+
+
+def test_vllms_prompt_logprobs_on_chat_with_an_image_are_transformers(server: Server, oracle: Oracle) -> None:
+    image, text = make_image(4242), "What is in this picture?"
+    body = {"messages": [user_message(text, image)], "max_tokens": 2, "temperature": 0, "n": 2}
+    made = complete_chat(server, prompt_logprobs=NUM_TOP, **body)
+    inputs = oracle.inputs(text, [image])
+    ids = inputs["input_ids"][0].tolist()
+    with torch.inference_mode():
+        logits = oracle.model(**inputs).logits[0]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    positions = made["prompt_logprobs"]
+    assert len(positions) == len(ids) == made["usage"]["prompt_tokens"] and positions[0] is None
+    assert made["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for t in range(1, len(ids)):
+        reference, position = expected[t - 1], positions[t]
+        token = position[str(ids[t])]
+        assert token["logprob"] == pytest.approx(float(reference[ids[t]]), abs=LOGPROB_ATOL), f"token {t}"
+        higher = int((reference > reference[ids[t]] + LOGPROB_ATOL).sum())
+        within = int((abs(reference - reference[ids[t]]) <= LOGPROB_ATOL).sum())  # itself, and near-ties
+        assert higher + 1 <= token["rank"] <= higher + within, f"token {t}"
+        tops = sorted(
+            (entry["rank"], entry["logprob"]) for key, entry in position.items() if entry["rank"] <= NUM_TOP
+        )
+        assert [rank for rank, _ in tops] == list(range(1, NUM_TOP + 1))
+        assert [lp for _, lp in tops] == pytest.approx(
+            reference.topk(NUM_TOP).values.tolist(), abs=LOGPROB_ATOL
+        )
+    plain = complete_chat(server, **body)
+    assert [c["message"] for c in made["choices"]] == [c["message"] for c in plain["choices"]]
+    assert "prompt_logprobs" not in plain
+
+
+def test_vllms_prompt_logprobs_on_completions_match_the_echoed_ones(server: Server) -> None:
+    made = complete(
+        server, prompt=PROMPT, max_tokens=2, temperature=0, prompt_logprobs=2, echo=True, logprobs=1
+    )
+    [choice] = made["choices"]
+    legacy = choice["logprobs"]
+    num_prompt = made["usage"]["prompt_tokens"]
+    assert len(choice["prompt_logprobs"]) == num_prompt and choice["prompt_logprobs"][0] is None
+    for t in range(1, num_prompt):
+        position = choice["prompt_logprobs"][t]
+        assert legacy["token_logprobs"][t] in [entry["logprob"] for entry in position.values()]
+        assert len(legacy["top_logprobs"][t]) <= 2 and 2 <= len(position) <= 3  # 1 and 2 alternatives
+
+
+@pytest.mark.parametrize(
+    ("path", "fields"),
+    [
+        ("/v1/chat/completions", {"prompt_logprobs": 1, "stream": True}),
+        ("/v1/completions", {"prompt_logprobs": 1, "stream": True}),
+        ("/v1/chat/completions", {"prompt_logprobs": -1}),
+        ("/v1/completions", {"prompt_logprobs": 21}),
+        ("/v1/chat/completions", {"prompt_logprobs": True}),
+    ],
+)
+def test_bad_prompt_logprobs_are_a_400(server: Server, path: str, fields: dict[str, Any]) -> None:
+    base = {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
+    resp = httpx.post(f"{server.base_url}{path}", json={"model": "tiny-llava", **base, **fields}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_logprobs", resp.text
+
+
+def complete_chat(server: Server, **fields: Any) -> dict[str, Any]:
+    resp = httpx.post(
+        f"{server.base_url}/v1/chat/completions", json={"model": "tiny-llava", **fields}, timeout=120
+    )
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())

@@ -33,13 +33,14 @@ def transformers_logprobs(hf_model: Any, prompt: Prompt) -> torch.Tensor:
 
 
 def assert_run_matches(run: PromptLogprobs, prompt: Prompt, expected: torch.Tensor) -> None:
-    for i, entry in enumerate(run.entries):
+    for i, (entry, rank) in enumerate(zip(run.entries, run.ranks, strict=True)):
         token = run.first + i
         reference = expected[token - 1]  # the logits after the tokens before it
         assert entry.sampled.token_id == prompt.input_ids[token]
-        assert entry.sampled.logprob == pytest.approx(
-            float(reference[entry.sampled.token_id]), abs=LOGPROB_ATOL
-        )
+        logprob = float(reference[entry.sampled.token_id])
+        assert entry.sampled.logprob == pytest.approx(logprob, abs=LOGPROB_ATOL)
+        higher = int((reference > logprob + LOGPROB_ATOL).sum())  # (near-ties may rank either way)
+        assert higher + 1 <= rank <= higher + int((abs(reference - logprob) <= LOGPROB_ATOL).sum())
         assert len(entry.top) == NUM_TOP
         values = [top.logprob for top in entry.top]
         assert values == pytest.approx(reference.topk(NUM_TOP).values.tolist(), abs=LOGPROB_ATOL)

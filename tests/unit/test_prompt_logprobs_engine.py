@@ -15,9 +15,11 @@ from wire.bad_messages import BadMessage
 from wire.protocol import Logprob, PromptLogprobs, RunnerOutput, TokenLogprobs
 
 
-def entries(first: int, count: int) -> list[TokenLogprobs]:
-    """Entries for prompt tokens first, first + 1, ...: each one's logprob is minus its index."""
-    return [TokenLogprobs(Logprob(5, -float(t)), []) for t in range(first, first + count)]
+def run(first: int, count: int) -> PromptLogprobs:
+    """A run for prompt tokens first, first + 1, ...: each one's logprob is minus its index, its rank
+    its index."""
+    tokens = range(first, first + count)
+    return PromptLogprobs(first, [TokenLogprobs(Logprob(5, -float(t)), []) for t in tokens], list(tokens))
 
 
 def test_a_request_that_asks_computes_its_whole_prompt_and_the_cache_stays() -> None:
@@ -39,25 +41,28 @@ def test_a_request_that_asks_computes_its_whole_prompt_and_the_cache_stays() -> 
 
 def test_each_prompt_token_is_kept_once_and_a_gap_is_refused() -> None:
     request = make_request("r", 10, num_prompt_logprobs=0)
-    first, rest = PromptLogprobs(1, entries(1, 4)), PromptLogprobs(5, entries(5, 5))
+    first, rest = run(1, 4), run(5, 5)
     assert request.follows_on(first)
     request.add_prompt_logprobs(first)
-    assert not request.follows_on(PromptLogprobs(6, entries(6, 4))), "token 5 would be missing"
-    assert not request.follows_on(PromptLogprobs(5, entries(5, 6))), "the prompt has 10 tokens"
+    assert not request.follows_on(run(6, 4)), "token 5 would be missing"
+    assert not request.follows_on(run(5, 6)), "the prompt has 10 tokens"
     request.add_prompt_logprobs(rest)
-    again = PromptLogprobs(1, entries(1, 9))  # a resume computes them all again
+    again = run(1, 9)  # a resume computes them all again
     assert request.follows_on(again)
     request.add_prompt_logprobs(again)
-    assert [e.sampled.logprob for e in request.prompt_logprobs or []] == [-float(t) for t in range(1, 10)]
+    whole = request.prompt_logprobs_run()
+    assert whole is not None and whole.first == 1 and whole.ranks == list(range(1, 10))
+    assert [e.sampled.logprob for e in whole.entries] == [-float(t) for t in range(1, 10)]
     assert not make_request("plain", 10).follows_on(first), "it did not ask"
 
 
 @pytest.mark.parametrize(
     ("runs", "why"),
     [
-        ({"other": PromptLogprobs(1, entries(1, 2))}, "did not compute"),
-        ({"r": PromptLogprobs(1, entries(1, 9))}, "did not compute"),  # 9 entries from 8 tokens
-        ({"r": PromptLogprobs(3, entries(3, 2))}, "do not follow on"),
+        ({"other": run(1, 2)}, "did not compute"),
+        ({"r": run(1, 9)}, "did not compute"),  # 9 entries from 8 tokens
+        ({"r": run(3, 2)}, "do not follow on"),
+        ({"r": PromptLogprobs(1, run(1, 2).entries, [1])}, "did not compute"),  # a rank short
     ],
 )
 def test_a_reply_with_runs_the_step_did_not_compute_is_a_bad_message(

@@ -1,0 +1,42 @@
+"""vLLM's ``prompt_logprobs`` (on chat and on completions): each prompt token's logprob given the tokens
+before it, as vLLM shapes them: ``[null, {token id: {"logprob", "rank", "decoded_token"}}, ...]``, one
+dict per prompt token (the first has nothing before it), holding the token itself and its position's
+``prompt_logprobs`` most likely tokens, each with its rank there (1: the most likely). The engine
+computes them from the whole prompt (docs/architecture.md, "Prompt logprobs")."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from app.api.detokenizer import IncrementalDetokenizer
+from app.api.outputs import LOGPROB_FLOOR
+from wire.protocol import PromptLogprobs, TokenLogprobs
+
+
+def trimmed(entries: list[TokenLogprobs], num_top: int) -> list[TokenLogprobs]:
+    """The entries with at most ``num_top`` alternatives each (the engine computed as many as the most
+    any field of the request asked for)."""
+    return [TokenLogprobs(entry.sampled, entry.top[:num_top]) for entry in entries]
+
+
+def vllm_prompt_logprobs(
+    prompt_ids: Sequence[int], run: PromptLogprobs, detok: IncrementalDetokenizer, num_top: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """The prompt's logprobs in vLLM's shape, from the engine's ``run`` (tokens 1, 2, ...)."""
+
+    def one(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {
+            "logprob": logprob if math.isfinite(logprob) else LOGPROB_FLOOR,
+            "rank": rank,
+            "decoded_token": detok.token_strings([token_id])[0],
+        }
+
+    result: list[dict[str, dict[str, Any]] | None] = [None] * min(1, len(prompt_ids))
+    for entry, rank in zip(run.entries, run.ranks, strict=True):
+        position = {str(entry.sampled.token_id): one(entry.sampled.token_id, entry.sampled.logprob, rank)}
+        for top_rank, top in enumerate(entry.top[:num_top], start=1):
+            position.setdefault(str(top.token_id), one(top.token_id, top.logprob, top_rank))
+        result.append(position)
+    return result
