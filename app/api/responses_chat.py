@@ -214,6 +214,8 @@ def _tools(body: ResponsesRequest) -> list[dict[str, Any]] | None:
 
 def _tool_choice(body: ResponsesRequest) -> Any:
     choice = body.tool_choice
+    if choice == "auto" and not body.tools:  # Responses' default, without tools too (chat's needs them)
+        return None
     if isinstance(choice, NamedFunction):
         return {"type": "function", "function": {"name": choice.name}}
     if isinstance(choice, AllowedTools):

@@ -171,8 +171,11 @@ def check_tools(tools: list[ChatTool] | None, tool_choice: ToolChoice | None) ->
                     f"tool_choice allows {ref.function.name!r}, which is not among the request's tools",
                     param=f"tool_choice.allowed_tools.tools[{i}].function.name",
                 )
-    if tool_choice == "required" and not names:
-        raise InvalidRequestError("tool_choice 'required' needs tools", param="tool_choice")
+    if tool_choice in ("auto", "required") and not names:  # (as OpenAI's and vLLM's: only "none" without)
+        raise InvalidRequestError(
+            f"tool_choice {tool_choice!r} needs tools: give tools, or leave tool_choice out",
+            param="tool_choice",
+        )
 
 
 def calls_only(tool_choice: ToolChoice | None) -> bool:

@@ -305,6 +305,7 @@ def test_bad_tool_requests_are_400s_naming_their_field(family_server: Callable[.
     both = {**body("qwen2_5_vl", "auto"), "structured_outputs": {"regex": "[a-z]+"}}
     assert bad(server, both)["param"].startswith("structured_outputs")
     assert bad(server, {**body("qwen2_5_vl", "required"), "tools": []})["param"] == "tool_choice"
+    assert bad(server, {**body("qwen2_5_vl", "auto"), "tools": None})["param"] == "tool_choice"
     # arguments are an object: a schema of another type would make calls that leak into content
     for root in ("integer", "array", "string", "null"):
         scalar = [{"type": "function", "function": {"name": "f", "parameters": {"type": root}}}]

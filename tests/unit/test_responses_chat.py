@@ -407,3 +407,13 @@ def test_a_call_in_the_history_of_a_model_without_a_tool_format_is_named() -> No
         template_tools(llava, None, chat.messages)
     assert refused.value.param == "messages[1].tool_calls[0]" and "no tool format" in refused.value.message
     assert params.error(refused.value).param == "input[1]"
+
+
+def test_auto_without_tools_is_responses_default_not_a_chat_request_for_calls() -> None:
+    """Responses' tool_choice defaults to auto, tools or none; chat's auto needs tools (as OpenAI's)."""
+    chat, _ = chat_request(request(tool_choice="auto"), [])
+    assert chat.tool_choice is None and not chat.parses_tool_calls
+    check_tools(chat.tools, chat.tool_choice)
+    with pytest.raises(InvalidRequestError) as caught:
+        check_tools(None, "auto")
+    assert caught.value.param == "tool_choice"
