@@ -202,9 +202,20 @@ def test_no_tokens_without_echo_is_a_400(server: Server) -> None:
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens", resp.text
 
 
-def test_vllms_prompt_logprobs_on_chat_with_an_image_are_transformers(server: Server, oracle: Oracle) -> None:
+@pytest.mark.parametrize("family", ["llava", "qwen3_vl"])  # (Qwen3-VL: deepstack over the image's rows)
+def test_vllms_prompt_logprobs_on_chat_with_an_image_are_transformers(
+    family: str, family_server: Callable[..., Server], family_oracle: Callable[[str], Oracle]
+) -> None:
+    server, oracle = family_server(family), family_oracle(family)
     image, text = make_image(4242), "What is in this picture?"
-    body = {"messages": [user_message(text, image)], "max_tokens": 2, "temperature": 0, "n": 2}
+    model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+    body = {
+        "model": model,
+        "messages": [user_message(text, image)],
+        "max_tokens": 2,
+        "temperature": 0,
+        "n": 2,
+    }
     made = complete_chat(server, prompt_logprobs=NUM_TOP, **body)
     inputs = oracle.inputs(text, [image])
     ids = inputs["input_ids"][0].tolist()
@@ -265,7 +276,7 @@ def test_bad_prompt_logprobs_are_a_400(server: Server, path: str, fields: dict[s
 
 def complete_chat(server: Server, **fields: Any) -> dict[str, Any]:
     resp = httpx.post(
-        f"{server.base_url}/v1/chat/completions", json={"model": "tiny-llava", **fields}, timeout=120
+        f"{server.base_url}/v1/chat/completions", json={"model": "tiny-llava"} | fields, timeout=120
     )
     assert resp.status_code == 200, resp.text
     return dict(resp.json())
