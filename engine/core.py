@@ -401,7 +401,6 @@ class EngineCore:
             if token_ids:
                 self.metrics.record_tokens(request)
             entry = logprobs.get(req_id)
-            first = bool(token_ids) and len(token_ids) == len(request.output_token_ids)
             outputs[request.client].append(
                 RequestOutput(
                     req_id=req_id,
@@ -411,7 +410,7 @@ class EngineCore:
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     error=request.error,
-                    prompt_logprobs=request.prompt_logprobs_run() if first else None,
+                    prompt_logprobs=request.take_prompt_logprobs(),  # (with its first output)
                 )
             )
         return dict(outputs)

@@ -104,15 +104,17 @@ class Request:
     # mm_hash -> end of its last placement: an image may appear several times in one prompt, and its
     # encoder output is needed until the last of them is computed
     mm_last_end: dict[str, int] = field(init=False)
-    # where it asked for them (``sampling.num_prompt_logprobs``): its prompt tokens' logprobs so far,
-    # from the second token on, and their ranks (the worker's runs, each token kept once: a resumed
-    # request computes them again)
+    # where it asked for them (``sampling.num_prompt_logprobs``): its prompt tokens' logprobs from the
+    # second token on, and their ranks, until they are sent (the worker's runs, each token kept once: a
+    # resumed request computes them again), and how many were sent
     prompt_logprobs: list[TokenLogprobs] | None = field(init=False)
     prompt_ranks: list[int] = field(init=False)
+    num_prompt_logprobs_sent: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.prompt_logprobs = [] if self.sampling.num_prompt_logprobs is not None else None
         self.prompt_ranks = []
+        self.num_prompt_logprobs_sent = 0
         self.mm_last_end = {}
         for f in self.mm_features:
             self.mm_last_end[f.mm_hash] = max(self.mm_last_end.get(f.mm_hash, 0), f.end)
@@ -129,28 +131,36 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def _num_prompt_logprobs(self) -> int:
+        """Prompt tokens whose logprobs it has had: sent, or kept to send."""
+        return self.num_prompt_logprobs_sent + len(self.prompt_logprobs or ())
+
     def follows_on(self, run: PromptLogprobs) -> bool:
         """Whether ``run`` is prompt logprobs this request asked for that leave no gap after those it
-        has (a resumed request's come again) and stay within its prompt."""
-        have = self.prompt_logprobs
+        has had (a resumed request's come again) and stay within its prompt."""
         return (
-            have is not None
-            and run.first <= len(have) + 1
+            self.prompt_logprobs is not None
+            and run.first <= self._num_prompt_logprobs + 1
             and run.first + len(run.entries) <= self.num_prompt_tokens
         )
 
     def add_prompt_logprobs(self, run: PromptLogprobs) -> None:
-        """Keeps what a run that ``follows_on`` adds to the prompt logprobs so far."""
+        """Keeps what a run that ``follows_on`` adds to the prompt logprobs it has had."""
         assert self.prompt_logprobs is not None
-        new = len(self.prompt_logprobs) + 1 - run.first
+        new = self._num_prompt_logprobs + 1 - run.first
         self.prompt_logprobs += run.entries[new:]
         self.prompt_ranks += run.ranks[new:]
 
-    def prompt_logprobs_run(self) -> PromptLogprobs | None:
-        """Its prompt logprobs as one run, where it asked for them."""
-        if self.prompt_logprobs is None:
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """The prompt logprobs kept, as one run, for its output (its first: all of them, its prompt
+        computed); they are not kept after that. None where it did not ask, or none are kept."""
+        if not self.prompt_logprobs:
             return None
-        return PromptLogprobs(1, self.prompt_logprobs, self.prompt_ranks)
+        run = PromptLogprobs(self.num_prompt_logprobs_sent + 1, self.prompt_logprobs, self.prompt_ranks)
+        self.num_prompt_logprobs_sent += len(self.prompt_logprobs)
+        self.prompt_logprobs, self.prompt_ranks = [], []
+        return run
 
     @property
     def wants_prompt_logprobs(self) -> bool:

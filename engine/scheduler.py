@@ -98,12 +98,14 @@ class Scheduler:
 
     def grammar_ready(self, request: Request, grammar: OutputGrammar) -> None:
         """Called when a waiting request's grammar is compiled: it may be scheduled from now on (it kept
-        its place in the queue). A grammar complete before any token ends the request at once."""
+        its place in the queue). A grammar complete before any token ends the request at once, unless it
+        wants its prompt's logprobs."""
         assert request.awaits_grammar, f"{request.req_id} was not waiting for a grammar"
         request.awaits_grammar = False
         request.grammar = grammar
         self.num_awaiting_grammar -= 1
-        if grammar.is_complete or grammar.is_dead_end:
+        # (one that wants its prompt's logprobs computes its prompt first, then stops without a token)
+        if grammar.is_dead_end or (grammar.is_complete and not request.wants_prompt_logprobs):
             self.waiting.remove(request)
             request.error = CONSTRAINT_UNSATISFIABLE if grammar.is_dead_end else None
             self._finish(request, FinishReason.ABORT if grammar.is_dead_end else FinishReason.STOP)
@@ -226,7 +228,8 @@ class Scheduler:
             elif not request.sent_to_worker:
                 request.sent_to_worker = True
                 request.num_cached_tokens = num_computed
-                self.kv_cache.record_prefix_lookup(request.num_prompt_tokens, num_computed)
+                if not request.wants_prompt_logprobs:  # (not looked up)
+                    self.kv_cache.record_prefix_lookup(request.num_prompt_tokens, num_computed)
                 new_requests.append(request)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -341,6 +344,10 @@ class Scheduler:
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids, strict=True):
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
+                continue
+            if request.grammar is not None and request.grammar.is_complete:  # it only wanted its prompt's
+                self._finish(request, FinishReason.STOP)  # logprobs (grammar_ready): no token is its answer
+                result.finished.append(request)
                 continue
             if request.grammar is not None and not request.grammar.accept(token_id):
                 request.error = GRAMMAR_BROKEN

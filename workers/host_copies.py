@@ -22,3 +22,24 @@ def to_device(
     if device.type != "cuda":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopies:
+    """Device tensors copied to the host as the last work queued so far on their stream, without waiting
+    for it: ``wait`` gives the copies once that work is done, not once work queued after it is (the next
+    step's forward, on a GPU: docs/architecture.md, "Engine step"). On a CPU, the tensors themselves."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        if tensors and tensors[0].device.type == "cuda":
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, tensor in zip(self._host, tensors, strict=True):
+                host.copy_(tensor, non_blocking=True)
+            self._copied: torch.cuda.Event | None = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host, self._copied = list(tensors), None
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host

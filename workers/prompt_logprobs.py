@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wire.protocol import Logprob, PromptLogprobs, TokenLogprobs
-from workers.host_copies import to_device
+from workers.host_copies import HostCopies, to_device
 
 ROWS_PER_SLICE = 256  # positions whose [vocab] logits exist at once
 
@@ -36,7 +36,7 @@ class PromptLogprobRows:
     rows: list[int] = field(default_factory=list)  # each position's index among the step's tokens
     targets: list[int] = field(default_factory=list)  # the prompt token that follows it
     runs: list[_Run] = field(default_factory=list)
-    _result: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    _result: HostCopies | None = None  # on their way to the host
 
     def add(self, req_id: str, first_row: int, first: int, targets: list[int], num_top: int) -> None:
         """Positions ``first_row``, ``first_row + 1``, ... of the step predict prompt tokens ``first``,
@@ -65,13 +65,16 @@ class PromptLogprobRows:
             values, ids = logprobs.topk(num_top, dim=-1)
             top_values.append(values)
             top_ids.append(ids)
-        self._result = (torch.cat(chosen), torch.cat(ranks), torch.cat(top_values), torch.cat(top_ids))
+        self._result = HostCopies(
+            [torch.cat(chosen), torch.cat(ranks), torch.cat(top_values), torch.cat(top_ids)]
+        )
 
     def to_host(self) -> dict[str, PromptLogprobs]:
-        """Each asking request's entries of this step (waits for them)."""
+        """Each asking request's entries of this step (waits for their copy, not for the device's work
+        queued after it)."""
         if self._result is None:
             return {}
-        chosen, ranks, top_values, top_ids = (tensor.tolist() for tensor in self._result)
+        chosen, ranks, top_values, top_ids = (tensor.tolist() for tensor in self._result.wait())
         result: dict[str, PromptLogprobs] = {}
         row = 0
         for run in self.runs:

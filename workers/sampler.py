@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from wire.protocol import Logprob, SamplingParams, TokenLogprobs
-from workers.host_copies import to_device
+from workers.host_copies import HostCopies, to_device
 
 _GREEDY_TEMPERATURE = 1e-5
 
@@ -140,23 +140,14 @@ class Sampled:
         self.token_ids = token_ids  # [rows] int64, on the device: the next step may read it there
         self._want_logprobs = want_logprobs  # the rows that asked, in order
         self._num_top = num_top  # each of those rows' number of top logprobs
-        tensors = [token_ids, *(logprob_tensors or ())]
-        if token_ids.device.type == "cuda":
-            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for host, tensor in zip(self._host, tensors, strict=True):
-                host.copy_(tensor, non_blocking=True)
-            self._copied: torch.cuda.Event | None = torch.cuda.Event()
-            self._copied.record()
-        else:
-            self._host, self._copied = tensors, None
+        self._copies = HostCopies([token_ids, *(logprob_tensors or ())])
 
     def to_host(self) -> tuple[list[int], list[TokenLogprobs | None]]:
-        if self._copied is not None:
-            self._copied.synchronize()
-        token_list: list[int] = self._host[0].tolist()
+        host = self._copies.wait()
+        token_list: list[int] = host[0].tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
         if self._want_logprobs:
-            sampled, top_values, top_ids = (t.tolist() for t in self._host[1:])
+            sampled, top_values, top_ids = (t.tolist() for t in host[1:])
             for k, i in enumerate(self._want_logprobs):
                 n = self._num_top[k]
                 logprobs[i] = TokenLogprobs(

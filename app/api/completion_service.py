@@ -64,8 +64,8 @@ class CompletionService:
         echoed = [self._text(prompt, body.skip_special_tokens) if body.echo else "" for prompt in prompts]
         scored = body.echo and body.logprobs is not None
         pieces = [
-            self._prompt_piece(submitted, text, body) if scored else None
-            for submitted, text in zip(done, echoed, strict=True)
+            self._prompt_piece(submitted, prompt, text, body) if scored else None
+            for submitted, prompt, text in zip(done, prompts, echoed, strict=True)
         ]
         vllm_pieces = None
         if body.prompt_logprobs is not None:
@@ -113,10 +113,15 @@ class CompletionService:
             )
         return specs
 
-    def _prompt_piece(self, submitted: Submitted, echoed: str, body: CompletionRequest) -> dict[str, Any]:
-        """The echoed prompt's legacy logprobs."""
+    def _prompt_piece(
+        self, submitted: Submitted, prompt: Prompt, echoed: str, body: CompletionRequest
+    ) -> dict[str, Any]:
+        """The echoed prompt's legacy logprobs; their offsets count the special tokens' text where the
+        echo has it (ids decoded without ``skip_special_tokens``), not where the tokenizer added them to
+        a text."""
         assert body.logprobs is not None
-        detok = IncrementalDetokenizer(self.chat.tokenizer, skip_special_tokens=body.skip_special_tokens)
+        skip = isinstance(prompt, str) or body.skip_special_tokens
+        detok = IncrementalDetokenizer(self.chat.tokenizer, skip_special_tokens=skip)
         return prompt_logprobs(
             submitted.prompt_token_ids, submitted.prompt_logprobs, detok, echoed, body.logprobs
         )
@@ -155,7 +160,7 @@ class CompletionService:
                 await outputs.collect_while_connected(raw)  # (each choice ran one token, not sent)
             for gen in gens:
                 prompt = gen.index // n
-                if echo.texts[prompt] or echo.only:
+                if echo.texts[prompt] or echo.pieces[prompt] is not None or echo.only:
                     reason = "length" if echo.only else None
                     yield sse(chunk(gen, echo.texts[prompt], include_usage, echo.pieces[prompt], reason))
             if not echo.only:

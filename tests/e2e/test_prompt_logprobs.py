@@ -280,3 +280,35 @@ def complete_chat(server: Server, **fields: Any) -> dict[str, Any]:
     )
     assert resp.status_code == 200, resp.text
     return dict(resp.json())
+
+
+def test_edges_keep_every_array_whole(server: Server) -> None:
+    """A grammar that allows only the empty answer still scores the prompt (and answers ""); a prompt
+    whose text is empty still streams its logprobs; offsets skip the BOS a text prompt never had."""
+    empty = {"structured_outputs": {"choice": [""]}, "max_tokens": 3, "temperature": 0}
+    made = complete(server, prompt="Hello there", prompt_logprobs=1, echo=True, logprobs=1, **empty)
+    [choice] = made["choices"]
+    num_prompt = made["usage"]["prompt_tokens"]
+    assert choice["text"] == "Hello there" and choice["finish_reason"] == "stop"
+    assert made["usage"]["completion_tokens"] == 0 and len(choice["prompt_logprobs"]) == num_prompt
+    assert {len(values) for values in choice["logprobs"].values()} == {num_prompt}
+
+    fields = {"prompt": [1, 1], "echo": True, "logprobs": 1, "max_tokens": 2, "temperature": 0}
+    whole = complete(server, **fields)["choices"][0]
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/completions", json={"model": "tiny-llava", "stream": True, **fields}
+    ) as resp:
+        events = [
+            line[6:] for line in resp.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"
+        ]
+    tokens = [
+        t for e in events for t in (httpx.Response(200, content=e).json()["choices"][0]["logprobs"]["tokens"])
+    ]
+    assert tokens == whole["logprobs"]["tokens"] and len(tokens) == 4  # BOS twice, then the answer's two
+
+    text = "Hello there world"
+    offsets = complete(server, prompt=text, echo=True, logprobs=0, max_tokens=1, skip_special_tokens=False)
+    logprobs = offsets["choices"][0]["logprobs"]
+    starts = dict(zip(logprobs["tokens"][1:-1], logprobs["text_offset"][1:-1], strict=True))
+    assert all(text[start:].startswith(token) for token, start in starts.items()), starts
+    assert logprobs["text_offset"][-1] == len(text)  # the answer's token starts after the echo

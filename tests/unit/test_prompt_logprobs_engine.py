@@ -28,9 +28,11 @@ def test_a_request_that_asks_computes_its_whole_prompt_and_the_cache_stays() -> 
     while s.has_work:
         run_step(s)
     s.add_request(make_request("scored", 50, max_tokens=1, num_prompt_logprobs=2))
+    looked_up = s.kv_cache.num_prefix_queries_tokens
     plan, _ = run_step(s)
     (new,) = plan.new_requests
     assert new.num_cached_tokens == 0
+    assert s.kv_cache.num_prefix_queries_tokens == looked_up, "not looked up: not in the hit rate"
     assert plan.num_scheduled_tokens == {"scored": 50}
     while s.has_work:
         run_step(s)
@@ -50,9 +52,12 @@ def test_each_prompt_token_is_kept_once_and_a_gap_is_refused() -> None:
     again = run(1, 9)  # a resume computes them all again
     assert request.follows_on(again)
     request.add_prompt_logprobs(again)
-    whole = request.prompt_logprobs_run()
+    whole = request.take_prompt_logprobs()
     assert whole is not None and whole.first == 1 and whole.ranks == list(range(1, 10))
     assert [e.sampled.logprob for e in whole.entries] == [-float(t) for t in range(1, 10)]
+    assert request.follows_on(again) and not request.follows_on(run(1, 10)), "sent: only the count stays"
+    request.add_prompt_logprobs(again)
+    assert request.prompt_logprobs == [] and request.num_prompt_logprobs_sent == 9
     assert not make_request("plain", 10).follows_on(first), "it did not ask"
 
 
