@@ -225,7 +225,7 @@ def test_bad_input_disturbs_neither_requests_nor_caches(server: Server, image_ht
         ("web_search_options", {}),
         ("echo", True),
         ("use_beam_search", True),
-        ("prompt_logprobs", 1),
+        ("logprob_token_ids", [1]),
         ("chat_template", "{{ messages }}"),
     ],
 )
