@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video bench-media-ids bench-structured bench-schema-compile bench-sampling bench-agents bench-prefix-match bench-ray dashboard-image
+.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video bench-media-ids bench-structured bench-scoring bench-schema-compile bench-sampling bench-agents bench-prefix-match bench-ray dashboard-image
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -127,6 +127,10 @@ bench-ray: setup model
 # LLaVA and Qwen2.5-VL and vLLM's CPU peer (if set up); a schema's first use vs a repeat; draws docs/img/structured.png
 bench-structured: setup
 	$(PY) bench/bench_structured.py
+
+# ~3 min: lm-eval's log-likelihood requests (echo + logprobs) vs plain completions at c=4, mmserve vs vLLM's CPU peer (if set up), logprob cross-check; draws docs/img/scoring.png
+bench-scoring: setup
+	$(PY) bench/bench_scoring.py
 
 # ~1 min: one JSON schema's compile, mmserve's engine vs xgrammar's compile_json_schema (vLLM's, SGLang's),
 # in one process: everyday patterns, formats, long bounded repetitions; draws docs/img/schema_compile.png
