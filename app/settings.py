@@ -146,7 +146,8 @@ class Settings(BaseSettings):
     attention_backend: Literal["batched", "per-request"] = Field(
         "batched",
         description="Worker attention over the paged KV pool: batched (the step's decodes as one padded "
-        "batch, its prefill chunks as another) or per-request (one call per request; the reference).",
+        "batch, its prefill chunks as another, on a CPU in batches of like sizes) or per-request (one call "
+        "per request; the reference).",
     )
     worker_step_overlap: Literal["auto", "on", "off"] = Field(
         "auto",

@@ -1,7 +1,8 @@
 """Attention backends over the paged KV pool (``--attention-backend``).
 
 - ``batched`` (default, CPU and CUDA): the step's decodes as one padded batch and its prefill chunks as
-  another, one attention call each per layer (``workers.attention.batched``).
+  another (on a CPU, in batches of like sizes), one attention call each per layer
+  (``workers.attention.batched``).
 - ``per-request``: one attention call per request and layer (``workers.attention.per_request``); the
   reference the others are tested against.
 
