@@ -3,6 +3,8 @@ bf16, encoder outputs and the paged KV pool in GPU memory), against transformers
 the same GPU, by the near-tie rule of every tier (tests/near_tie.py; the bf16 bound is in conftest.py):
 
 - images, cold and again from every cache (processor, IPC, encoder and prefix caches hit);
+- a prompt's logprobs (vLLM's ``prompt_logprobs``) with an image: transformers' bf16 forward over it,
+  each within twice the near-tie bound (a token's logprob from a neighbouring position is off by nats);
 - every cache off, in 128-token prefill steps that cut through the images;
 - the shm store, with a KV pool so small that concurrent requests are preempted and resumed;
 - videos (the Qwen families), cold, warm, chunked and uncached;
@@ -23,6 +25,7 @@ from typing import Any
 import httpx
 import PIL.Image
 import pytest
+import torch
 
 from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.metrics import delta
@@ -93,6 +96,26 @@ def test_images_cold_warm_and_uncached_in_128_token_steps(
         assert delta(before, after, "mmserve_mm_processor_cache_hits_total") == len(images)
         assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         check(ask(uncached, image_body(family, text, images)), oracle, want, gpu_tier)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_logprobs_with_an_image(
+    family: str, gpu_tier: Tier, tier_servers: Servers, tier_oracle: Callable[[str], Oracle]
+) -> None:
+    oracle, server = tier_oracle(family), tier_servers[family, "cached"]
+    text, images = IMAGE_CASES["two"]
+    served = ask(server, {**image_body(family, text, images), "max_tokens": 1, "prompt_logprobs": 1})
+    inputs = oracle.inputs(text, list(images))
+    ids = inputs["input_ids"][0].tolist()
+    device_inputs = {k: v.to(oracle.model.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+    with torch.inference_mode():
+        expected = torch.log_softmax(oracle.model(**device_inputs).logits[0].float(), dim=-1).cpu()
+    positions = served["prompt_logprobs"]
+    assert len(positions) == len(ids) and positions[0] is None, family
+    gaps = [
+        abs(positions[t][str(ids[t])]["logprob"] - float(expected[t - 1, ids[t]])) for t in range(1, len(ids))
+    ]
+    assert max(gaps) <= 2 * gpu_tier.near_tie, (family, max(gaps), gaps.index(max(gaps)) + 1)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
