@@ -13,8 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.api.detokenizer import IncrementalDetokenizer
-from app.api.outputs import Generation, logprob_entries
-from app.api.prompt_logprobs import trimmed
+from app.api.outputs import Generation, finite
 from wire.protocol import PromptLogprobs
 
 OBJECT = "text_completion"
@@ -69,18 +68,29 @@ def prompt_logprobs(
     """An echoed prompt's legacy logprobs: its first token's null, then each token's (the engine's
     ``run``) given those before it, with ``num_top`` alternatives; each token's ``text_offset`` is where
     its text begins in the prompt as its ids decode (``detok``, fresh: pushed here), within ``echoed``."""
-    items = logprob_entries(trimmed(run.entries, num_top), detok)
+    strings: dict[int, str] = {}  # each id's text, spelt once per prompt
+
+    def text(token_id: int) -> str:
+        spelt = strings.get(token_id)
+        if spelt is None:
+            spelt = strings[token_id] = detok.token_strings([token_id])[0]
+        return spelt
+
+    tokens = [text(token_id) for token_id in prompt_ids]
     offsets = []
     length = 0
     for token_id in prompt_ids:
         offsets.append(min(length, len(echoed)))
         length += len(detok.push([token_id]))
-    return {
-        "tokens": [*detok.token_strings(list(prompt_ids[:1])), *(item["token"] for item in items)],
-        "token_logprobs": [None, *(item["logprob"] for item in items)],
-        "top_logprobs": [None, *(_top(item) for item in items)],
-        "text_offset": offsets,
-    }
+    logprobs: list[float | None] = [None]
+    tops: list[dict[str, float] | None] = [None]
+    for token, entry in zip(tokens[1:], run.entries, strict=True):  # (as chat's entries read: _top)
+        logprob = finite(entry.sampled.logprob)
+        logprobs.append(logprob)
+        tops.append(
+            {token: logprob} | {text(alt.token_id): finite(alt.logprob) for alt in entry.top[:num_top]}
+        )
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
 def joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -183,10 +183,7 @@ def logprob_entries(entries: list[TokenLogprobs], detok: IncrementalDetokenizer)
 
     def one(token_id: int, logprob: float) -> dict[str, Any]:
         token = detok.token_strings([token_id])[0]
-        # JSON has no -inf or NaN (a model that overflowed): vLLM's floor stands in, as OpenAI's clients
-        # expect a number
-        logprob = logprob if math.isfinite(logprob) else LOGPROB_FLOOR
-        return {"token": token, "logprob": logprob, "bytes": detok.token_bytes(token_id)}
+        return {"token": token, "logprob": finite(logprob), "bytes": detok.token_bytes(token_id)}
 
     result = []
     for entry in entries:
@@ -194,6 +191,12 @@ def logprob_entries(entries: list[TokenLogprobs], detok: IncrementalDetokenizer)
         item["top_logprobs"] = [one(lp.token_id, lp.logprob) for lp in entry.top]
         result.append(item)
     return result
+
+
+def finite(logprob: float) -> float:
+    """A logprob JSON can carry: it has no -inf or NaN (a model that overflowed), for which vLLM's floor
+    stands in, as OpenAI's clients expect a number."""
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
 async def request_outputs(first: RequestOutput, queue: OutputQueue) -> AsyncIterator[RequestOutput]:

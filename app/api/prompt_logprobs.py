@@ -6,19 +6,12 @@ computes them from the whole prompt (docs/architecture.md, "Prompt logprobs").""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 from app.api.detokenizer import IncrementalDetokenizer
-from app.api.outputs import LOGPROB_FLOOR
-from wire.protocol import PromptLogprobs, TokenLogprobs
-
-
-def trimmed(entries: list[TokenLogprobs], num_top: int) -> list[TokenLogprobs]:
-    """The entries with at most ``num_top`` alternatives each (the engine computed as many as the most
-    any field of the request asked for)."""
-    return [TokenLogprobs(entry.sampled, entry.top[:num_top]) for entry in entries]
+from app.api.outputs import finite
+from wire.protocol import PromptLogprobs
 
 
 def vllm_prompt_logprobs(
@@ -28,7 +21,7 @@ def vllm_prompt_logprobs(
 
     def one(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
         return {
-            "logprob": logprob if math.isfinite(logprob) else LOGPROB_FLOOR,
+            "logprob": finite(logprob),
             "rank": rank,
             "decoded_token": detok.token_strings([token_id])[0],
         }
