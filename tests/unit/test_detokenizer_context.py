@@ -6,25 +6,17 @@ the decode of their ids, streamed or not; a context that ends in half a characte
 from __future__ import annotations
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import PreTrainedTokenizerFast
 
 from app.api.detokenizer import IncrementalDetokenizer
+from tests.sentencepiece_style import sentencepiece_tokenizer
 
 WORDS = ["▁The", "▁capital", "▁of", "▁France", "▁is", "▁Paris", ".", "▁", "a", "b"]
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerFast:
-    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)]
-    pieces += [(f"<0x{byte:02X}>", -10.0) for byte in range(256)]
-    pieces += [(word, -1.0) for word in WORDS]
-    unigram = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
-    unigram.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    unigram.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=unigram, bos_token="<s>", eos_token="</s>")
+    return sentencepiece_tokenizer(WORDS)
 
 
 def ids(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:

@@ -10,31 +10,17 @@ from __future__ import annotations
 import math
 import random
 
-from tokenizers import Tokenizer, decoders, models, normalizers
-from transformers import PreTrainedTokenizerFast
-
 from app.api.completion_responses import prompt_logprobs
 from app.api.detokenizer import IncrementalDetokenizer
 from app.api.outputs import LOGPROB_FLOOR, logprob_entries
+from tests.sentencepiece_style import sentencepiece_tokenizer
 from wire.protocol import Logprob, PromptLogprobs, TokenLogprobs
 
 WORDS = ["▁The", "▁cat", "▁sat", "▁on", "▁a", "▁mat", ".", "▁", "a", "b"]
 
 
-def tokenizer() -> PreTrainedTokenizerFast:
-    pieces = [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)]
-    pieces += [(f"<0x{byte:02X}>", -10.0) for byte in range(256)]
-    pieces += [(word, -1.0) for word in WORDS]
-    unigram = Tokenizer(models.Unigram(pieces, unk_id=0, byte_fallback=True))
-    unigram.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    unigram.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=unigram, bos_token="<s>", eos_token="</s>")
-
-
 def test_the_legacy_shape_says_what_chats_entries_say() -> None:
-    tok = tokenizer()
+    tok = sentencepiece_tokenizer(WORDS)
     text = "The cat sat on a mat. 猫"  # (the last character in three byte-fallback tokens)
     ids = [tok.bos_token_id, *tok(text, add_special_tokens=False)["input_ids"]]
     rng = random.Random(0)
