@@ -97,9 +97,8 @@ class ChatService:
         response = completion(gens)
         if body.prompt_logprobs is not None:
             detok = IncrementalDetokenizer(self.tokenizer)
-            run = submitted.prompt_logprobs
             response["prompt_logprobs"] = vllm_prompt_logprobs(
-                submitted.prompt_token_ids, run, detok, body.prompt_logprobs
+                submitted.prompt_logprobs, detok, body.prompt_logprobs
             )
         return JSONResponse(response)
 

@@ -68,15 +68,7 @@ def prompt_logprobs(
     """An echoed prompt's legacy logprobs: its first token's null, then each token's (the engine's
     ``run``) given those before it, with ``num_top`` alternatives; each token's ``text_offset`` is where
     its text begins in the prompt as its ids decode (``detok``, fresh: pushed here), within ``echoed``."""
-    strings: dict[int, str] = {}  # each id's text, spelt once per prompt
-
-    def text(token_id: int) -> str:
-        spelt = strings.get(token_id)
-        if spelt is None:
-            spelt = strings[token_id] = detok.token_strings([token_id])[0]
-        return spelt
-
-    tokens = [text(token_id) for token_id in prompt_ids]
+    tokens = detok.token_strings(list(prompt_ids))
     offsets = []
     length = 0
     for token_id in prompt_ids:
@@ -87,8 +79,10 @@ def prompt_logprobs(
     for token, entry in zip(tokens[1:], run.entries, strict=True):  # (as chat's entries read: _top)
         logprob = finite(entry.sampled.logprob)
         logprobs.append(logprob)
+        alternatives = entry.top[:num_top]
+        spelt = detok.token_strings([alt.token_id for alt in alternatives])
         tops.append(
-            {token: logprob} | {text(alt.token_id): finite(alt.logprob) for alt in entry.top[:num_top]}
+            {token: logprob} | {s: finite(alt.logprob) for s, alt in zip(spelt, alternatives, strict=True)}
         )
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 

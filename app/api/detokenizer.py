@@ -86,6 +86,7 @@ class IncrementalDetokenizer:
         self._decode_fn = backend.decode if backend is not None else tokenizer.decode
         self._byte_level = backend is not None and "ByteLevel" in repr(backend.decoder)
         self._bytes_by_token: dict[int, list[int]] = {}
+        self._string_by_token: dict[int, str] = {}
         # ids before the output (a raw prompt's last ones): its first tokens decode after them, as they
         # would in the prompt's text (a SentencePiece "▁Paris" keeps its space); none where they end in
         # half a character
@@ -218,11 +219,15 @@ class IncrementalDetokenizer:
         OpenAI does, ``bytes:\\xe6\\x97`` (its ``bytes`` field carries the real values)."""
         strings = []
         for token_id in token_ids:
-            raw = bytes(self.token_bytes(token_id))
-            try:
-                strings.append(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                strings.append("bytes:" + "".join(f"\\x{byte:02x}" for byte in raw))
+            spelt = self._string_by_token.get(token_id)
+            if spelt is None:
+                raw = bytes(self.token_bytes(token_id))
+                try:
+                    spelt = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    spelt = "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
+                self._string_by_token[token_id] = spelt
+            strings.append(spelt)
         return strings
 
     def _raw_bytes(self, token_id: int) -> list[int]:

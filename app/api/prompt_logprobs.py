@@ -6,7 +6,6 @@ computes them from the whole prompt (docs/architecture.md, "Prompt logprobs").""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from app.api.detokenizer import IncrementalDetokenizer
@@ -15,7 +14,7 @@ from wire.protocol import PromptLogprobs
 
 
 def vllm_prompt_logprobs(
-    prompt_ids: Sequence[int], run: PromptLogprobs, detok: IncrementalDetokenizer, num_top: int
+    run: PromptLogprobs, detok: IncrementalDetokenizer, num_top: int
 ) -> list[dict[str, dict[str, Any]] | None]:
     """The prompt's logprobs in vLLM's shape, from the engine's ``run`` (tokens 1, 2, ...)."""
 
@@ -26,7 +25,7 @@ def vllm_prompt_logprobs(
             "decoded_token": detok.token_strings([token_id])[0],
         }
 
-    result: list[dict[str, dict[str, Any]] | None] = [None] * min(1, len(prompt_ids))
+    result: list[dict[str, dict[str, Any]] | None] = [None]  # (a prompt is never empty)
     for entry, rank in zip(run.entries, run.ranks, strict=True):
         position = {str(entry.sampled.token_id): one(entry.sampled.token_id, entry.sampled.logprob, rank)}
         for top_rank, top in enumerate(entry.top[:num_top], start=1):

@@ -80,9 +80,12 @@ class SubmittedChoice:
 
 @dataclass(frozen=True)
 class Submitted:
-    num_prompt_tokens: int
     choices: list[SubmittedChoice]
-    prompt_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     @property
     def prompt_tail(self) -> tuple[int, ...]:
@@ -112,7 +115,7 @@ async def submit(inputs: InputProcessor, engine: EngineClient, spec: RequestSpec
             engine.release(first.req_id, abort=True)
             raise
     inputs.count_uuid_hits(prepared)
-    return Submitted(len(prepared.prompt_token_ids), choices, tuple(prepared.prompt_token_ids))
+    return Submitted(choices, tuple(prepared.prompt_token_ids))
 
 
 async def _submit_rest(
