@@ -21,9 +21,16 @@ from app.api.outputs import ChoiceOutputs, Generation
 from app.api.prompt_logprobs import vllm_prompt_logprobs
 from app.api.request_fields import UnknownFields, template_variables, unknown_field_names
 from app.api.request_guards import request_tenant
-from app.api.responses import chunk, completion, final_usage_chunk, sse, tool_stream_deltas
+from app.api.responses import (
+    chunk,
+    completion,
+    final_usage_chunk,
+    sse,
+    tool_stream_deltas,
+    with_prompt_token_ids,
+)
 from app.api.sampling import SamplingDefaults, choice_sampling, sampling_params
-from app.api.sampling_schemas import MAX_REQUEST_ID_CHARS, SamplingRequest
+from app.api.sampling_schemas import MAX_REQUEST_ID_CHARS, SamplingRequest, StreamUsage
 from app.api.schemas import ChatCompletionRequest
 from app.api.tool_schemas import (
     ANSWER_KINDS,
@@ -89,7 +96,7 @@ class ChatService:
         if body.stream:
             return StreamingResponse(
                 self._stream(
-                    outputs, body.include_usage, body.parses_tool_calls and calls_only(body.tool_choice)
+                    outputs, body.stream_usage, body.parses_tool_calls and calls_only(body.tool_choice)
                 ),
                 media_type="text/event-stream",
             )
@@ -133,6 +140,8 @@ class ChatService:
                 context=list(submitted.prompt_tail) if after_prompt else None,
             ),
             stop_token_ids=frozenset([*self.inputs.family.eos_token_ids, *(body.stop_token_ids or ())]),
+            prompt_token_ids=submitted.prompt_token_ids if body.return_token_ids else None,
+            tokens_as_ids=body.return_tokens_as_token_ids,
         )
 
     def check_ready(self, body: SamplingRequest) -> None:
@@ -212,32 +221,34 @@ class ChatService:
         return params
 
     async def _stream(
-        self, outputs: ChoiceOutputs, include_usage: bool, calls_only: bool = False
+        self, outputs: ChoiceOutputs, stream_usage: StreamUsage, calls_only: bool = False
     ) -> AsyncIterator[str]:
         """SSE events: each choice's role chunk (its content null where the answer is calls only, as
-        OpenAI's), then its deltas as they come, then the usage."""
+        OpenAI's; the prompt's token ids where the response returns them), then its deltas as they
+        come, then the usage."""
         gens = outputs.gens
         try:
             for gen in gens:
                 first = {"role": "assistant", "content": None if calls_only else ""}
-                yield sse(chunk(gen, first, include_usage))
+                yield sse(with_prompt_token_ids(chunk(gen, first, stream_usage), gen))
             calls = {gen.index: gen.call_streamer() for gen in gens if gen.parse_tool_calls}
             async for delta in outputs.deltas():
                 gen = gens[delta.index]
                 logprobs = {"content": delta.logprobs} if gen.want_logprobs else None
+                token_ids = delta.token_ids if gen.returns_token_ids else None
                 streamer = calls.get(delta.index)
                 if streamer is None:
                     content = {"content": delta.text} if delta.text else {}
-                    yield sse(chunk(gen, content, include_usage, logprobs, delta.finish_reason))
+                    yield sse(chunk(gen, content, stream_usage, logprobs, delta.finish_reason, token_ids))
                     continue
                 for event in tool_stream_deltas(streamer, delta.text, gen):
-                    yield sse(chunk(gen, event, include_usage))
-                if logprobs is not None or delta.finish_reason is not None:
+                    yield sse(chunk(gen, event, stream_usage))
+                if logprobs is not None or token_ids is not None or delta.finish_reason is not None:
                     reason = delta.finish_reason
                     if reason is not None:
                         reason = streamer.finish_reason(reason)
-                    yield sse(chunk(gen, {}, include_usage, logprobs, reason))
-            if include_usage:
+                    yield sse(chunk(gen, {}, stream_usage, logprobs, reason, token_ids))
+            if stream_usage is not StreamUsage.NONE:
                 yield sse(final_usage_chunk(gens))
             yield "data: [DONE]\n\n"
         except MMServeError as exc:

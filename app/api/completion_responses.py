@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from app.api.detokenizer import IncrementalDetokenizer
-from app.api.outputs import Generation, finite
+from app.api.outputs import Generation, finite, token_texts, usage_counts
+from app.api.responses import stream_envelope
+from app.api.sampling_schemas import StreamUsage
 from wire.protocol import PromptLogprobs
 
 OBJECT = "text_completion"
@@ -25,12 +27,7 @@ def usage(gens: list[Generation], n: int, echo_only: bool = False) -> dict[str, 
     firsts = gens[::n]
     num_prompt = sum(gen.num_prompt_tokens for gen in firsts)
     num_completion = 0 if echo_only else sum(len(gen.token_ids) for gen in gens)
-    return {
-        "prompt_tokens": num_prompt,
-        "completion_tokens": num_completion,
-        "total_tokens": num_prompt + num_completion,
-        "prompt_tokens_details": {"cached_tokens": sum(gen.num_cached_tokens for gen in firsts)},
-    }
+    return usage_counts(num_prompt, num_completion, sum(gen.num_cached_tokens for gen in firsts))
 
 
 class LegacyLogprobs:
@@ -63,12 +60,18 @@ def _top(entry: dict[str, Any]) -> dict[str, float]:
 
 
 def prompt_logprobs(
-    prompt_ids: Sequence[int], run: PromptLogprobs, detok: IncrementalDetokenizer, echoed: str, num_top: int
+    prompt_ids: Sequence[int],
+    run: PromptLogprobs,
+    detok: IncrementalDetokenizer,
+    echoed: str,
+    num_top: int,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     """An echoed prompt's legacy logprobs: its first token's null, then each token's (the engine's
     ``run``) given those before it, with ``num_top`` alternatives; each token's ``text_offset`` is where
-    its text begins in the prompt as its ids decode (``detok``, fresh: pushed here), within ``echoed``."""
-    tokens = detok.token_strings(list(prompt_ids))
+    its text begins in the prompt as its ids decode (``detok``, fresh: pushed here), within ``echoed``;
+    ``as_ids``: tokens spelt ``token_id:<id>``."""
+    tokens = token_texts(detok, list(prompt_ids), as_ids)
     offsets = []
     length = 0
     for token_id in prompt_ids:
@@ -80,7 +83,7 @@ def prompt_logprobs(
         logprob = finite(entry.sampled.logprob)
         logprobs.append(logprob)
         alternatives = entry.top[:num_top]
-        spelt = detok.token_strings([alt.token_id for alt in alternatives])
+        spelt = token_texts(detok, [alt.token_id for alt in alternatives], as_ids)
         tops.append(
             {token: logprob} | {s: finite(alt.logprob) for s, alt in zip(spelt, alternatives, strict=True)}
         )
@@ -104,7 +107,8 @@ def completion(
 ) -> dict[str, Any]:
     """The whole ``text_completion``; ``echoed``: each prompt's text before its choices' (or ""), with
     its logprobs (``prompt_pieces``, None without); ``echo_only``: the answers are left out;
-    ``vllm_prompt_logprobs``: each prompt's, where vLLM's ``prompt_logprobs`` asked for them."""
+    ``vllm_prompt_logprobs``: each prompt's, where vLLM's ``prompt_logprobs`` asked for them; the
+    prompt's and the answer's token ids with each choice, where the response returns them."""
     choices = []
     for gen in gens:
         prompt = gen.index // n
@@ -120,6 +124,9 @@ def completion(
         }
         if vllm_prompt_logprobs is not None:
             choice["prompt_logprobs"] = vllm_prompt_logprobs[prompt]
+        if gen.prompt_token_ids is not None:
+            choice["prompt_token_ids"] = list(gen.prompt_token_ids)
+            choice["token_ids"] = [] if echo_only else list(gen.token_ids)
         choices.append(choice)
     return envelope(gens[0], choices, usage(gens, n, echo_only))
 
@@ -127,17 +134,28 @@ def completion(
 def chunk(
     gen: Generation,
     text: str,
-    include_usage: bool,
+    stream_usage: StreamUsage,
     logprobs: dict[str, Any] | None = None,
     finish_reason: str | None = None,
+    token_ids: list[int] | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+    echo_only: bool = False,
 ) -> dict[str, Any]:
-    """A stream chunk of one choice; with ``include_usage`` each says ``usage: null`` and a last one
-    (``envelope(gen, [], usage(...))``) carries the totals."""
-    choice = {"index": gen.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    result = envelope(gen, [choice], None)
-    if not include_usage:
-        del result["usage"]
-    return result
+    """A stream chunk of one choice, with the answer's ``token_ids`` it adds and the ``prompt_token_ids``
+    (on a choice's first chunk) where the response returns them; with usage each says ``usage: null``
+    and a last one (``envelope(gen, [], usage(...))``) carries the totals, or with continuous usage each
+    says the choice's so far (no completion tokens where the answer is the prompt alone)."""
+    choice: dict[str, Any] = {
+        "index": gen.index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = list(prompt_token_ids)
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return stream_envelope(envelope(gen, [choice], None), gen, stream_usage, 0 if echo_only else None)
 
 
 def envelope(gen: Generation, choices: list[dict[str, Any]], usage: Any) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from app.api.prompt_logprobs import vllm_prompt_logprobs
 from app.api.request_guards import request_tenant
 from app.api.responses import sse
 from app.api.sampling import reword_length_error
+from app.api.sampling_schemas import StreamUsage
 from app.errors import MMServeError
 from app.inputs.raw_prompts import RawPrompt
 from app.inputs.submission import RequestSpec, Submitted, submit, submit_together
@@ -76,7 +77,7 @@ class CompletionService:
         echo = Echo(echoed, pieces, body.echo_only)
         if body.stream:
             return StreamingResponse(
-                self._stream(outputs, body.n, echo, body.include_usage, raw), media_type="text/event-stream"
+                self._stream(outputs, body.n, echo, body.stream_usage, raw), media_type="text/event-stream"
             )
         await outputs.collect_while_connected(raw)
         return JSONResponse(completion(gens, body.n, echoed, pieces, body.echo_only, vllm_pieces))
@@ -120,7 +121,12 @@ class CompletionService:
         skip = isinstance(prompt, str) or body.skip_special_tokens
         detok = IncrementalDetokenizer(self.chat.tokenizer, skip_special_tokens=skip)
         return prompt_logprobs(
-            submitted.prompt_token_ids, submitted.prompt_logprobs, detok, echoed, body.logprobs
+            submitted.prompt_token_ids,
+            submitted.prompt_logprobs,
+            detok,
+            echoed,
+            body.logprobs,
+            body.return_tokens_as_token_ids,
         )
 
     async def _submit(self, spec: RequestSpec) -> Submitted:
@@ -141,11 +147,12 @@ class CompletionService:
         return str(self.chat.tokenizer.decode(prompt, skip_special_tokens=skip_special_tokens))
 
     async def _stream(
-        self, outputs: ChoiceOutputs, n: int, echo: Echo, include_usage: bool, raw: Request
+        self, outputs: ChoiceOutputs, n: int, echo: Echo, stream_usage: StreamUsage, raw: Request
     ) -> AsyncIterator[str]:
         """SSE events: each choice's echoed prompt (with ``echo``, and its logprobs), then its text as it
         comes (none, and ``length``, where the answer is the prompt alone), then the usage (with
-        ``include_usage``)."""
+        ``include_usage``). Where the response returns token ids, a choice's first chunk carries the
+        prompt's and each chunk the answer's it adds."""
         gens = outputs.gens
         try:
             logprobs = {
@@ -153,20 +160,33 @@ class CompletionService:
                 for gen in gens
                 if gen.want_logprobs
             }
+            unsent_prompts = {gen.index: gen.prompt_token_ids for gen in gens if gen.returns_token_ids}
             if echo.only:
                 await outputs.collect_while_connected(raw)  # (each choice ran one token, not sent)
             for gen in gens:
                 prompt = gen.index // n
                 if echo.texts[prompt] or echo.pieces[prompt] is not None or echo.only:
                     reason = "length" if echo.only else None
-                    yield sse(chunk(gen, echo.texts[prompt], include_usage, echo.pieces[prompt], reason))
+                    token_ids: list[int] | None = [] if gen.returns_token_ids else None
+                    yield sse(
+                        chunk(
+                            gen, echo.texts[prompt], stream_usage, echo.pieces[prompt], reason, token_ids,
+                            unsent_prompts.pop(gen.index, None), echo_only=echo.only,
+                        )
+                    )  # fmt: skip
             if not echo.only:
                 async for delta in outputs.deltas():
                     gen = gens[delta.index]
                     legacy = logprobs.get(delta.index)
                     piece = legacy.piece(delta.logprobs) if legacy is not None else None
-                    yield sse(chunk(gen, delta.text, include_usage, piece, delta.finish_reason))
-            if include_usage:
+                    token_ids = delta.token_ids if gen.returns_token_ids else None
+                    prompt_ids = unsent_prompts.pop(delta.index, None)
+                    yield sse(
+                        chunk(
+                            gen, delta.text, stream_usage, piece, delta.finish_reason, token_ids, prompt_ids
+                        )
+                    )
+            if stream_usage is not StreamUsage.NONE:
                 yield sse(envelope(gens[0], [], usage(gens, n, echo.only)))
             yield "data: [DONE]\n\n"
         except MMServeError as exc:

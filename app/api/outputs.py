@@ -49,6 +49,8 @@ class Generation:
     parse_tool_calls: bool = False  # the request has tools it lets the model call (app/api/tool_calls.py)
     answer_or_calls: bool = False  # ... beside a JSON output format: that JSON alone or calls alone
     stop_token_ids: frozenset[int] = frozenset()  # EOS and the request's stop_token_ids: no text of theirs
+    prompt_token_ids: tuple[int, ...] | None = None  # the prompt's, where the response returns token ids
+    tokens_as_ids: bool = False  # logprobs spell each token as "token_id:<id>" (vLLM's)
 
     @property
     def created(self) -> int:
@@ -64,6 +66,18 @@ class Generation:
         """The output's tokens: those the detokenizer took (up to a stop string's last)."""
         return self.detok.token_ids
 
+    @property
+    def returns_token_ids(self) -> bool:
+        """The response carries the prompt's and the output's token ids (vLLM's ``return_token_ids``)."""
+        return self.prompt_token_ids is not None
+
+    def usage(self, num_completion_tokens: int | None = None) -> dict[str, Any]:
+        """The usage of this choice's prompt and its output so far (``num_completion_tokens``: its
+        count, where the output's tokens are not what counts)."""
+        if num_completion_tokens is None:
+            num_completion_tokens = len(self.token_ids)
+        return usage_counts(self.num_prompt_tokens, num_completion_tokens, self.num_cached_tokens)
+
     def parsed(self) -> ParsedOutput:
         """The finished text split into content and tool calls (``parse_tool_calls`` is true)."""
         return parse_tool_calls(self.text, cut=self.cut, answer_or_calls=self.answer_or_calls)
@@ -75,13 +89,15 @@ class Generation:
 
 @dataclass(frozen=True)
 class ChoiceDelta:
-    """What one engine output added to choice ``index``: text, logprob entries, and the finish reason
-    once it finished (then ``text`` includes what the detokenizer held back)."""
+    """What one engine output added to choice ``index``: text, logprob entries, the token ids the answer
+    took, and the finish reason once it finished (then ``text`` includes what the detokenizer held
+    back)."""
 
     index: int
     text: str
     logprobs: list[dict[str, Any]]
     finish_reason: str | None
+    token_ids: list[int]
 
 
 class ChoiceOutputs:
@@ -127,15 +143,17 @@ class ChoiceOutputs:
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Each choice's deltas in its order, the choices interleaved as their outputs come; only deltas
-        that carry something. Raises the first failure."""
+        that carry something (token ids where the response returns them). Raises the first failure."""
         async with contextlib.aclosing(interleaved(self._outputs, self.gens)) as merged_outputs:
             async for index, out in merged_outputs:
                 gen = self.gens[index]
-                num_logprobs = len(gen.logprobs)
+                num_logprobs, num_tokens = len(gen.logprobs), len(gen.token_ids)
                 text = self._advance(gen, out)
                 logprobs = gen.logprobs[num_logprobs:]
-                if text or logprobs or gen.finish_reason is not None:
-                    yield ChoiceDelta(index, text, logprobs, gen.finish_reason)
+                token_ids = gen.token_ids[num_tokens:]  # (the detokenizer only appends: see its push)
+                returned_ids = gen.returns_token_ids and token_ids
+                if text or logprobs or returned_ids or gen.finish_reason is not None:
+                    yield ChoiceDelta(index, text, logprobs, gen.finish_reason, token_ids)
 
     def _advance(self, gen: Generation, out: RequestOutput) -> str:
         """Applies one engine output to ``gen``; returns the new text. Of an output of several tokens
@@ -152,7 +170,7 @@ class ChoiceOutputs:
             self._observe_latency(gen, num_new)
         self.metrics.generation_tokens.inc(num_new)
         if gen.want_logprobs and out.logprobs:
-            gen.logprobs.extend(logprob_entries(out.logprobs[:num_new], gen.detok))
+            gen.logprobs.extend(logprob_entries(out.logprobs[:num_new], gen.detok, gen.tokens_as_ids))
         if gen.detok.stopped:
             gen.finish_reason = "stop"
             self.engine.release(gen.req_id, abort=True)
@@ -178,11 +196,14 @@ class ChoiceOutputs:
         gen.last_token_at = now
 
 
-def logprob_entries(entries: list[TokenLogprobs], detok: IncrementalDetokenizer) -> list[dict[str, Any]]:
-    """OpenAI ``logprobs.content`` items: token text (``bytes:…`` for partial characters), raw bytes."""
+def logprob_entries(
+    entries: list[TokenLogprobs], detok: IncrementalDetokenizer, as_ids: bool = False
+) -> list[dict[str, Any]]:
+    """OpenAI ``logprobs.content`` items: token text (``bytes:…`` for partial characters; with
+    ``as_ids``, ``token_id:<id>``), raw bytes (the token's own, either way)."""
 
     def one(token_id: int, logprob: float) -> dict[str, Any]:
-        token = detok.token_strings([token_id])[0]
+        token = token_texts(detok, [token_id], as_ids)[0]
         return {"token": token, "logprob": finite(logprob), "bytes": detok.token_bytes(token_id)}
 
     result = []
@@ -191,6 +212,26 @@ def logprob_entries(entries: list[TokenLogprobs], detok: IncrementalDetokenizer)
         item["top_logprobs"] = [one(lp.token_id, lp.logprob) for lp in entry.top]
         result.append(item)
     return result
+
+
+def token_texts(detok: IncrementalDetokenizer, token_ids: list[int], as_ids: bool) -> list[str]:
+    """How logprobs spell tokens: their text, or with ``as_ids`` (vLLM's ``return_tokens_as_token_ids``)
+    ``token_id:<id>``, which any client maps back to the token whatever its text."""
+    if as_ids:
+        return [f"token_id:{token_id}" for token_id in token_ids]
+    return detok.token_strings(token_ids)
+
+
+def usage_counts(
+    num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int
+) -> dict[str, Any]:
+    """OpenAI's ``usage`` object."""
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
 
 
 def finite(logprob: float) -> float:

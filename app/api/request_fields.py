@@ -66,8 +66,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "media_io_kwargs": ((None,), "use mm_processor_kwargs"),
     "priority": ((None, 0), "requests are served first come, first served"),
     "logits_processors": ((None, []), _NOT_SUPPORTED),
-    "return_tokens_as_token_ids": ((None, False), _NOT_SUPPORTED),
-    "return_token_ids": ((None, False), _NOT_SUPPORTED),
     "return_token_offsets": ((None, False), _NOT_SUPPORTED),
     "return_prompt_text": ((None, False), _NOT_SUPPORTED),
     "return_mm_kwargs": ((None, False), _NOT_SUPPORTED),

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.api.outputs import Generation
+from app.api.outputs import Generation, usage_counts
+from app.api.sampling_schemas import StreamUsage
 from app.api.tool_calls import ToolCall, ToolCallDelta, ToolCallStreamer
 from app.api.tool_calls import finish_reason as tool_finish_reason
 
@@ -14,12 +15,7 @@ from app.api.tool_calls import finish_reason as tool_finish_reason
 def usage(gens: list[Generation]) -> dict[str, Any]:
     """The prompt once (it was prefilled once), every choice's completion."""
     num_completion_tokens = sum(len(gen.token_ids) for gen in gens)
-    return {
-        "prompt_tokens": gens[0].num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": gens[0].num_prompt_tokens + num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": gens[0].num_cached_tokens},
-    }
+    return usage_counts(gens[0].num_prompt_tokens, num_completion_tokens, gens[0].num_cached_tokens)
 
 
 def completion(gens: list[Generation]) -> dict[str, Any]:
@@ -33,15 +29,25 @@ def completion(gens: list[Generation]) -> dict[str, Any]:
             if parsed.tool_calls:
                 message["tool_calls"] = [tool_call_json(call) for call in parsed.tool_calls]
             reason = tool_finish_reason(parsed, reason or "stop")
-        choices.append(
-            {
-                "index": gen.index,
-                "message": message,
-                "logprobs": {"content": gen.logprobs} if gen.want_logprobs else None,
-                "finish_reason": reason,
-            }
-        )
-    return _envelope(gens[0], "chat.completion", choices, usage(gens))
+        choice = {
+            "index": gen.index,
+            "message": message,
+            "logprobs": {"content": gen.logprobs} if gen.want_logprobs else None,
+            "finish_reason": reason,
+        }
+        if gen.returns_token_ids:
+            choice["token_ids"] = list(gen.token_ids)
+        choices.append(choice)
+    result = _envelope(gens[0], "chat.completion", choices, usage(gens))
+    return with_prompt_token_ids(result, gens[0])
+
+
+def with_prompt_token_ids(result: dict[str, Any], gen: Generation) -> dict[str, Any]:
+    """``result`` with the prompt's token ids at its top level, where ``gen``'s response returns them
+    (vLLM's place for chat: a response's first chunk, or the whole response)."""
+    if gen.prompt_token_ids is not None:
+        result["prompt_token_ids"] = list(gen.prompt_token_ids)
+    return result
 
 
 def tool_call_json(call: ToolCall) -> dict[str, Any]:
@@ -70,16 +76,37 @@ def tool_call_delta_json(delta: ToolCallDelta) -> dict[str, Any]:
 def chunk(
     gen: Generation,
     delta: dict[str, Any],
-    include_usage: bool,
+    stream_usage: StreamUsage,
     logprobs: dict[str, Any] | None = None,
     finish_reason: str | None = None,
+    token_ids: list[int] | None = None,
 ) -> dict[str, Any]:
-    """A ``chat.completion.chunk`` of one choice; with ``include_usage`` every chunk says ``usage: null``
-    and a final one (``final_usage_chunk``) carries the totals, as OpenAI streams do."""
-    choice = {"index": gen.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    result = _envelope(gen, "chat.completion.chunk", [choice], None)
-    if not include_usage:
+    """A ``chat.completion.chunk`` of one choice (``token_ids``: the answer's it adds, where the response
+    returns them); with usage every chunk says ``usage: null`` and a final one (``final_usage_chunk``)
+    carries the totals, as OpenAI streams do, or with continuous usage each says the choice's so far."""
+    choice: dict[str, Any] = {
+        "index": gen.index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return stream_envelope(_envelope(gen, "chat.completion.chunk", [choice], None), gen, stream_usage)
+
+
+def stream_envelope(
+    result: dict[str, Any],
+    gen: Generation,
+    stream_usage: StreamUsage,
+    num_completion_tokens: int | None = None,
+) -> dict[str, Any]:
+    """A chunk's ``usage`` as ``stream_usage`` says: left out, null, or ``gen``'s so far (its output's
+    tokens, or ``num_completion_tokens``)."""
+    if stream_usage is StreamUsage.NONE:
         del result["usage"]
+    elif stream_usage is StreamUsage.CONTINUOUS:
+        result["usage"] = gen.usage(num_completion_tokens)
     return result
 
 

@@ -6,7 +6,8 @@ validated at the HTTP edge. ``app.api.sampling`` turns them into the engine's ``
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from enum import Enum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -41,7 +42,16 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
     include_obfuscation: bool = True  # OpenAI pads chunks against side channels; mmserve sends none
-    continuous_usage_stats: Literal[False] = False  # vLLM's usage in every chunk: not supported
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far in every chunk
+
+
+class StreamUsage(Enum):
+    """Where a stream carries usage: nowhere, in a last chunk of its own (every other chunk saying
+    ``usage: null``, as OpenAI's), or also in every chunk as it stands then (vLLM's continuous stats)."""
+
+    NONE = "none"
+    LAST = "last"
+    CONTINUOUS = "continuous"
 
 
 class SamplingRequest(RequestModel):
@@ -82,6 +92,9 @@ class SamplingRequest(RequestModel):
     structured_outputs: StructuredOutputs | None = None
     # vLLM's: each prompt token's logprob and its position's most likely tokens (app/api/prompt_logprobs.py)
     prompt_logprobs: int | None = Field(None, strict=True)
+    # vLLM's: the prompt's token ids and each choice's in the response; logprobs' tokens as "token_id:<id>"
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -90,7 +103,8 @@ class SamplingRequest(RequestModel):
 
     _null_is_default = field_validator(
         "stream", "n", "frequency_penalty", "presence_penalty", "ignore_eos", "min_tokens",
-        "include_stop_str_in_output", "skip_special_tokens", mode="before",
+        "include_stop_str_in_output", "skip_special_tokens", "return_token_ids",
+        "return_tokens_as_token_ids", mode="before",
     )(classmethod(null_is_default))  # fmt: skip
 
     @field_validator("stop", mode="before")
@@ -168,6 +182,9 @@ class SamplingRequest(RequestModel):
         return None
 
     @property
-    def include_usage(self) -> bool:
-        """Whether a stream ends with a usage chunk (non-streamed responses always carry usage)."""
-        return self.stream_options is not None and self.stream_options.include_usage
+    def stream_usage(self) -> StreamUsage:
+        """Where a stream carries usage (non-streamed responses always carry it)."""
+        options = self.stream_options
+        if options is None or not options.include_usage:
+            return StreamUsage.NONE  # (continuous_usage_stats alone changes nothing, as in vLLM)
+        return StreamUsage.CONTINUOUS if options.continuous_usage_stats else StreamUsage.LAST

@@ -12,6 +12,7 @@ from openai.types.chat import ChatCompletionChunk as SdkChunk
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from app.api.sampling_schemas import StreamUsage
 from app.api.schemas import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -51,7 +52,23 @@ def test_minimal_request_defaults() -> None:
     assert (req.stream, req.temperature, req.top_p, req.n, req.logprobs) == (False, None, None, 1, False)
     assert req.effective_max_tokens() is None
     assert req.num_top_logprobs() is None
-    assert req.stop is None and req.top_k is None and not req.include_usage
+    assert req.stop is None and req.top_k is None and req.stream_usage is StreamUsage.NONE
+    assert not req.return_token_ids and not req.return_tokens_as_token_ids
+
+
+@pytest.mark.parametrize(
+    ("options", "where"),
+    [
+        (None, StreamUsage.NONE),
+        ({"include_usage": False}, StreamUsage.NONE),
+        ({"continuous_usage_stats": True}, StreamUsage.NONE),  # (without include_usage, as vLLM)
+        ({"include_usage": True}, StreamUsage.LAST),
+        ({"include_usage": True, "continuous_usage_stats": False}, StreamUsage.LAST),
+        ({"include_usage": True, "continuous_usage_stats": True}, StreamUsage.CONTINUOUS),
+    ],
+)
+def test_where_a_stream_carries_usage(options: dict[str, bool] | None, where: StreamUsage) -> None:
+    assert request(stream=True, stream_options=options).stream_usage is where
 
 
 def test_sdk_style_multimodal_streaming_request() -> None:
@@ -100,7 +117,7 @@ def test_sdk_style_multimodal_streaming_request() -> None:
     assert req.messages[2].content is None
     assert req.effective_max_tokens() == 16  # max_completion_tokens wins
     assert req.stop == ["\n\n"]
-    assert req.include_usage and req.num_top_logprobs() == 3
+    assert req.stream_usage is StreamUsage.LAST and req.num_top_logprobs() == 3
     assert (req.top_k, req.ignore_eos, req.min_tokens) == (20, True, 2)
 
 
@@ -219,10 +236,11 @@ def test_logprobs_without_alternatives() -> None:
             "Extra",
         ),
         (
-            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            {"stream": True, "stream_options": {"continuous_usage_stats": "often"}},
             ("stream_options", "continuous_usage_stats"),
-            "False",
+            "valid boolean",
         ),
+        ({"return_token_ids": "often"}, ("return_token_ids",), "valid boolean"),
         ({"model": None}, ("model",), "valid string"),
     ],
 )
