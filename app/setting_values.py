@@ -1,5 +1,6 @@
 """Settings given as text (a flag, an ``MMSERVE_*`` environment variable) turned into their values, before
-``app.settings.Settings`` validates them: lists as comma-separated text or JSON, as vLLM's flags accept."""
+``app.settings.Settings`` validates them: lists as comma-separated text or JSON, as vLLM's flags accept;
+and, once validated, the media limits completed with their defaults."""
 
 from __future__ import annotations
 
@@ -43,3 +44,13 @@ def mm_limits(value: Any) -> Any:
             raise ValueError(f"expected modality=N, got {part!r}")
         limits[modality.strip()] = count.strip()
     return limits
+
+
+def complete_mm_limits(limits: dict[str, int], defaults: dict[str, int]) -> dict[str, int]:
+    """``--limit-mm-per-prompt``'s counts over the ``defaults``, for the modalities served only."""
+    unknown = sorted(set(limits) - set(defaults))
+    if unknown:
+        raise ValueError(f"unsupported modalities {unknown}; mmserve serves {sorted(defaults)}")
+    if any(count < 0 for count in limits.values()):
+        raise ValueError("limits must be >= 0")
+    return {**defaults, **limits}

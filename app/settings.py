@@ -177,6 +177,11 @@ class Settings(BaseSettings):
         "A request's answers are the same either way; one that stops on EOS costs one step more. On a "
         "CPU whose every core is busy it can cost throughput (docs/benchmarks.md, 'Scheduling ahead').",
     )
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="The order requests are taken in (vLLM's flag): fcfs, by arrival; priority, by their "
+        "priority field (lower first) then arrival, the latest of the lowest preempted first (fcfs: 0 only).",
+    )
     disable_chunked_mm_input: bool = Field(
         False,
         description="Never split an image across prefill chunks: a chunk stops before an image it cannot "
@@ -395,12 +400,7 @@ class Settings(BaseSettings):
     @field_validator("limit_mm_per_prompt")
     @classmethod
     def _check_limits(cls, limits: dict[str, int]) -> dict[str, int]:
-        unknown = sorted(set(limits) - set(DEFAULT_MM_LIMITS))
-        if unknown:
-            raise ValueError(f"unsupported modalities {unknown}; mmserve serves {sorted(DEFAULT_MM_LIMITS)}")
-        if any(count < 0 for count in limits.values()):
-            raise ValueError("limits must be >= 0")
-        return {**DEFAULT_MM_LIMITS, **limits}
+        return setting_values.complete_mm_limits(limits, DEFAULT_MM_LIMITS)
 
     @model_validator(mode="after")
     def _check_shm(self) -> Settings:
@@ -425,6 +425,8 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _check_ec(self) -> Settings:
         """An encoder / LM split needs a connector, in the role its half plays."""
+        if self.encoder_only and self.scheduling_policy == "priority":
+            raise ValueError("--encoder-only takes requests as they come: leave out --scheduling-policy")
         if self.encoder_only and self.language_model_only:
             raise ValueError("--encoder-only and --language-model-only exclude each other")
         if self.ec_connector is None:

@@ -10,6 +10,8 @@ from typing import Literal
 from wire.curve import CurveKeys
 from wire.ec_store import ECConfig
 
+SchedulingPolicy = Literal["fcfs", "priority"]  # the order requests are taken in (engine/request_queue.py)
+
 
 @dataclass(frozen=True)
 class SchedulerOptions:
@@ -26,6 +28,7 @@ class SchedulerOptions:
     disable_chunked_mm_input: bool
     max_waiting_requests: int | None  # None: the queue is unbounded
     async_scheduling: bool  # the next step is scheduled and sent while the worker runs this one
+    scheduling_policy: SchedulingPolicy
 
 
 @dataclass(frozen=True)

@@ -164,6 +164,9 @@ class EngineCore:
         )
         if error is not None:
             return self._reject(client, msg.req_id, error.message, error.code, http_status=error.http_status)
+        if msg.priority and self.scheduler.config.scheduling_policy != "priority":
+            why = "priority is read under --scheduling-policy priority only: leave it out, or use that flag"
+            return self._reject(client, msg.req_id, why, "invalid_value", param="priority")
         if msg.constraint is not None and (
             self.grammars is None or not isinstance(self.scheduler, Scheduler)
         ):
@@ -180,6 +183,7 @@ class EngineCore:
                 mm_features=[msgspec.structs.replace(f, tensors=None, store=False) for f in msg.mm_features],
                 mm_items=mm_items,
                 cache_salt=msg.cache_salt,
+                priority=msg.priority,
                 encoder_only_hashes=encoder_only,
                 awaits_grammar=msg.constraint is not None,
             )
@@ -253,9 +257,10 @@ class EngineCore:
         code: str,
         missing: list[str] | None = None,
         http_status: int = 400,
+        param: str | None = None,
     ) -> Outputs:
         error = ErrorInfo(
-            message=message, code=code, http_status=http_status, missing_mm_hashes=missing or []
+            message=message, code=code, http_status=http_status, missing_mm_hashes=missing or [], param=param
         )
         return {client: [RequestOutput(req_id, finish_reason=FinishReason.ABORT, error=error)]}
 

@@ -73,6 +73,8 @@ class Request:
     mm_features: list[MMFeature]  # placements (tensors stripped)
     mm_items: dict[str, MMItem]  # mm_hash -> item, resolved at admission
     cache_salt: str | None = None  # the request's cache scope: its first KV block's hash covers it
+    priority: int = 0  # lower first, under --scheduling-policy priority (engine/request_queue.py)
+    arrival_order: int = 0  # its place among the scheduler's requests by arrival (set when it is added)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # by steps the worker answered
     # scheduled in steps sent and not answered yet: the next step starts after them (docs/architecture.md,

@@ -9,15 +9,16 @@ the prefix and encoder caches; its drops are sent again). Requests join (from
 ``waiting``) when a step is scheduled and may leave (aborted) while one runs: ``postprocess`` skips
 what the step computed for them; all running requests advance together. Admission checks are
 ``engine.admission``'s. When
-KV blocks run out, the most recently admitted running request is preempted: its blocks are freed, it
-goes back to the front of the queue and is recomputed later (outputs already produced are kept).
+KV blocks run out, the running request last in the policy's order (engine/request_queue.py: the most
+recently admitted, or the latest of the lowest priority) is preempted: its blocks are freed, it goes
+back to the queue (its front, or its place by priority) and is recomputed later (outputs already
+produced are kept).
 ``schedule()`` may run again before the previous step's ``postprocess`` (scheduling ahead; see
 ``schedule``): a request's tokens in flight and the tokens they sample count as computed and known.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 
 from engine.admission import AdmissionError, admission_error
@@ -26,6 +27,7 @@ from engine.encoder_admission import EncoderAdmission
 from engine.encoder_cache_manager import EncoderCacheManager
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import MMItem, OutputGrammar, Request, RequestStatus
+from engine.request_queue import WaitingQueue, place
 from engine.step_plan import SchedulerConfig, StepPlan, StepResult
 from engine.structured.errors import CONSTRAINT_UNSATISFIABLE, GRAMMAR_BROKEN
 from wire.protocol import FinishReason, RunnerOutput
@@ -49,8 +51,9 @@ class Scheduler:
         )
         self.num_preemptions = 0
         self.num_forced_tokens = 0  # appended without sampling (_append_forced)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []  # in the policy's order: the last is preempted first
+        self._num_arrived = 0
         self.requests: dict[str, Request] = {}
         self._step_id = 0
         # finished since the last plan; the worker drops their state at the start of the next step
@@ -88,7 +91,9 @@ class Scheduler:
         ``holds_encoder_output`` in the same synchronous step) become its entries at once and stay so
         until it finishes: an eviction would leave nothing to encode them from."""
         self.requests[request.req_id] = request
-        self.waiting.append(request)
+        self._num_arrived += 1
+        request.arrival_order = self._num_arrived
+        self.waiting.add(request)
         if request.awaits_grammar:
             self.num_awaiting_grammar += 1
         for mm_hash in request.encoder_only_hashes:
@@ -139,8 +144,8 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
 
     def schedule(self) -> StepPlan:
-        """Called once per step: running requests first (oldest first), then waiting ones in FCFS
-        order while the token budget, ``max_num_seqs`` and free KV blocks allow.
+        """Called once per step: running requests first, then waiting ones, each in the policy's order
+        (by arrival, or by priority), while the token budget, ``max_num_seqs`` and free KV blocks allow.
 
         It may be called while earlier steps are in flight (the worker has not answered them): a
         running request then continues after their tokens, and a step that samples for it is followed
@@ -169,7 +174,9 @@ class Scheduler:
             wanted = min(known - request.num_computed_tokens - inflight, token_budget)
             fits = True
             while not self.kv_cache.can_allocate(request, inflight + wanted):
-                victim = self.running[-1]  # the most recently admitted: it has the least work to lose
+                # the last in the policy's order: the most recently admitted (it has the least work to
+                # lose), or the latest of the lowest priority
+                victim = self.running[-1]
                 preempted_now = True
                 if ahead:  # its requests' blocks are being written, and what it frees is not known yet
                     fits = False
@@ -217,7 +224,7 @@ class Scheduler:
                 self.waiting.remove(request)  # it ends below; the next in line may run
                 continue
             if num_tokens == 0:
-                # Head of line waits (for blocks, or for room to encode its first image); keep FCFS.
+                # Head of line waits (for blocks, or for room to encode its first image); keep the order.
                 request.num_computed_tokens = 0
                 break
             blocks = self.kv_cache.allocate_slots(request, num_tokens, computed_blocks)
@@ -232,7 +239,7 @@ class Scheduler:
                     self.kv_cache.record_prefix_lookup(request.num_prompt_tokens, num_computed)
                 new_requests.append(request)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            place(self.running, request, self.config.scheduling_policy)
             self._schedule_tokens(request, num_tokens, num_scheduled, sampling)
             token_budget -= num_tokens
 
@@ -303,8 +310,9 @@ class Scheduler:
         return num_outputs >= request.sampling.max_tokens or num_after >= self.config.max_model_len
 
     def _preempt(self, request: Request) -> None:
-        """Frees the request's KV blocks and encoder-cache uses and puts it at the front of the queue;
-        it will recompute its tokens (prompt + outputs so far) and continue where it stopped."""
+        """Frees the request's KV blocks and encoder-cache uses and puts it back in the queue (its front,
+        or its place by priority); it will recompute its tokens (prompt + outputs so far) and continue
+        where it stopped."""
         assert not request.num_inflight_tokens, "a request in a step in flight is never preempted"
         self.running.remove(request)
         self.kv_cache.free(request.req_id)
@@ -314,7 +322,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.put_back(request)
         self._preempted_req_ids.append(request.req_id)
 
     # ------------------------------------------------------------------ after the worker ran

@@ -193,6 +193,8 @@ class AddRequest(msgspec.Struct, frozen=True, tag="add"):
     # a later choice of an ``n > 1`` request: part of a request the engine admitted (its first choice),
     # so not counted against --max-waiting-requests, which admits or refuses a request as a whole
     later_choice: bool = False
+    # the order it is taken in under ``--scheduling-policy priority`` (lower first); 0 under fcfs
+    priority: Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)] = 0
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
@@ -253,6 +255,7 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     code: str  # OpenAI error code, e.g. "context_length_exceeded"
     http_status: int = 400
     missing_mm_hashes: list[str] = []  # safety net: the receiver cache lacked these
+    param: str | None = None  # the request field the error is about, where one is
 
 
 class RequestOutput(msgspec.Struct, frozen=True):

@@ -175,6 +175,7 @@ class ChatService:
             sampling=lambda num_prompt_tokens, index: self.sampling(body, num_prompt_tokens, index),
             constraint=constraint.constraint if constraint is not None else None,
             constraint_param=constraint.param if constraint is not None else None,
+            priority=body.priority,
         )
 
     def answer_constraint(self, body: SamplingRequest) -> RequestedConstraint | None:

@@ -107,6 +107,7 @@ class CompletionService:
                     raw_prompt=RawPrompt(
                         prompt, body.add_special_tokens, "prompt" if len(prompts) == 1 else f"prompt[{i}]"
                     ),
+                    priority=body.priority,
                 )
             )
         return specs

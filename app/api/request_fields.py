@@ -64,7 +64,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template": ((None,), "the model's own chat template is used"),
     "add_special_tokens": ((None, False), "the chat template adds the special tokens"),
     "media_io_kwargs": ((None,), "use mm_processor_kwargs"),
-    "priority": ((None, 0), "requests are served first come, first served"),
     "logits_processors": ((None, []), _NOT_SUPPORTED),
     "return_token_offsets": ((None, False), _NOT_SUPPORTED),
     "return_prompt_text": ((None, False), _NOT_SUPPORTED),

@@ -21,7 +21,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from app.api.request_fields import is_default
-from app.api.sampling_schemas import MAX_CACHE_SALT_CHARS
+from app.api.sampling_schemas import INT64_MAX, INT64_MIN, MAX_CACHE_SALT_CHARS
 from app.api.schemas import MediaUuid, media_or_uuid
 from app.api.tool_schemas import TOOL_CHOICE_KIND, Modes
 
@@ -398,6 +398,7 @@ class ResponsesRequest(ResponsesInput):
     max_tool_calls: int | None = Field(None, ge=1)  # a bound on built-in tools' calls: mmserve runs none
     background: bool | None = None  # run after the answer: the queued response is returned at once
     background_options: BackgroundOptions | None = None
+    priority: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX, strict=True)  # vLLM's, as on chat
     # refused unless off (REFUSED)
     prompt: Any = None
     # accepted without effect, and echoed: labels and hosted-service options

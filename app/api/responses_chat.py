@@ -128,6 +128,7 @@ def chat_request(body: ResponsesRequest, history: list[Any]) -> tuple[ChatComple
         "parallel_tool_calls": body.parallel_tool_calls,
         "logprobs": logprobs,
         "top_logprobs": body.top_logprobs if logprobs else None,
+        "priority": body.priority,
     }
     try:
         chat = ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})

@@ -95,6 +95,8 @@ class SamplingRequest(RequestModel):
     # vLLM's: the prompt's token ids and each choice's in the response; logprobs' tokens as "token_id:<id>"
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
+    # vLLM's: the request's place under --scheduling-policy priority (lower first); 0 under fcfs
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -103,7 +105,7 @@ class SamplingRequest(RequestModel):
 
     _null_is_default = field_validator(
         "stream", "n", "frequency_penalty", "presence_penalty", "ignore_eos", "min_tokens",
-        "include_stop_str_in_output", "skip_special_tokens", "return_token_ids",
+        "include_stop_str_in_output", "skip_special_tokens", "return_token_ids", "priority",
         "return_tokens_as_token_ids", mode="before",
     )(classmethod(null_is_default))  # fmt: skip
 

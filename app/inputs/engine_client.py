@@ -198,6 +198,7 @@ class EngineClient:
         cache_salt: str | None = None,
         constraint: Constraint | None = None,
         later_choice: bool = False,
+        priority: int = 0,
     ) -> asyncio.Queue[RequestOutput | EngineGone] | None:
         """Stage 7 of the request path, in one synchronous step (docs/architecture.md, "IPC mirror",
         rules 1-3): the mirror decides each item not in the shm ring (HIT: key only; STORE or UNCACHED:
@@ -243,6 +244,7 @@ class EngineClient:
                 cache_salt=cache_salt,
                 constraint=constraint,
                 later_choice=later_choice,
+                priority=priority,
             )
             queue = self._add_request(msg, frames)
             self.metrics.ipc_payload_bytes.inc(payload_bytes)

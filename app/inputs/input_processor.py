@@ -450,10 +450,12 @@ class InputProcessor:
         sampling: SamplingParams,
         constraint: Constraint | None = None,
         later_choice: bool = False,
+        priority: int = 0,
     ) -> asyncio.Queue[RequestOutput | EngineGone] | None:
         """Hands the request to ``EngineClient.send_request``, which decides what crosses the pipe and
         sends it in one synchronous step (no ``await``), and releases the mirror pins. ``later_choice``:
-        a choice after the first of an ``n > 1`` request (``AddRequest.later_choice``).
+        a choice after the first of an ``n > 1`` request (``AddRequest.later_choice``); ``priority``:
+        its place under ``--scheduling-policy priority``.
 
         Returns None, sending nothing, when an item found in the mirror during ``resolve`` has since
         been dropped from it (engine restart, reset): the caller resolves again and retries."""
@@ -484,6 +486,7 @@ class InputProcessor:
                 cache_salt=salt,
                 constraint=constraint,
                 later_choice=later_choice,
+                priority=priority,
             )
         finally:
             for media in prepared.items:  # send_request released the pins, sent or not

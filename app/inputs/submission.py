@@ -50,7 +50,7 @@ def error_from_engine(info: ErrorInfo, constraint_param: str | None = None) -> M
         return EngineUnavailableError(info.message, code=info.code)
     if info.http_status >= 500:
         return InternalError(info.message, code=info.code)
-    return InvalidRequestError(info.message, code=info.code)
+    return InvalidRequestError(info.message, code=info.code, param=info.param)
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class RequestSpec:
     constraint: Constraint | None = None
     constraint_param: str | None = None
     raw_prompt: RawPrompt | None = None  # a prompt as it is, in place of the messages (no template)
+    priority: int = 0  # its place under --scheduling-policy priority (lower first)
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,14 @@ async def _submit_choice(
                 while queue is None:
                     await inputs.resolve(prepared)
                     sampling = spec.sampling(len(prepared.prompt_token_ids), index)
-                    queue = inputs.submit(prepared, req_id, sampling, spec.constraint, later_choice=index > 0)
+                    queue = inputs.submit(
+                        prepared,
+                        req_id,
+                        sampling,
+                        spec.constraint,
+                        later_choice=index > 0,
+                        priority=spec.priority,
+                    )
             finally:
                 inputs.release_pins(prepared)
         try:

@@ -73,6 +73,7 @@ GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
         ("disable_chunked_mm_input", "engine"),
         ("max_waiting_requests", "engine"),
         ("async_scheduling", "engine"),
+        ("scheduling_policy", "engine"),
         ("step_timeout_s", "engine"),
     )),
     ("Structured outputs", (

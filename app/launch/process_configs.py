@@ -37,6 +37,7 @@ def engine_config(settings: Settings) -> EngineConfig:
         disable_chunked_mm_input=settings.disable_chunked_mm_input,
         max_waiting_requests=settings.max_waiting_requests,
         async_scheduling=settings.async_scheduling,
+        scheduling_policy=settings.scheduling_policy,
     )
     return EngineConfig(
         engine_addr=settings.engine_addr,

@@ -29,6 +29,7 @@ def scheduler_config(ready: WorkerReady, **overrides: int | bool | str | None) -
         "disable_chunked_mm_input": False,
         "max_waiting_requests": None,
         "async_scheduling": True,
+        "scheduling_policy": "fcfs",
         "num_kv_blocks": ready.num_kv_blocks,
         "block_size": ready.block_size,
         "can_encode": ready.has_vision_tower,

@@ -36,6 +36,7 @@ def config(**overrides: int | bool | str | None) -> SchedulerConfig:
         "disable_chunked_mm_input": False,
         "max_waiting_requests": None,
         "async_scheduling": True,
+        "scheduling_policy": "fcfs",
         "can_encode": True,
     }
     values.update(overrides)

@@ -151,3 +151,9 @@ def test_cli_refuses_a_split_without_a_connector() -> None:
     args = build_parser().parse_args(["serve", "--encoder-only"])
     with pytest.raises(ValidationError, match="--encoder-only needs --ec-connector"):
         settings_from_args(args)
+
+
+def test_an_encoder_only_instance_refuses_the_priority_policy() -> None:
+    """It takes requests as they come: a priority it would not read is refused at start, not ignored."""
+    message = refused(encoder_only=True, scheduling_policy="priority", **SHARED)
+    assert "--encoder-only" in message and "--scheduling-policy" in message

@@ -45,6 +45,7 @@ def engine(tmp_path: Path) -> Iterator[tuple[Api, str]]:
         disable_chunked_mm_input=False,
         max_waiting_requests=None,
         async_scheduling=True,
+        scheduling_policy="fcfs",
     )
     engine_addr, worker_addr = f"ipc://{tmp_path}/engine.sock", f"ipc://{tmp_path}/worker.sock"
     grammars = StructuredOutputOptions(str(tmp_path / "no-model"), cache_bytes=1 << 20, compile_timeout_s=5.0)
