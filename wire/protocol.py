@@ -92,6 +92,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     logit_bias: dict[TokenId, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
     allowed_token_ids: tuple[TokenId, ...] | None = None  # None: every id
+    # vLLM's bad_words as token sequences: a sequence's last id is masked where the output ends with
+    # the ids before it (always, for a one-token sequence)
+    bad_words: tuple[Annotated[tuple[TokenId, ...], Meta(min_length=1)], ...] | None = None
 
     @property
     def has_penalties(self) -> bool:

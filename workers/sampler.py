@@ -4,7 +4,8 @@ Order of operations on each row of logits (float32, [vocab]), vLLM's (docs/api.m
 1. logprobs, if asked, are ``log_softmax`` of the raw logits (before any masking, bias or penalty);
 2. structured output: tokens the request's grammar does not allow are masked (its bitmask row from the
    engine, applied with xgrammar's kernel for the device);
-3. ``allowed_token_ids`` masks every other id; ``logit_bias`` is added;
+3. ``allowed_token_ids`` masks every other id; ``bad_words`` mask each sequence's last id where the
+   output ends with the ids before it (vLLM's rule); ``logit_bias`` is added;
 4. min_tokens: eos and stop token ids are masked while fewer than ``min_tokens`` outputs exist;
 5. penalties: ``repetition_penalty`` over the ids in prompt or output (transformers' rule: a positive
    logit is divided by it, a negative one multiplied), then ``frequency_penalty`` x each id's count in
@@ -171,6 +172,7 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> Sampled:
     logits = logits.clone()
     _mask_grammars(logits, rows)
     _mask_allowed_ids(logits, rows)
+    _mask_bad_words(logits, rows)
     _add_logit_bias(logits, rows)
     _mask_min_tokens(logits, rows)
     _apply_penalties(logits, rows)
@@ -224,6 +226,33 @@ def _mask_allowed_ids(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     keep = to_device(keep, logits.device, torch.bool)
     idx = to_device(limited, logits.device, torch.long)
     logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+
+
+def _mask_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """-inf on each bad word's last id where the row's output ends with the ids before it (a one-token
+    word: always), as vLLM's rule reads the output alone, in one indexed fill. The row's history holds
+    every output by now, its last included: a step is sampled once the step before it finished, which
+    appended the token it sampled (workers/model_runner.py)."""
+    row_idx: list[int] = []
+    token_idx: list[int] = []
+    vocab_size = logits.shape[1]
+    for i, row in enumerate(rows):
+        if not row.params.bad_words:
+            continue
+        history = row.history
+        outputs = history.token_ids[history.num_prompt_tokens :] if history is not None else []
+        assert len(outputs) == row.num_output_tokens, "bad words read an output not appended yet"
+        for ids in row.params.bad_words:
+            *prefix, last = ids
+            if prefix and (len(outputs) < len(prefix) or outputs[len(outputs) - len(prefix) :] != prefix):
+                continue
+            if last < vocab_size:
+                row_idx.append(i)
+                token_idx.append(last)
+    if row_idx:
+        device = logits.device
+        index = (to_device(row_idx, device, torch.long), to_device(token_idx, device, torch.long))
+        logits.index_put_(index, torch.tensor(float("-inf"), device=device))
 
 
 def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -29,7 +29,7 @@ from app.api.responses import (
     tool_stream_deltas,
     with_prompt_token_ids,
 )
-from app.api.sampling import SamplingDefaults, choice_sampling, sampling_params
+from app.api.sampling import SamplingDefaults, bad_words_token_ids, choice_sampling, sampling_params
 from app.api.sampling_schemas import MAX_REQUEST_ID_CHARS, SamplingRequest, StreamUsage
 from app.api.schemas import ChatCompletionRequest
 from app.api.tool_schemas import (
@@ -217,6 +217,9 @@ class ChatService:
             family.vocab_size,
         )
         params = choice_sampling(first, index)
+        if body.bad_words:
+            bad_words = bad_words_token_ids(body.bad_words, self.tokenizer, family.vocab_size)
+            params = msgspec.structs.replace(params, bad_words=bad_words)
         if index == 0 and body.num_prompt_logprobs() is not None:  # (the others echo the first's)
             params = msgspec.structs.replace(params, num_prompt_logprobs=body.num_prompt_logprobs())
         return params

@@ -59,7 +59,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "truncate_prompt_tokens": ((None,), _NOT_SUPPORTED),
     "truncation_side": ((None,), _NOT_SUPPORTED),
     "logprob_token_ids": ((None,), _NOT_SUPPORTED),
-    "bad_words": ((None, []), _NOT_SUPPORTED),
     "documents": ((None,), _NOT_SUPPORTED),
     "chat_template": ((None,), "the model's own chat template is used"),
     "add_special_tokens": ((None, False), "the chat template adds the special tokens"),

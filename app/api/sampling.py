@@ -145,6 +145,24 @@ def sampling_params(
     )
 
 
+def bad_words_token_ids(words: list[str], tokenizer: Any, vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    """vLLM's ``bad_words`` as the token sequences the sampler masks: each word as it would begin the
+    text (its leading whitespace dropped), and after a space where that makes other tokens of the same
+    count (a word in the middle of a text), as vLLM tokenizes them; a 400 naming ``bad_words`` for an id
+    the model's vocabulary lacks (a tokenizer's added token past it)."""
+    sequences: list[tuple[int, ...]] = []
+    for word in words:
+        alone = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        after_space = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if not alone:  # (no text a tokenizer spells with no token)
+            continue
+        sequences.append(alone)
+        if after_space and after_space[0] != alone[0] and len(after_space) == len(alone):
+            sequences.append(after_space)
+    _check_vocab("bad_words", [t for ids in sequences for t in ids], vocab_size)
+    return tuple(dict.fromkeys(sequences))
+
+
 def choice_sampling(first: SamplingParams, index: int) -> SamplingParams:
     """Choice ``index``'s parameters: the first's, with seed ``seed + index`` (wrapped into int64) so a
     seeded ``n > 1`` request gives each choice its own reproducible stream, as vLLM does."""

@@ -21,6 +21,7 @@ MAX_N = 16  # choices per request (docs/api.md, "Several choices")
 MAX_TOKEN_ID_LISTS = 4096  # entries of logit_bias, allowed_token_ids or stop_token_ids
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 1024
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256
 
 
 class RequestModel(BaseModel):
@@ -80,6 +81,8 @@ class SamplingRequest(RequestModel):
     repetition_penalty: float | None = Field(None, gt=0.0, le=1e6)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_ID_LISTS)
     allowed_token_ids: list[int] | None = Field(None, min_length=1, max_length=MAX_TOKEN_ID_LISTS)
+    # words the answer may not contain, as token sequences (app/api/sampling.py: bad_words_token_ids)
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
@@ -133,6 +136,16 @@ class SamplingRequest(RequestModel):
         if token_ids is not None and not all(0 <= t <= INT64_MAX for t in token_ids):
             raise ValueError(f"{info.field_name} must be token ids (non-negative integers)")
         return token_ids
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, words: list[str] | None) -> list[str] | None:
+        for word in words or ():
+            if not word.strip() or len(word) > MAX_BAD_WORD_CHARS:
+                raise ValueError(
+                    f"bad words must be 1 to {MAX_BAD_WORD_CHARS} characters, not all whitespace"
+                )
+        return words or None
 
     @field_validator("request_id")
     @classmethod

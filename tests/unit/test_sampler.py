@@ -225,3 +225,29 @@ def test_an_overflowing_logit_falls_back_to_the_top_token():
     row = _penalised_row([7, 1], 2, repetition_penalty=5e-324)
     row.params = SamplingParams(max_tokens=16, temperature=0.5, repetition_penalty=5e-324, seed=1)
     assert sample(logits, [row])[0] == [7]
+
+
+def test_bad_words_mask_as_transformers_does_where_the_prefix_is_in_the_output():
+    """Each sequence's last id is masked where the output ends with the ids before it, as transformers'
+    NoBadWordsLogitsProcessor masks it (here the prefixes are never in the prompt, where transformers
+    would look too and vLLM's rule does not); a one-token word always; a row without words untouched."""
+    from transformers import NoBadWordsLogitsProcessor
+
+    logits = _logits(1, seed=9)
+    prompt, output = [1, 2, 3], [40, 41, 42]
+    bad_words = ((5,), (41, 42, 8), (42, 9), (40, 10), (45, 42, 11), (47,))
+    ids = prompt + output
+    expected = NoBadWordsLogitsProcessor([list(w) for w in bad_words], eos_token_id=0)(
+        torch.tensor([ids]), logits.clone()
+    )
+    assert torch.isinf(expected[0, [5, 8, 9, 47]]).all() and torch.isfinite(expected[0, [10, 11]]).all()
+    rows = [_penalised_row(ids, len(prompt), bad_words=bad_words), _row(temperature=0.0)]
+    work = logits.expand(2, VOCAB).clone()
+    seen = []
+    for _ in range(VOCAB - 4):  # every id the row may take, best first, then only masked ones are left
+        tokens = _greedy_after(work, rows)
+        assert tokens[1] == int(work[1].argmax())
+        seen.append(tokens[0])
+        work[:, tokens[0]] = float("-inf")
+    assert seen == expected[0].topk(VOCAB - 4).indices.tolist()
+    assert not {5, 8, 9, 47} & set(seen)
