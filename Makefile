@@ -6,7 +6,7 @@ MODEL ?= models/tiny-$(FAMILY)
 HOST  ?= 127.0.0.1
 PORT  ?= 8000
 
-.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video bench-media-ids bench-structured bench-scoring bench-schema-compile bench-sampling bench-agents bench-prefix-match bench-ray dashboard-image
+.PHONY: compose-keys docs setup serve test test-fast lint bench bench-throughput bench-families model bench-load bench-input-scale bench-ec bench-engine bench-attention bench-video bench-media-ids bench-structured bench-scoring bench-priority bench-schema-compile bench-sampling bench-agents bench-prefix-match bench-ray dashboard-image
 
 # torch is installed first and pinned: an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -131,6 +131,11 @@ bench-structured: setup
 # ~3 min: lm-eval's log-likelihood requests (echo + logprobs) vs plain completions at c=4, mmserve vs vLLM's CPU peer (if set up), logprob cross-check; draws docs/img/scoring.png
 bench-scoring: setup
 	$(PY) bench/bench_scoring.py
+
+# ~5 min: an interactive request's TTFT behind a bulk load at the bulk's priority and a higher one
+# (--scheduling-policy priority), mmserve vs vLLM's CPU peer (if set up); draws docs/img/priority.png
+bench-priority: setup
+	$(PY) bench/bench_priority.py
 
 # ~1 min: one JSON schema's compile, mmserve's engine vs xgrammar's compile_json_schema (vLLM's, SGLang's),
 # in one process: everyday patterns, formats, long bounded repetitions; draws docs/img/schema_compile.png
