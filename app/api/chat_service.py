@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 import msgspec
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from app.api.constraints import RequestedConstraint, requested_constraint
 from app.api.detokenizer import IncrementalDetokenizer
 from app.api.disconnect import unless_client_leaves
 from app.api.error_handlers import sse_error_event
+from app.api.json_out import JSONOut, sse
 from app.api.outputs import ChoiceOutputs, Generation
 from app.api.prompt_logprobs import vllm_prompt_logprobs
 from app.api.request_fields import UnknownFields, template_variables, unknown_field_names
@@ -25,7 +26,6 @@ from app.api.responses import (
     chunk,
     completion,
     final_usage_chunk,
-    sse,
     tool_stream_deltas,
     with_prompt_token_ids,
 )
@@ -107,7 +107,7 @@ class ChatService:
             response["prompt_logprobs"] = vllm_prompt_logprobs(
                 submitted.prompt_logprobs, detok, body.prompt_logprobs
             )
-        return JSONResponse(response)
+        return JSONOut(response)
 
     def generation(
         self,

@@ -84,9 +84,10 @@ def prompt_logprobs(
         logprobs.append(logprob)
         alternatives = entry.top[:num_top]
         spelt = token_texts(detok, [alt.token_id for alt in alternatives], as_ids)
-        tops.append(
-            {token: logprob} | {s: finite(alt.logprob) for s, alt in zip(spelt, alternatives, strict=True)}
-        )
+        top = {token: logprob}  # then each alternative by its text, into the one dict
+        for text, alt in zip(spelt, alternatives, strict=True):
+            top[text] = finite(alt.logprob)
+        tops.append(top)
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 

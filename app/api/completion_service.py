@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from app.api.chat_service import ChatService, alone_with_allowed_tokens, client_request_id
 from app.api.completion_responses import LegacyLogprobs, chunk, completion, envelope, prompt_logprobs, usage
@@ -21,10 +21,10 @@ from app.api.completion_schemas import CompletionRequest, Prompt
 from app.api.detokenizer import IncrementalDetokenizer
 from app.api.disconnect import unless_client_leaves
 from app.api.error_handlers import sse_error_event
+from app.api.json_out import JSONOut, sse
 from app.api.outputs import ChoiceOutputs
 from app.api.prompt_logprobs import vllm_prompt_logprobs
 from app.api.request_guards import request_tenant
-from app.api.responses import sse
 from app.api.sampling import reword_length_error
 from app.api.sampling_schemas import StreamUsage
 from app.errors import MMServeError
@@ -80,7 +80,7 @@ class CompletionService:
                 self._stream(outputs, body.n, echo, body.stream_usage, raw), media_type="text/event-stream"
             )
         await outputs.collect_while_connected(raw)
-        return JSONResponse(completion(gens, body.n, echoed, pieces, body.echo_only, vllm_pieces))
+        return JSONOut(completion(gens, body.n, echoed, pieces, body.echo_only, vllm_pieces))
 
     def _specs(
         self, body: CompletionRequest, raw: Request, prompts: list[Prompt], base_id: str

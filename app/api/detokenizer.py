@@ -19,30 +19,11 @@ one that could still complete is held back.
 
 from __future__ import annotations
 
-import re
-from functools import lru_cache
 from typing import Any
 
+from app.api.token_spelling import spelling_of
+
 _REPLACEMENT = "\ufffd"
-_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-@lru_cache(maxsize=1)
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's printable stand-ins for raw bytes (``Ġ`` for a space), reversed: character → byte."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars = list(printable)
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            printable.append(byte)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(char): byte for byte, char in zip(printable, chars, strict=True)}
 
 
 class IncrementalDetokenizer:
@@ -84,9 +65,6 @@ class IncrementalDetokenizer:
         # (So does not apply ``clean_up_tokenization_spaces``, as in vLLM.)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._decode_fn = backend.decode if backend is not None else tokenizer.decode
-        self._byte_level = backend is not None and "ByteLevel" in repr(backend.decoder)
-        self._bytes_by_token: dict[int, list[int]] = {}
-        self._string_by_token: dict[int, str] = {}
         # ids before the output (a raw prompt's last ones): its first tokens decode after them, as they
         # would in the prompt's text (a SentencePiece "▁Paris" keeps its space); none where they end in
         # half a character
@@ -209,35 +187,8 @@ class IncrementalDetokenizer:
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The raw bytes a single token stands for (may be part of a UTF-8 character)."""
-        cached = self._bytes_by_token.get(token_id)
-        if cached is None:
-            cached = self._bytes_by_token[token_id] = self._raw_bytes(token_id)
-        return cached
+        return spelling_of(self.tokenizer).token_bytes(token_id)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
-        """Each token's text for logprobs. A token that is only part of a character is written as
-        OpenAI does, ``bytes:\\xe6\\x97`` (its ``bytes`` field carries the real values)."""
-        strings = []
-        for token_id in token_ids:
-            spelt = self._string_by_token.get(token_id)
-            if spelt is None:
-                raw = bytes(self.token_bytes(token_id))
-                try:
-                    spelt = raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    spelt = "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
-                self._string_by_token[token_id] = spelt
-            strings.append(spelt)
-        return strings
-
-    def _raw_bytes(self, token_id: int) -> list[int]:
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if isinstance(piece, str) and token_id not in getattr(self.tokenizer, "added_tokens_decoder", {}):
-            if (match := _BYTE_FALLBACK.match(piece)) is not None:  # sentencepiece byte fallback: <0xE6>
-                return [int(match.group(1), 16)]
-            if not self._byte_level and "\u2581" in piece:  # sentencepiece's word mark "▁" is a space
-                return list(piece.replace("\u2581", " ").encode("utf-8"))
-            alphabet = _byte_level_alphabet()
-            if self._byte_level and all(char in alphabet for char in piece):
-                return [alphabet[char] for char in piece]
-        return list(self.tokenizer.decode([token_id], skip_special_tokens=False).encode("utf-8"))
+        """Each token's text for logprobs (app/api/token_spelling.py)."""
+        return spelling_of(self.tokenizer).token_strings(token_ids)

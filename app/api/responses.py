@@ -3,7 +3,6 @@ usage, built from the accumulated ``Generation`` of each of a request's choices 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from app.api.outputs import Generation, usage_counts
@@ -123,7 +122,3 @@ def _envelope(gen: Generation, obj: str, choices: list[dict[str, Any]], usage: A
         "choices": choices,
         "usage": usage,
     }
-
-
-def sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

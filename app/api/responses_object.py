@@ -4,10 +4,10 @@ the numbered SSE events of a streamed one."""
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from app.api.json_out import json_text
 from app.api.outputs import Generation
 from app.api.response_store import Event
 from app.api.responses_api_schemas import ResponsesRequest
@@ -53,7 +53,7 @@ class Events:
 
 def sse_event(kind: str, number: int, **fields: Any) -> str:
     payload = {"type": kind, "sequence_number": number, **fields}
-    return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+    return f"event: {kind}\ndata: {json_text(payload)}\n\n"
 
 
 def ending(response: dict[str, Any]) -> str:

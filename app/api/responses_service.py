@@ -30,6 +30,7 @@ from app.api.chat_service import ChatService
 from app.api.detokenizer import IncrementalDetokenizer
 from app.api.disconnect import unless_client_leaves
 from app.api.error_handlers import error_detail
+from app.api.json_out import JSONOut
 from app.api.outputs import ChoiceOutputs, Generation
 from app.api.request_guards import request_tenant
 from app.api.response_items import (
@@ -103,7 +104,7 @@ class ResponsesService:
         if body.stream:
             return StreamingResponse(self._stream(turn, outputs), media_type="text/event-stream")
         await outputs.collect_while_connected(raw)
-        return JSONResponse(await self._finished(turn, output_items(gen)))
+        return JSONOut(await self._finished(turn, output_items(gen)))
 
     def _generation(
         self, response_id: str, arrival: float, submission: _Submission | None = None
