@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from wire.prompt_logprobs import empty_run
 from wire.protocol import (
     ErrorInfo,
     FinishReason,
@@ -14,7 +15,6 @@ from wire.protocol import (
     PromptLogprobs,
     SamplingParams,
     ShmItemRef,
-    TokenLogprobs,
 )
 
 
@@ -107,15 +107,14 @@ class Request:
     # encoder output is needed until the last of them is computed
     mm_last_end: dict[str, int] = field(init=False)
     # where it asked for them (``sampling.num_prompt_logprobs``): its prompt tokens' logprobs from the
-    # second token on, and their ranks, until they are sent (the worker's runs, each token kept once: a
-    # resumed request computes them again), and how many were sent
-    prompt_logprobs: list[TokenLogprobs] | None = field(init=False)
-    prompt_ranks: list[int] = field(init=False)
+    # second token on, as one run, until they are sent (the worker's runs joined, each token kept once:
+    # a resumed request computes them again), and how many were sent
+    prompt_logprobs: PromptLogprobs | None = field(init=False)
     num_prompt_logprobs_sent: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.prompt_logprobs = [] if self.sampling.num_prompt_logprobs is not None else None
-        self.prompt_ranks = []
+        num_top = self.sampling.num_prompt_logprobs
+        self.prompt_logprobs = empty_run(1, num_top) if num_top is not None else None
         self.num_prompt_logprobs_sent = 0
         self.mm_last_end = {}
         for f in self.mm_features:
@@ -136,32 +135,33 @@ class Request:
     @property
     def _num_prompt_logprobs(self) -> int:
         """Prompt tokens whose logprobs it has had: sent, or kept to send."""
-        return self.num_prompt_logprobs_sent + len(self.prompt_logprobs or ())
+        kept = self.prompt_logprobs.count if self.prompt_logprobs is not None else 0
+        return self.num_prompt_logprobs_sent + kept
 
     def follows_on(self, run: PromptLogprobs) -> bool:
         """Whether ``run`` is prompt logprobs this request asked for that leave no gap after those it
-        has had (a resumed request's come again) and stay within its prompt."""
+        has had (a resumed request's come again), stay within its prompt and have its number of top
+        tokens."""
         return (
             self.prompt_logprobs is not None
+            and run.num_top == self.prompt_logprobs.num_top
             and run.first <= self._num_prompt_logprobs + 1
-            and run.first + len(run.entries) <= self.num_prompt_tokens
+            and run.first + run.count <= self.num_prompt_tokens
         )
 
     def add_prompt_logprobs(self, run: PromptLogprobs) -> None:
         """Keeps what a run that ``follows_on`` adds to the prompt logprobs it has had."""
         assert self.prompt_logprobs is not None
-        new = self._num_prompt_logprobs + 1 - run.first
-        self.prompt_logprobs += run.entries[new:]
-        self.prompt_ranks += run.ranks[new:]
+        self.prompt_logprobs = self.prompt_logprobs.then(run.after(self._num_prompt_logprobs + 1 - run.first))
 
     def take_prompt_logprobs(self) -> PromptLogprobs | None:
         """The prompt logprobs kept, as one run, for its output (its first: all of them, its prompt
         computed); they are not kept after that. None where it did not ask, or none are kept."""
-        if not self.prompt_logprobs:
+        run = self.prompt_logprobs
+        if run is None or not run.count:
             return None
-        run = PromptLogprobs(self.num_prompt_logprobs_sent + 1, self.prompt_logprobs, self.prompt_ranks)
-        self.num_prompt_logprobs_sent += len(self.prompt_logprobs)
-        self.prompt_logprobs, self.prompt_ranks = [], []
+        self.num_prompt_logprobs_sent += run.count
+        self.prompt_logprobs = empty_run(self.num_prompt_logprobs_sent + 1, run.num_top)
         return run
 
     @property

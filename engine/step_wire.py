@@ -53,11 +53,7 @@ def check_runner_output(plan: StepPlan, output: RunnerOutput, requests: Mapping[
         raise BadMessage("negative token id", f"step {plan.step_id}")
     for req_id, run in output.prompt_logprobs.items():
         request = requests.get(req_id)
-        if (
-            req_id not in scheduled
-            or len(run.entries) > scheduled[req_id]
-            or len(run.ranks) != len(run.entries)
-        ):
+        if req_id not in scheduled or run.count > scheduled[req_id] or not run.is_whole:
             raise BadMessage("prompt logprobs the step did not compute", f"step {plan.step_id}")
         if request is not None and not request.follows_on(run):
             raise BadMessage(f"prompt logprobs of {req_id!r} do not follow on", f"step {plan.step_id}")

@@ -23,14 +23,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-# Bounds checked while a message decodes: a value out of them makes the message a bad one
-# (wire/bad_messages.py), never an error deep in the receiver.
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-NonNegInt = Annotated[int, Meta(ge=0)]
-PosInt = Annotated[int, Meta(ge=1)]
-TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]
-Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
-MAX_TOP_LOGPROBS = 20
+from wire.bounds import INT64_MAX, INT64_MIN, MAX_TOP_LOGPROBS, Int64, NonNegInt, PosInt, TokenId
+from wire.prompt_logprobs import PromptLogprobs
 
 
 class FinishReason(enum.StrEnum):
@@ -241,16 +235,6 @@ class Logprob(msgspec.Struct, frozen=True, array_like=True):
 class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
     sampled: Logprob
     top: list[Logprob]
-
-
-class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
-    """A run of a prompt's logprobs: ``entries[i]`` is for prompt token ``first + i`` (its ``sampled``
-    is that token), given the tokens before it, and ``ranks[i]`` is that token's rank there (1: the most
-    likely). The first prompt token has none (``first`` >= 1)."""
-
-    first: PosInt
-    entries: list[TokenLogprobs]
-    ranks: list[PosInt]
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wire.protocol import Logprob, PromptLogprobs, TokenLogprobs
+from wire.protocol import PromptLogprobs
 from workers.host_copies import HostCopies, to_device
 
 ROWS_PER_SLICE = 256  # positions whose [vocab] logits exist at once
@@ -70,19 +70,22 @@ class PromptLogprobRows:
         )
 
     def to_host(self) -> dict[str, PromptLogprobs]:
-        """Each asking request's entries of this step (waits for their copy, not for the device's work
-        queued after it)."""
+        """Each asking request's run of this step, in columns (waits for their copy, not for the
+        device's work queued after it)."""
         if self._result is None:
             return {}
-        chosen, ranks, top_values, top_ids = (tensor.tolist() for tensor in self._result.wait())
+        chosen, ranks, top_values, top_ids = self._result.wait()
         result: dict[str, PromptLogprobs] = {}
         row = 0
         for run in self.runs:
-            entries = []
-            for k in range(row, row + run.count):
-                n = run.num_top
-                top = [Logprob(t, v) for t, v in zip(top_ids[k][:n], top_values[k][:n], strict=True)]
-                entries.append(TokenLogprobs(Logprob(self.targets[k], chosen[k]), top))
-            result[run.req_id] = PromptLogprobs(run.first, entries, ranks[row : row + run.count])
+            rows, n = slice(row, row + run.count), run.num_top
+            result[run.req_id] = PromptLogprobs(
+                run.first,
+                n,
+                chosen[rows].tolist(),
+                ranks[rows].tolist(),
+                top_ids[rows, :n].reshape(-1).tolist(),
+                top_values[rows, :n].reshape(-1).tolist(),
+            )
             row += run.count
         return result

@@ -105,7 +105,7 @@ class ChatService:
         if body.prompt_logprobs is not None:
             detok = IncrementalDetokenizer(self.tokenizer)
             response["prompt_logprobs"] = vllm_prompt_logprobs(
-                submitted.prompt_logprobs, detok, body.prompt_logprobs
+                submitted.prompt_token_ids, submitted.prompt_logprobs, detok, body.prompt_logprobs
             )
         return JSONOut(response)
 

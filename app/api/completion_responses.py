@@ -79,14 +79,16 @@ def prompt_logprobs(
         length += len(detok.push([token_id]))
     logprobs: list[float | None] = [None]
     tops: list[dict[str, float] | None] = [None]
-    for token, entry in zip(tokens[1:], run.entries, strict=True):  # (as chat's entries read: _top)
-        logprob = finite(entry.sampled.logprob)
+    assert run.first == 1 and run.count == len(prompt_ids) - 1
+    for i, token in enumerate(tokens[1:]):  # (as chat's entries read: _top)
+        logprob = finite(run.logprobs[i])
         logprobs.append(logprob)
-        alternatives = entry.top[:num_top]
-        spelt = token_texts(detok, [alt.token_id for alt in alternatives], as_ids)
+        top_ids, top_logprobs = run.top(i)
         top = {token: logprob}  # then each alternative by its text, into the one dict
-        for text, alt in zip(spelt, alternatives, strict=True):
-            top[text] = finite(alt.logprob)
+        for text, alt_logprob in zip(
+            token_texts(detok, top_ids[:num_top], as_ids), top_logprobs, strict=False
+        ):
+            top[text] = finite(alt_logprob)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 

@@ -71,7 +71,10 @@ class CompletionService:
         vllm_pieces = None
         if body.prompt_logprobs is not None:
             detok = IncrementalDetokenizer(chat.tokenizer)
-            vllm_pieces = [vllm_prompt_logprobs(s.prompt_logprobs, detok, body.prompt_logprobs) for s in done]
+            vllm_pieces = [
+                vllm_prompt_logprobs(s.prompt_token_ids, s.prompt_logprobs, detok, body.prompt_logprobs)
+                for s in done
+            ]
         every_choice = [choice for submitted in done for choice in submitted.choices]
         outputs = ChoiceOutputs(gens, every_choice, chat.engine, chat.metrics)
         echo = Echo(echoed, pieces, body.echo_only)

@@ -6,6 +6,7 @@ computes them from the whole prompt (docs/architecture.md, "Prompt logprobs").""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from app.api.detokenizer import IncrementalDetokenizer
@@ -14,9 +15,10 @@ from wire.protocol import PromptLogprobs
 
 
 def vllm_prompt_logprobs(
-    run: PromptLogprobs, detok: IncrementalDetokenizer, num_top: int
+    prompt_ids: Sequence[int], run: PromptLogprobs, detok: IncrementalDetokenizer, num_top: int
 ) -> list[dict[str, dict[str, Any]] | None]:
-    """The prompt's logprobs in vLLM's shape, from the engine's ``run`` (tokens 1, 2, ...)."""
+    """The logprobs of the prompt of ``prompt_ids`` in vLLM's shape, from the engine's ``run`` (tokens 1,
+    2, ...)."""
 
     def one(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
         return {
@@ -26,9 +28,10 @@ def vllm_prompt_logprobs(
         }
 
     result: list[dict[str, dict[str, Any]] | None] = [None]  # (a prompt is never empty)
-    for entry, rank in zip(run.entries, run.ranks, strict=True):
-        position = {str(entry.sampled.token_id): one(entry.sampled.token_id, entry.sampled.logprob, rank)}
-        for top_rank, top in enumerate(entry.top[:num_top], start=1):
-            position.setdefault(str(top.token_id), one(top.token_id, top.logprob, top_rank))
+    for i, token_id in enumerate(prompt_ids[run.first : run.first + run.count]):
+        position = {str(token_id): one(token_id, run.logprobs[i], run.ranks[i])}
+        top_ids, top_logprobs = run.top(i)
+        for top_rank, (top_id, logprob) in enumerate(zip(top_ids[:num_top], top_logprobs, strict=False), 1):
+            position.setdefault(str(top_id), one(top_id, logprob, top_rank))
         result.append(position)
     return result

@@ -25,6 +25,7 @@ from app.inputs.engine_client import EngineClient, EngineGone
 from app.inputs.input_processor import InputProcessor, PreparedRequest
 from app.inputs.media_ids import CacheScope
 from app.inputs.raw_prompts import RawPrompt, prepare_prompt
+from wire.prompt_logprobs import empty_run
 from wire.protocol import Constraint, ErrorInfo, PromptLogprobs, RequestOutput, SamplingParams
 from workers.families.processing import TemplateOptions
 
@@ -96,7 +97,7 @@ class Submitted:
     @property
     def prompt_logprobs(self) -> PromptLogprobs:
         """Its prompt tokens' logprobs from the second on, where its first choice asked for them."""
-        return self.choices[0].first.prompt_logprobs or PromptLogprobs(1, [], [])
+        return self.choices[0].first.prompt_logprobs or empty_run(1, 0)
 
 
 async def submit(inputs: InputProcessor, engine: EngineClient, spec: RequestSpec) -> Submitted:

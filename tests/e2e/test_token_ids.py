@@ -133,7 +133,9 @@ def test_streamed_ids_and_usage_reassemble_to_the_whole_response(server: Server,
         first = whole["choices"][0]
         assert first["finish_reason"] == "stop" and len(first["token_ids"]) < 24
     assert sum(len(choice["token_ids"]) for choice in whole["choices"]) == whole["usage"]["completion_tokens"]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    assert chunks[-1]["choices"] == []
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # (the stream may hit the prefix cache)
+    assert [chunks[-1]["usage"][key] for key in counts] == [whole["usage"][key] for key in counts]
 
 
 def test_streamed_tool_call_ids_reassemble(family_server: Callable[..., Server]) -> None:

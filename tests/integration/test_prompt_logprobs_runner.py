@@ -33,19 +33,18 @@ def transformers_logprobs(hf_model: Any, prompt: Prompt) -> torch.Tensor:
 
 
 def assert_run_matches(run: PromptLogprobs, prompt: Prompt, expected: torch.Tensor) -> None:
-    for i, (entry, rank) in enumerate(zip(run.entries, run.ranks, strict=True)):
+    assert run.is_whole and run.num_top == NUM_TOP
+    for i in range(run.count):
         token = run.first + i
         reference = expected[token - 1]  # the logits after the tokens before it
-        assert entry.sampled.token_id == prompt.input_ids[token]
-        logprob = float(reference[entry.sampled.token_id])
-        assert entry.sampled.logprob == pytest.approx(logprob, abs=LOGPROB_ATOL)
+        logprob = float(reference[prompt.input_ids[token]])
+        assert run.logprobs[i] == pytest.approx(logprob, abs=LOGPROB_ATOL)
         higher = int((reference > logprob + LOGPROB_ATOL).sum())  # (near-ties may rank either way)
-        assert higher + 1 <= rank <= higher + int((abs(reference - logprob) <= LOGPROB_ATOL).sum())
-        assert len(entry.top) == NUM_TOP
-        values = [top.logprob for top in entry.top]
+        assert higher + 1 <= run.ranks[i] <= higher + int((abs(reference - logprob) <= LOGPROB_ATOL).sum())
+        top_ids, values = run.top(i)
         assert values == pytest.approx(reference.topk(NUM_TOP).values.tolist(), abs=LOGPROB_ATOL)
-        for top in entry.top:  # (a near-tie may order two ids either way: each is its own value)
-            assert top.logprob == pytest.approx(float(reference[top.token_id]), abs=LOGPROB_ATOL)
+        for top_id, value in zip(top_ids, values, strict=True):  # (a near-tie may order two either way)
+            assert value == pytest.approx(float(reference[top_id]), abs=LOGPROB_ATOL)
 
 
 def test_prompt_logprobs_are_transformers_over_chunks_and_after_a_resume(
@@ -74,7 +73,7 @@ def test_prompt_logprobs_are_transformers_over_chunks_and_after_a_resume(
     for _, got in runs:
         if "scored" in got:
             assert_run_matches(got["scored"], prompt, expected)
-            covered += range(got["scored"].first, got["scored"].first + len(got["scored"].entries))
+            covered += range(got["scored"].first, got["scored"].first + got["scored"].count)
     assert sorted(set(covered)) == list(range(1, num_prompt)), "every prompt token but the first"
     assert len(covered) == num_prompt - 1 + 2 * CHUNK
 

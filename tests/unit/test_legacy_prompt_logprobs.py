@@ -29,7 +29,14 @@ def test_the_legacy_shape_says_what_chats_entries_say() -> None:
         alternatives = [Logprob(rng.randrange(len(tok)), -rng.random() * 5) for _ in range(4)]
         entries.append(TokenLogprobs(Logprob(t, -rng.random() * 9), alternatives))
     entries[2] = TokenLogprobs(Logprob(ids[3], -math.inf), entries[2].top)
-    run = PromptLogprobs(1, entries, [1] * len(entries))
+    run = PromptLogprobs(
+        1,
+        4,
+        [e.sampled.logprob for e in entries],
+        [1] * len(entries),
+        [alt.token_id for e in entries for alt in e.top],
+        [alt.logprob for e in entries for alt in e.top],
+    )
     echoed = tok.decode(ids, skip_special_tokens=True)
     assert echoed == text
 

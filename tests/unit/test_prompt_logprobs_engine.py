@@ -12,14 +12,15 @@ from engine.step_plan import StepPlan
 from engine.step_wire import check_runner_output
 from tests.unit.scheduler_support import config, make_request, run_step
 from wire.bad_messages import BadMessage
-from wire.protocol import Logprob, PromptLogprobs, RunnerOutput, TokenLogprobs
+from wire.prompt_logprobs import empty_run
+from wire.protocol import PromptLogprobs, RunnerOutput
 
 
 def run(first: int, count: int) -> PromptLogprobs:
     """A run for prompt tokens first, first + 1, ...: each one's logprob is minus its index, its rank
     its index."""
     tokens = range(first, first + count)
-    return PromptLogprobs(first, [TokenLogprobs(Logprob(5, -float(t)), []) for t in tokens], list(tokens))
+    return PromptLogprobs(first, 0, [-float(t) for t in tokens], list(tokens), [], [])
 
 
 def test_a_request_that_asks_computes_its_whole_prompt_and_the_cache_stays() -> None:
@@ -54,10 +55,10 @@ def test_each_prompt_token_is_kept_once_and_a_gap_is_refused() -> None:
     request.add_prompt_logprobs(again)
     whole = request.take_prompt_logprobs()
     assert whole is not None and whole.first == 1 and whole.ranks == list(range(1, 10))
-    assert [e.sampled.logprob for e in whole.entries] == [-float(t) for t in range(1, 10)]
+    assert whole.logprobs == [-float(t) for t in range(1, 10)]
     assert request.follows_on(again) and not request.follows_on(run(1, 10)), "sent: only the count stays"
     request.add_prompt_logprobs(again)
-    assert request.prompt_logprobs == [] and request.num_prompt_logprobs_sent == 9
+    assert request.prompt_logprobs == empty_run(10, 0) and request.num_prompt_logprobs_sent == 9
     assert not make_request("plain", 10).follows_on(first), "it did not ask"
 
 
@@ -67,7 +68,9 @@ def test_each_prompt_token_is_kept_once_and_a_gap_is_refused() -> None:
         ({"other": run(1, 2)}, "did not compute"),
         ({"r": run(1, 9)}, "did not compute"),  # 9 entries from 8 tokens
         ({"r": run(3, 2)}, "do not follow on"),
-        ({"r": PromptLogprobs(1, run(1, 2).entries, [1])}, "did not compute"),  # a rank short
+        ({"r": PromptLogprobs(1, 0, [-1.0, -2.0], [1], [], [])}, "did not compute"),  # a rank short
+        ({"r": PromptLogprobs(1, 1, [-1.0], [1], [7, 8], [-1.0])}, "did not compute"),  # a top id too many
+        ({"r": PromptLogprobs(1, 2, [-1.0], [1], [7, 8], [-1.0, -2.0])}, "do not follow on"),  # its top count
     ],
 )
 def test_a_reply_with_runs_the_step_did_not_compute_is_a_bad_message(
