@@ -29,7 +29,13 @@ from app.api.responses import (
     tool_stream_deltas,
     with_prompt_token_ids,
 )
-from app.api.sampling import SamplingDefaults, bad_words_token_ids, choice_sampling, sampling_params
+from app.api.sampling import (
+    SamplingDefaults,
+    bad_words_token_ids,
+    choice_sampling,
+    prompt_truncation,
+    sampling_params,
+)
 from app.api.sampling_schemas import MAX_REQUEST_ID_CHARS, SamplingRequest, StreamUsage
 from app.api.schemas import ChatCompletionRequest
 from app.api.tool_schemas import (
@@ -176,6 +182,7 @@ class ChatService:
             constraint=constraint.constraint if constraint is not None else None,
             constraint_param=constraint.param if constraint is not None else None,
             priority=body.priority,
+            truncation=prompt_truncation(body, self.max_model_len),
         )
 
     def answer_constraint(self, body: SamplingRequest) -> RequestedConstraint | None:

@@ -25,7 +25,7 @@ from app.api.json_out import JSONOut, sse
 from app.api.outputs import ChoiceOutputs
 from app.api.prompt_logprobs import vllm_prompt_logprobs
 from app.api.request_guards import request_tenant
-from app.api.sampling import reword_length_error
+from app.api.sampling import prompt_truncation, reword_length_error
 from app.api.sampling_schemas import StreamUsage
 from app.errors import MMServeError
 from app.inputs.raw_prompts import RawPrompt
@@ -62,11 +62,13 @@ class CompletionService:
             for i, submitted in enumerate(done)
             for j in range(body.n)
         ]
-        echoed = [self._text(prompt, body.skip_special_tokens) if body.echo else "" for prompt in prompts]
+        # a cut prompt is echoed as its ids that were kept decode
+        shown = [list(s.prompt_token_ids) if s.truncated else p for s, p in zip(done, prompts, strict=True)]
+        echoed = [self._text(prompt, body.skip_special_tokens) if body.echo else "" for prompt in shown]
         scored = body.echo and body.logprobs is not None
         pieces = [
             self._prompt_piece(submitted, prompt, text, body) if scored else None
-            for submitted, prompt, text in zip(done, prompts, echoed, strict=True)
+            for submitted, prompt, text in zip(done, shown, echoed, strict=True)
         ]
         vllm_pieces = None
         if body.prompt_logprobs is not None:
@@ -94,6 +96,7 @@ class CompletionService:
         constraint = chat.answer_constraint(body)
         alone_with_allowed_tokens(body, constraint)
         scope = chat.inputs.cache_scope(request_tenant(raw.scope), body.cache_salt)
+        truncation = prompt_truncation(body, chat.max_model_len)
         specs = []
         for i, prompt in enumerate(prompts):
             prompt_id = base_id if i == 0 else f"{base_id}-p{i}"
@@ -111,6 +114,7 @@ class CompletionService:
                         prompt, body.add_special_tokens, "prompt" if len(prompts) == 1 else f"prompt[{i}]"
                     ),
                     priority=body.priority,
+                    truncation=truncation,
                 )
             )
         return specs

@@ -56,8 +56,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((None, False), _NOT_SUPPORTED),
     "use_beam_search": ((None, False), "beam search is not supported"),
     "best_of": ((None, 1), "use n"),
-    "truncate_prompt_tokens": ((None,), _NOT_SUPPORTED),
-    "truncation_side": ((None,), _NOT_SUPPORTED),
     "logprob_token_ids": ((None,), _NOT_SUPPORTED),
     "documents": ((None,), _NOT_SUPPORTED),
     "chat_template": ((None,), "the model's own chat template is used"),

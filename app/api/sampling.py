@@ -16,6 +16,7 @@ import msgspec
 
 from app.api.sampling_schemas import SamplingRequest
 from app.errors import ContextLengthError, InvalidRequestError, MMServeError
+from app.inputs.truncation import Truncation
 from wire.protocol import INT64_MAX, INT64_MIN, SamplingParams
 
 log = logging.getLogger("mmserve.api")
@@ -161,6 +162,24 @@ def bad_words_token_ids(words: list[str], tokenizer: Any, vocab_size: int) -> tu
             sequences.append(after_space)
     _check_vocab("bad_words", [t for ids in sequences for t in ids], vocab_size)
     return tuple(dict.fromkeys(sequences))
+
+
+def prompt_truncation(body: SamplingRequest, max_model_len: int) -> Truncation | None:
+    """vLLM's ``truncate_prompt_tokens`` as the input path cuts the prompt: -1 keeps as many tokens as
+    leave room for the max tokens asked for (one where none is); more than the context holds is a 400."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return None
+    if keep == -1:
+        keep = max(max_model_len - (body.effective_max_tokens() or 1), 1)
+    if keep > max_model_len:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_model_len}). "
+            "Please request a smaller truncation size.",
+            param="truncate_prompt_tokens",
+            code="invalid_value",
+        )
+    return Truncation(keep, body.truncation_side or "left")
 
 
 def choice_sampling(first: SamplingParams, index: int) -> SamplingParams:

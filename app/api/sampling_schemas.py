@@ -7,7 +7,7 @@ validated at the HTTP edge. ``app.api.sampling`` turns them into the engine's ``
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -100,6 +100,10 @@ class SamplingRequest(RequestModel):
     return_tokens_as_token_ids: bool = False
     # vLLM's: the request's place under --scheduling-policy priority (lower first); 0 under fcfs
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX, strict=True)
+    # vLLM's: the prompt cut to its last (``truncation_side`` right: first) this many tokens; -1: as many
+    # as leave room for the max tokens (app/api/sampling.py: prompt_truncation)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX, strict=True)
+    truncation_side: Literal["left", "right"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -146,6 +150,13 @@ class SamplingRequest(RequestModel):
                     f"bad words must be 1 to {MAX_BAD_WORD_CHARS} characters, not all whitespace"
                 )
         return words or None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_a_token(cls, keep: int | None) -> int | None:
+        if keep == 0:
+            raise ValueError("truncate_prompt_tokens must be at least 1 (or -1: as many as fit)")
+        return keep
 
     @field_validator("request_id")
     @classmethod

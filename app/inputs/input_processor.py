@@ -100,6 +100,7 @@ class PreparedRequest:
     spans: list[tuple[int, int]] = field(default_factory=list)  # each item's (first, end) token
     scope: CacheScope = UNSCOPED  # its tenant and salt: media ids are bound under them
     ids_given: bool = False  # a prompt without media, tokenized once (app/inputs/raw_prompts.py)
+    truncated: bool = False  # its tokens were cut (app/inputs/truncation.py)
 
 
 async def gather_or_cancel(coros: list[Coroutine[Any, Any, T]]) -> list[T]:

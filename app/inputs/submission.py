@@ -25,6 +25,7 @@ from app.inputs.engine_client import EngineClient, EngineGone
 from app.inputs.input_processor import InputProcessor, PreparedRequest
 from app.inputs.media_ids import CacheScope
 from app.inputs.raw_prompts import RawPrompt, prepare_prompt
+from app.inputs.truncation import Truncation
 from wire.prompt_logprobs import empty_run
 from wire.protocol import Constraint, ErrorInfo, PromptLogprobs, RequestOutput, SamplingParams
 from workers.families.processing import TemplateOptions
@@ -71,6 +72,7 @@ class RequestSpec:
     constraint_param: str | None = None
     raw_prompt: RawPrompt | None = None  # a prompt as it is, in place of the messages (no template)
     priority: int = 0  # its place under --scheduling-policy priority (lower first)
+    truncation: Truncation | None = None  # the prompt cut to its last (or first) tokens
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class SubmittedChoice:
 class Submitted:
     choices: list[SubmittedChoice]
     prompt_token_ids: tuple[int, ...]
+    truncated: bool = False  # its prompt was cut (``RequestSpec.truncation``)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -117,7 +120,7 @@ async def submit(inputs: InputProcessor, engine: EngineClient, spec: RequestSpec
             engine.release(first.req_id, abort=True)
             raise
     inputs.count_uuid_hits(prepared)
-    return Submitted(choices, tuple(prepared.prompt_token_ids))
+    return Submitted(choices, tuple(prepared.prompt_token_ids), prepared.truncated)
 
 
 async def _submit_rest(
@@ -182,6 +185,8 @@ async def _submit_choice(
             try:
                 while queue is None:
                     await inputs.resolve(prepared)
+                    if spec.truncation is not None:
+                        prepared.truncated = spec.truncation.apply(prepared) or prepared.truncated
                     sampling = spec.sampling(len(prepared.prompt_token_ids), index)
                     queue = inputs.submit(
                         prepared,
