@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 TEXT = "Describe this picture: its colours, its shapes and what it could be."
 IMAGE = make_image(17, (320, 240))
 NUM_TOKENS = 24
+GREEDY = {"max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
 
 def post(server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -86,14 +87,7 @@ def test_bad_words_answer_as_transformers_bad_words_ids(
 ) -> None:
     server, oracle = family_server(family), family_oracle(family)
     tokenizer = oracle.processor.tokenizer
-    body = {
-        "model": f"tiny-{family}",
-        "messages": [user_message(TEXT, IMAGE)],
-        "max_tokens": NUM_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
+    body = {"model": f"tiny-{family}", "messages": [user_message(TEXT, IMAGE)], **GREEDY}
     plain = post(server, "/v1/chat/completions", body)["choices"][0]["token_ids"]
     words = words_of(tokenizer, plain)
     banned = sequences(tokenizer, words)
@@ -125,14 +119,7 @@ def test_completions_ban_them_too(
     server = family_server("llava", *flags)
     tokenizer = oracle.processor.tokenizer
     prompt_ids = tokenizer(TEXT)["input_ids"]
-    body = {
-        "model": "tiny-llava",
-        "prompt": prompt_ids,
-        "max_tokens": NUM_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
+    body = {"model": "tiny-llava", "prompt": prompt_ids, **GREEDY}
     plain = post(server, "/v1/completions", body)["choices"][0]["token_ids"]
     words = words_of(tokenizer, plain)
     served = post(server, "/v1/completions", body | {"bad_words": words})["choices"][0]["token_ids"]

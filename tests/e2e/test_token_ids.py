@@ -162,6 +162,14 @@ def test_streamed_tool_call_ids_reassemble(family_server: Callable[..., Server])
     assert any(chunk["choices"][0]["delta"].get("tool_calls") for chunk in own)
 
 
+def with_and_without_ids(
+    server: Server, path: str, body: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The first choice of ``body`` with tokens spelt as ids, and without."""
+    spelt = post(server, path, body | {"return_tokens_as_token_ids": True})["choices"][0]
+    return spelt, post(server, path, body)["choices"][0]
+
+
 def test_tokens_as_ids_spell_each_token_by_its_id(server: Server) -> None:
     """Chat's and the legacy logprobs: every token and alternative is ``token_id:<id>``, the sampled one the
     answer's own id; logprobs, bytes and offsets are as without."""
@@ -174,8 +182,7 @@ def test_tokens_as_ids_spell_each_token_by_its_id(server: Server) -> None:
         "top_logprobs": 2,
         "return_token_ids": True,
     }
-    spelt = post(server, "/v1/chat/completions", body | {"return_tokens_as_token_ids": True})["choices"][0]
-    plain = post(server, "/v1/chat/completions", body)["choices"][0]
+    spelt, plain = with_and_without_ids(server, "/v1/chat/completions", body)
     assert spelt["token_ids"] == plain["token_ids"]
     for token_id, entry, reference in zip(
         spelt["token_ids"], spelt["logprobs"]["content"], plain["logprobs"]["content"], strict=True
@@ -196,8 +203,7 @@ def test_tokens_as_ids_spell_each_token_by_its_id(server: Server) -> None:
         "logprobs": 2,
         "return_token_ids": True,
     }
-    spelt = post(server, "/v1/completions", legacy | {"return_tokens_as_token_ids": True})["choices"][0]
-    plain = post(server, "/v1/completions", legacy)["choices"][0]
+    spelt, plain = with_and_without_ids(server, "/v1/completions", legacy)
     ids = spelt["prompt_token_ids"] + spelt["token_ids"]
     assert spelt["logprobs"]["tokens"] == [f"token_id:{token_id}" for token_id in ids]
     assert spelt["text"] == plain["text"]
