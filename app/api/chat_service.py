@@ -102,12 +102,15 @@ class ChatService:
         if body.stream:
             return StreamingResponse(
                 self._stream(
-                    outputs, body.stream_usage, body.parses_tool_calls and calls_only(body.tool_choice)
+                    outputs,
+                    body.stream_usage,
+                    body.parses_tool_calls and calls_only(body.tool_choice),
+                    body.echoed,
                 ),
                 media_type="text/event-stream",
             )
         await outputs.collect_while_connected(raw)
-        response = completion(gens)
+        response = completion(gens, body.echoed)
         if body.prompt_logprobs is not None:
             detok = IncrementalDetokenizer(self.tokenizer)
             response["prompt_logprobs"] = vllm_prompt_logprobs(
@@ -232,16 +235,22 @@ class ChatService:
         return params
 
     async def _stream(
-        self, outputs: ChoiceOutputs, stream_usage: StreamUsage, calls_only: bool = False
+        self,
+        outputs: ChoiceOutputs,
+        stream_usage: StreamUsage,
+        calls_only: bool = False,
+        echoed: str = "",
     ) -> AsyncIterator[str]:
         """SSE events: each choice's role chunk (its content null where the answer is calls only, as
-        OpenAI's; the prompt's token ids where the response returns them), then its deltas as they
-        come, then the usage."""
+        OpenAI's; the prompt's token ids where the response returns them), and its ``echoed`` text,
+        then its deltas as they come, then the usage."""
         gens = outputs.gens
         try:
             for gen in gens:
                 first = {"role": "assistant", "content": None if calls_only else ""}
                 yield sse(with_prompt_token_ids(chunk(gen, first, stream_usage), gen))
+            for gen in gens if echoed else ():
+                yield sse(chunk(gen, {"content": echoed}, stream_usage))
             calls = {gen.index: gen.call_streamer() for gen in gens if gen.parse_tool_calls}
             async for delta in outputs.deltas():
                 gen = gens[delta.index]

@@ -53,7 +53,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "moderation": ((None,), "mmserve runs no moderation"),
     "functions": ((None, []), _TOOLS),
     "function_call": ((None, "none"), _TOOLS),
-    "echo": ((None, False), _NOT_SUPPORTED),
     "use_beam_search": ((None, False), "beam search is not supported"),
     "best_of": ((None, 1), "use n"),
     "logprob_token_ids": ((None,), _NOT_SUPPORTED),

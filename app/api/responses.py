@@ -17,7 +17,8 @@ def usage(gens: list[Generation]) -> dict[str, Any]:
     return usage_counts(gens[0].num_prompt_tokens, num_completion_tokens, gens[0].num_cached_tokens)
 
 
-def completion(gens: list[Generation]) -> dict[str, Any]:
+def completion(gens: list[Generation], echoed: str = "") -> dict[str, Any]:
+    """The whole ``chat.completion``; ``echoed``: text each choice's content begins with (``echo``)."""
     choices = []
     for gen in gens:
         message: dict[str, Any] = {"role": "assistant", "content": gen.text}
@@ -28,6 +29,8 @@ def completion(gens: list[Generation]) -> dict[str, Any]:
             if parsed.tool_calls:
                 message["tool_calls"] = [tool_call_json(call) for call in parsed.tool_calls]
             reason = tool_finish_reason(parsed, reason or "stop")
+        if echoed:
+            message["content"] = echoed + (message["content"] or "")
         choice = {
             "index": gen.index,
             "message": message,

@@ -245,6 +245,8 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: each choice's content begins with the last message's, where that is the assistant's
+    echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
     mm_processor_kwargs: dict[str, Any] | None = None
     # tool calling (docs/api.md, "Tool calling")
@@ -257,8 +259,25 @@ class ChatCompletionRequest(SamplingRequest):
         """Whether the answer's calls become ``tool_calls``: it has tools it lets the model call."""
         return bool(self.tools) and self.tool_choice != "none"
 
+    @property
+    def echoed(self) -> str:
+        """What ``echo`` puts before each choice's content: the last message's text (its text parts
+        joined by newlines, as vLLM joins them), where the assistant sent it (a message to continue,
+        ``continue_final_message``); "" otherwise."""
+        last = self.messages[-1]
+        if not self.echo or last.role != "assistant" or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "\n".join(part.text for part in last.content if isinstance(part, TextContentPart))
+
     _null_is_chat_default = field_validator(
-        "logprobs", "add_generation_prompt", "continue_final_message", "parallel_tool_calls", mode="before"
+        "logprobs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "parallel_tool_calls",
+        "echo",
+        mode="before",
     )(classmethod(null_is_default))
 
     _one_prompt_end = field_validator("continue_final_message")(one_prompt_end)

@@ -100,8 +100,8 @@ def test_a_refused_field_is_a_400_naming_it_unless_default(name: str) -> None:
 
 @pytest.mark.parametrize(("value", "accepted"), [(False, True), (0, False), (True, False), (None, True)])
 def test_a_default_matches_in_type_too(value: Any, accepted: bool) -> None:
-    """``echo: 0`` is not ``echo: false``: a refused field's default must be the very value."""
-    body = {**BASE, "echo": value}
+    """``use_beam_search: 0`` is not ``false``: a refused field's default must be the very value."""
+    body = {**BASE, "use_beam_search": value}
     if accepted:
         ChatCompletionRequest.model_validate(body)
     else:

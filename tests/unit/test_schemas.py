@@ -225,7 +225,7 @@ def test_logprobs_without_alternatives() -> None:
         ({"top_k": -2}, ("top_k",), "greater than or equal to -1"),
         ({"functions": [{"name": "f"}]}, ("functions",), "use tools and tool_choice"),
         ({"modalities": ["text", "audio"]}, ("modalities",), "text only"),
-        ({"echo": True}, ("echo",), "echo is not supported"),
+        ({"use_beam_search": True}, ("use_beam_search",), "beam search is not supported"),
         ({"guided_json": {}}, ("guided_json",), "use structured_outputs.json"),
         ({"min_tokens": 9, "max_tokens": 8}, ("min_tokens",), "must not exceed"),
         ({"stream_options": {"include_usage": True}}, ("stream_options",), "only allowed when stream"),
