@@ -64,6 +64,7 @@ def check_vocab(msg: AddRequest, vocab_size: int) -> None:
         ("allowed_token_ids", sampling.allowed_token_ids or ()),
         ("stop_token_ids", sampling.stop_token_ids),
         ("bad_words", [t for ids in sampling.bad_words or () for t in ids]),
+        ("logprob_token_ids", sampling.logprob_token_ids or ()),
     ):
         largest = max(token_ids, default=-1)
         if largest >= vocab_size:

@@ -13,3 +13,4 @@ PosInt = Annotated[int, Meta(ge=1)]
 TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
 MAX_TOP_LOGPROBS = 20
+MAX_LOGPROB_TOKEN_IDS = 256  # ids whose logprobs a request asks for at each position

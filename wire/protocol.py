@@ -23,7 +23,16 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from wire.bounds import INT64_MAX, INT64_MIN, MAX_TOP_LOGPROBS, Int64, NonNegInt, PosInt, TokenId
+from wire.bounds import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROB_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    Int64,
+    NonNegInt,
+    PosInt,
+    TokenId,
+)
 from wire.prompt_logprobs import PromptLogprobs
 
 
@@ -76,6 +85,10 @@ class SamplingParams(msgspec.Struct, frozen=True):
     stop_token_ids: tuple[TokenId, ...] = ()
     # None: no logprobs at all; 0: only the sampled token's
     num_top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # with logprobs, these ids' logprobs at each position in place of the top ones (vLLM's)
+    logprob_token_ids: (
+        Annotated[tuple[TokenId, ...], Meta(min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS)] | None
+    ) = None
     # None: none; k: each prompt token's after the first, with its position's k most likely tokens
     # (the engine then computes the whole prompt, without prefix-cache hits)
     num_prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None

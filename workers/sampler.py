@@ -184,13 +184,29 @@ def sample_on_device(logits: torch.Tensor, rows: list[SamplingRow]) -> Sampled:
         token_ids = token_ids.index_copy(0, idx, sampled)
     if raw_logprobs is None:
         return Sampled(token_ids, [], [], None)
-    # the raw logprobs (before any mask) of each asking row: its token's and its top ones
-    num_top = [rows[i].params.num_top_logprobs or 0 for i in want]
+    # the raw logprobs (before any mask) of each asking row: its token's and its top ones, or those of
+    # the ids it names (``logprob_token_ids``, in its order)
+    num_top = [_num_alternatives(rows[i].params) for i in want]
     idx = to_device(want, logits.device, torch.long)
     asked = raw_logprobs.index_select(0, idx)
     sampled_logprobs = asked.gather(1, token_ids.index_select(0, idx).unsqueeze(1)).squeeze(1)
     top_values, top_ids = asked.topk(min(max(num_top), vocab_size), dim=-1)
+    named = [k for k, i in enumerate(want) if rows[i].params.logprob_token_ids]
+    if named:  # their rows of the top tensors hold the named ids (padded with id 0, cut on the host)
+        ids = torch.zeros((len(named), top_ids.shape[1]), dtype=torch.long)
+        for r, k in enumerate(named):
+            named_ids = rows[want[k]].params.logprob_token_ids or ()
+            ids[r, : len(named_ids)] = torch.tensor(named_ids, dtype=torch.long)
+        ids = to_device(ids, logits.device, torch.long)
+        at = to_device(named, logits.device, torch.long)
+        top_ids = top_ids.index_copy(0, at, ids)
+        top_values = top_values.index_copy(0, at, asked.index_select(0, at).gather(1, ids))
     return Sampled(token_ids, want, num_top, (sampled_logprobs, top_values, top_ids))
+
+
+def _num_alternatives(params: SamplingParams) -> int:
+    """A logprobs row's alternatives: the ids it names, or its number of top ones."""
+    return len(params.logprob_token_ids) if params.logprob_token_ids else params.num_top_logprobs or 0
 
 
 def _mask_grammars(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

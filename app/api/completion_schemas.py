@@ -80,6 +80,15 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _no_tokens_only_with_echo(self) -> CompletionRequest:
+        if self.echo_only and self.logprob_token_ids:  # (the prompt's positions have their top ones)
+            no_positions: InitErrorDetails = {
+                "type": PydanticCustomError(
+                    "no_positions", "logprob_token_ids needs generated tokens: max_tokens 0 has none"
+                ),
+                "loc": ("logprob_token_ids",),
+                "input": self.logprob_token_ids,
+            }
+            raise ValidationError.from_exception_data("CompletionRequest", [no_positions])
         if self.max_tokens == 0 and not self.echo:
             error: InitErrorDetails = {
                 "type": PydanticCustomError(

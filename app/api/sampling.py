@@ -116,6 +116,7 @@ def sampling_params(
     _check_vocab("logit_bias", logit_bias, vocab_size)
     _check_vocab("allowed_token_ids", body.allowed_token_ids or [], vocab_size)
     _check_vocab("stop_token_ids", body.stop_token_ids or [], vocab_size)
+    _check_vocab("logprob_token_ids", body.logprob_token_ids or [], vocab_size)
     ends = {*eos_token_ids, *(body.stop_token_ids or ())}
     if body.min_tokens and body.allowed_token_ids is not None and set(body.allowed_token_ids) <= ends:
         raise InvalidRequestError(
@@ -143,6 +144,7 @@ def sampling_params(
         min_p=defaults.min_p if body.min_p is None else body.min_p,
         logit_bias=logit_bias or None,
         allowed_token_ids=tuple(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
+        logprob_token_ids=tuple(body.logprob_token_ids) if body.logprob_token_ids else None,
     )
 
 

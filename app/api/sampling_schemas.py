@@ -9,11 +9,20 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from app.api.constraint_schemas import ResponseFormat, StructuredOutputs
 from app.api.request_fields import drop_known_fields
-from wire.protocol import MAX_TOP_LOGPROBS
+from wire.protocol import MAX_LOGPROB_TOKEN_IDS, MAX_TOP_LOGPROBS
 
 # Integers that travel to the engine must fit its wire format and torch (a seed is a torch.long, as in vLLM).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -104,6 +113,8 @@ class SamplingRequest(RequestModel):
     # as leave room for the max tokens (app/api/sampling.py: prompt_truncation)
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX, strict=True)
     truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: with logprobs, these ids' logprobs at each generated position in place of the top ones
+    logprob_token_ids: list[int] | None = Field(None, max_length=MAX_LOGPROB_TOKEN_IDS)
 
     @model_validator(mode="before")
     @classmethod
@@ -150,6 +161,24 @@ class SamplingRequest(RequestModel):
                     f"bad words must be 1 to {MAX_BAD_WORD_CHARS} characters, not all whitespace"
                 )
         return words or None
+
+    @field_validator("logprob_token_ids")
+    @classmethod
+    def _named_ids(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and not all(0 <= t <= INT64_MAX for t in ids):
+            raise ValueError("logprob_token_ids must be token ids (non-negative integers)")
+        return list(dict.fromkeys(ids)) if ids else None  # ([]: the top ones, as vLLM's)
+
+    @model_validator(mode="after")
+    def _named_ids_with_logprobs(self) -> Any:
+        if self.logprob_token_ids and self.num_top_logprobs() is None:
+            error: InitErrorDetails = {
+                "type": PydanticCustomError("needs_logprobs", "logprob_token_ids needs logprobs"),
+                "loc": ("logprob_token_ids",),
+                "input": self.logprob_token_ids,
+            }
+            raise ValidationError.from_exception_data(type(self).__name__, [error])
+        return self
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

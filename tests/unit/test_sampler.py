@@ -251,3 +251,22 @@ def test_bad_words_mask_as_transformers_does_where_the_prefix_is_in_the_output()
         work[:, tokens[0]] = float("-inf")
     assert seen == expected[0].topk(VOCAB - 4).indices.tolist()
     assert not {5, 8, 9, 47} & set(seen)
+
+
+def test_named_ids_give_their_own_logprobs_in_their_order_beside_top_ones():
+    """A row that names ``logprob_token_ids`` gets exactly those ids' raw logprobs, in its order, however
+    unlikely; a row beside it keeps its top ones; the sampled tokens do not change."""
+    logits = _logits(2, seed=11)
+    named = (int(logits[0].argmin()), 3, int(logits[0].argmax()))
+    rows = [
+        _row(temperature=0.0, num_top_logprobs=0, logprob_token_ids=named),
+        _row(temperature=0.0, num_top_logprobs=4),
+    ]
+    tokens, logprobs = sample(logits, rows)
+    assert tokens == [int(logits[0].argmax()), int(logits[1].argmax())]
+    raw = torch.log_softmax(logits, dim=-1)
+    first, second = logprobs
+    assert first is not None and second is not None
+    assert [alt.token_id for alt in first.top] == list(named)
+    assert [alt.logprob for alt in first.top] == pytest.approx(raw[0, list(named)].tolist())
+    assert [alt.token_id for alt in second.top] == raw[1].topk(4).indices.tolist()
