@@ -106,11 +106,14 @@ class ChatService:
                     body.stream_usage,
                     body.parses_tool_calls and calls_only(body.tool_choice),
                     body.echoed,
+                    submitted.prompt_text if body.return_prompt_text else None,
                 ),
                 media_type="text/event-stream",
             )
         await outputs.collect_while_connected(raw)
         response = completion(gens, body.echoed)
+        if body.return_prompt_text:
+            response["prompt_text"] = submitted.prompt_text
         if body.prompt_logprobs is not None:
             detok = IncrementalDetokenizer(self.tokenizer)
             response["prompt_logprobs"] = vllm_prompt_logprobs(
@@ -240,15 +243,19 @@ class ChatService:
         stream_usage: StreamUsage,
         calls_only: bool = False,
         echoed: str = "",
+        prompt_text: str | None = None,
     ) -> AsyncIterator[str]:
         """SSE events: each choice's role chunk (its content null where the answer is calls only, as
-        OpenAI's; the prompt's token ids where the response returns them), and its ``echoed`` text,
-        then its deltas as they come, then the usage."""
+        OpenAI's; the prompt's token ids and ``prompt_text`` where the response returns them), and its
+        ``echoed`` text, then its deltas as they come, then the usage."""
         gens = outputs.gens
         try:
             for gen in gens:
                 first = {"role": "assistant", "content": None if calls_only else ""}
-                yield sse(with_prompt_token_ids(chunk(gen, first, stream_usage), gen))
+                role_chunk = with_prompt_token_ids(chunk(gen, first, stream_usage), gen)
+                if prompt_text is not None:
+                    role_chunk["prompt_text"] = prompt_text
+                yield sse(role_chunk)
             for gen in gens if echoed else ():
                 yield sse(chunk(gen, {"content": echoed}, stream_usage))
             calls = {gen.index: gen.call_streamer() for gen in gens if gen.parse_tool_calls}

@@ -61,7 +61,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "media_io_kwargs": ((None,), "use mm_processor_kwargs"),
     "logits_processors": ((None, []), _NOT_SUPPORTED),
     "return_token_offsets": ((None, False), _NOT_SUPPORTED),
-    "return_prompt_text": ((None, False), _NOT_SUPPORTED),
     "return_mm_kwargs": ((None, False), _NOT_SUPPORTED),
     "routed_experts_prompt_start": ((None, 0), _NOT_SUPPORTED),
     "mm_payload": ((None,), _NOT_SUPPORTED),

@@ -247,6 +247,7 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     # vLLM's: each choice's content begins with the last message's, where that is the assistant's
     echo: bool = False
+    return_prompt_text: bool = False  # vLLM's: the rendered chat template as the response's prompt_text
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
     mm_processor_kwargs: dict[str, Any] | None = None
     # tool calling (docs/api.md, "Tool calling")
@@ -277,6 +278,7 @@ class ChatCompletionRequest(SamplingRequest):
         "continue_final_message",
         "parallel_tool_calls",
         "echo",
+        "return_prompt_text",
         mode="before",
     )(classmethod(null_is_default))
 

@@ -87,6 +87,7 @@ class Submitted:
     choices: list[SubmittedChoice]
     prompt_token_ids: tuple[int, ...]
     truncated: bool = False  # its prompt was cut (``RequestSpec.truncation``)
+    prompt_text: str = ""  # the rendered chat template (one media token per item), or a raw prompt's text
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -120,7 +121,7 @@ async def submit(inputs: InputProcessor, engine: EngineClient, spec: RequestSpec
             engine.release(first.req_id, abort=True)
             raise
     inputs.count_uuid_hits(prepared)
-    return Submitted(choices, tuple(prepared.prompt_token_ids), prepared.truncated)
+    return Submitted(choices, tuple(prepared.prompt_token_ids), prepared.truncated, prepared.prompt)
 
 
 async def _submit_rest(
