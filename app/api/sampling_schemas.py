@@ -1,7 +1,9 @@
 """The request fields every generating endpoint shares, chat completions (app/api/schemas.py) and
 completions (app/api/completion_schemas.py): the model, streaming, the max tokens and the sampling
-fields, stop conditions, the cache salt and an output constraint, as OpenAI and vLLM define them,
-validated at the HTTP edge. ``app.api.sampling`` turns them into the engine's ``SamplingParams``.
+fields, stop conditions and bad words, the cache salt, an output constraint, what the answer carries
+beside its text (prompt logprobs, token ids, named ids' logprobs), the prompt's truncation and the
+request's priority, as OpenAI and vLLM define them, validated at the HTTP edge. ``app.api.sampling``
+turns them into the engine's ``SamplingParams``.
 """
 
 from __future__ import annotations
