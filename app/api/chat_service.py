@@ -182,6 +182,7 @@ class ChatService:
                 body.continue_final_message,
                 tools.json,
                 template_variables(self.inputs.family, body.chat_template_kwargs),
+                body.documents_json,
             ),
             req_ids=[base_id, *(f"{base_id}-{index}" for index in range(1, body.n))],
             sampling=lambda num_prompt_tokens, index: self.sampling(body, num_prompt_tokens, index),

@@ -55,7 +55,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "function_call": ((None, "none"), _TOOLS),
     "use_beam_search": ((None, False), "beam search is not supported"),
     "best_of": ((None, 1), "use n"),
-    "documents": ((None,), _NOT_SUPPORTED),
     "chat_template": ((None,), "the model's own chat template is used"),
     "add_special_tokens": ((None, False), "the chat template adds the special tokens"),
     "media_io_kwargs": ((None,), "use mm_processor_kwargs"),

@@ -12,6 +12,7 @@ OpenAI wire format sends as ``null`` stay, and a stream delta drops its unset ``
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 from uuid import uuid4
@@ -38,6 +39,7 @@ FinishReasonLiteral = Literal["stop", "length", "abort"]  # "abort" as in vLLM; 
 
 
 MAX_UUID_CHARS = 128
+MAX_DOCUMENTS = 256  # of a request (vLLM's documents)
 
 
 def _check_uuid(uuid: Any) -> Any:
@@ -248,6 +250,8 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's: each choice's content begins with the last message's, where that is the assistant's
     echo: bool = False
     return_prompt_text: bool = False  # vLLM's: the rendered chat template as the response's prompt_text
+    # vLLM's: documents for a chat template with a RAG section ("title" and "text" each, as vLLM's)
+    documents: list[dict[str, str]] | None = Field(None, max_length=MAX_DOCUMENTS)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
     mm_processor_kwargs: dict[str, Any] | None = None
     # tool calling (docs/api.md, "Tool calling")
@@ -259,6 +263,11 @@ class ChatCompletionRequest(SamplingRequest):
     def parses_tool_calls(self) -> bool:
         """Whether the answer's calls become ``tool_calls``: it has tools it lets the model call."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def documents_json(self) -> str | None:
+        """``TemplateOptions.documents``."""
+        return json.dumps(self.documents, ensure_ascii=False) if self.documents is not None else None
 
     @property
     def echoed(self) -> str:

@@ -223,7 +223,7 @@ def test_bad_input_disturbs_neither_requests_nor_caches(server: Server, image_ht
         ("modalities", ["text", "audio"]),
         ("prediction", {"type": "content", "content": "x"}),
         ("web_search_options", {}),
-        ("echo", True),
+        ("best_of", 2),
         ("use_beam_search", True),
         ("logprob_token_ids", [1]),
         ("chat_template", "{{ messages }}"),

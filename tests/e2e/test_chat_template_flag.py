@@ -2,7 +2,8 @@
 tools (tests/e2e/test_tool_calling.py checks its 400), serves tool calls once given a Hermes-style template
 with tools and the hermes parser. Its tokenizer has no ``<tool_call>`` token: the structural tag holds the
 tags as plain text, so ``required`` still makes the answer one well-formed call that the parser reads. The
-template reads a variable of its own, which ``chat_template_kwargs`` sets, on chat and ``/tokenize``."""
+template reads a variable of its own, which ``chat_template_kwargs`` sets, on chat and ``/tokenize``, and
+renders vLLM's ``documents``, which a template without them refuses."""
 
 from __future__ import annotations
 
@@ -25,13 +26,15 @@ pytestmark = pytest.mark.slow
 
 TOOL = TOOLS[0]  # get_weather
 STYLED = "{% if style %}Answer in a {{ style }} style. {% endif %}"  # a variable for chat_template_kwargs
+# vLLM's documents, as a RAG template renders them
+DOCUMENTS = "{% for doc in documents or [] %}[{{ doc.title }}] {{ doc.text }}\n{% endfor %}"
 
 
 @pytest.fixture(scope="module")
 def tool_template_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("chat-template")
     template = folder / "llava_tools.jinja"
-    template.write_text(STYLED + LLAVA_HERMES_TEMPLATE)
+    template.write_text(STYLED + DOCUMENTS + LLAVA_HERMES_TEMPLATE)
     flags = ("--chat-template", str(template), "--tool-call-parser", "hermes")
     with serving(tiny_model_dir, folder, *flags) as server:
         yield server
@@ -81,3 +84,29 @@ def test_chat_template_kwargs_set_the_templates_variables(tool_template_server: 
         f"{base}/v1/chat/completions", json={**body, "chat_template_kwargs": {"messages": []}}
     )
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs.messages"
+
+
+def test_documents_reach_a_template_that_renders_them(tool_template_server: Server, server: Server) -> None:
+    documents = [{"title": "Invoice 7", "text": "Paid on 3 May."}, {"title": "Invoice 8", "text": "Unpaid."}]
+    body = {
+        "model": "tiny-llava",
+        "messages": [{"role": "user", "content": "Which invoice is unpaid?"}],
+        "max_tokens": 2,
+        "temperature": 0,
+        "return_prompt_text": True,
+    }
+    made = httpx.post(
+        f"{tool_template_server.base_url}/v1/chat/completions", json=body | {"documents": documents}
+    )
+    assert made.status_code == 200, made.text
+    prompt = made.json()["prompt_text"]
+    assert prompt.startswith("[Invoice 7] Paid on 3 May.\n[Invoice 8] Unpaid.\n"), prompt
+    plain = httpx.post(f"{tool_template_server.base_url}/v1/chat/completions", json=body).json()
+    assert prompt.endswith(plain["prompt_text"])
+    # the tiny LLaVA's own template has no documents: refused, not silently dropped
+    refused = httpx.post(f"{server.base_url}/v1/chat/completions", json=body | {"documents": documents})
+    assert refused.status_code == 400, refused.text
+    assert (
+        refused.json()["error"]["param"] == "documents"
+        and "does not read documents" in refused.json()["error"]["message"]
+    )

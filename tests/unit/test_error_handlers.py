@@ -90,12 +90,12 @@ def test_invalid_value_names_the_field(client: TestClient) -> None:
 
 
 def test_a_refused_field_is_named(client: TestClient) -> None:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "echo": True}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "use_beam_search": True}
     response = _post(client, body)
     assert response.status_code == 400
     error = _envelope(response)
-    assert error["param"] == "echo" and error["code"] == "invalid_value"
-    assert "echo is not supported" in str(error["message"])
+    assert error["param"] == "use_beam_search" and error["code"] == "invalid_value"
+    assert "beam search is not supported" in str(error["message"])
 
 
 @pytest.mark.parametrize(

@@ -105,13 +105,14 @@ class ProcessedItem:
 class TemplateOptions(NamedTuple):
     """How a chat template ends the prompt (vLLM's request fields of the same names), the request's
     tools as JSON text (None renders with the processor's template; a list, ``"[]"`` where only the
-    history has tool calls or results, with the family's template that has tools), and the request's
-    ``chat_template_kwargs`` as JSON text of an object (its variables for the template)."""
+    history has tool calls or results, with the family's template that has tools), its
+    ``chat_template_kwargs`` (JSON of an object) and its ``documents`` (vLLM's; JSON of a list)."""
 
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: str | None = None
     variables: str | None = None
+    documents: str | None = None
 
 
 DEFAULT_TEMPLATE = TemplateOptions()
@@ -250,9 +251,8 @@ class FamilyProcessor:
                 )
             chat_template = self.tool_chat_template
             tool_kwargs = {"tools": json.loads(template.tools) or None}
-        if template.variables is not None:
-            text = chat_template if chat_template is not None else self.hf_processor.chat_template
-            tool_kwargs |= self.template_variables.given(text, template.variables)
+        text = chat_template if chat_template is not None else self.hf_processor.chat_template
+        tool_kwargs |= self.template_variables.given(text, template.variables, template.documents)
         try:
             return self.hf_processor.apply_chat_template(
                 messages,

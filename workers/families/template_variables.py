@@ -12,6 +12,8 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
+from workers.families.errors import FamilyInputError
+
 # what apply_chat_template and the render itself set; every name starting with "_" as well
 RESERVED = frozenset(
     {
@@ -50,10 +52,23 @@ class TemplateVariables:
             name in RESERVED or name in self.special_tokens or name.startswith("_") or not name.isidentifier()
         )
 
-    def given(self, template: Any, variables: str) -> dict[str, Any]:
-        """Of ``variables`` (JSON text of an object), those ``template`` reads, to pass to its render."""
+    def given(self, template: Any, variables: str | None, documents: str | None = None) -> dict[str, Any]:
+        """Of ``variables`` (JSON text of an object), those ``template`` reads, to pass to its render; and
+        ``documents`` (JSON text of a list, vLLM's), which a template that does not read them refuses: a
+        400, not documents the model never sees."""
         read = self.read(template)
-        return {k: v for k, v in json.loads(variables).items() if k in read and not self.refused_name(k)}
+        given = {}
+        if variables is not None:
+            given = {k: v for k, v in json.loads(variables).items() if k in read and not self.refused_name(k)}
+        if documents is not None:
+            if "documents" not in read:
+                raise FamilyInputError(
+                    "This model's chat template does not read documents: they would not reach the model. "
+                    "Put them in the messages, or serve a template that renders them (--chat-template).",
+                    param="documents",
+                )
+            given["documents"] = json.loads(documents)
+        return given
 
     def read(self, template: Any) -> frozenset[str]:
         """The variables a template's text reads that it does not set itself."""
