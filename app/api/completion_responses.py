@@ -14,7 +14,7 @@ from typing import Any
 
 from app.api.detokenizer import IncrementalDetokenizer
 from app.api.outputs import Generation, finite, token_texts, usage_counts
-from app.api.responses import stream_envelope
+from app.api.responses import stream_choice, stream_envelope
 from app.api.sampling_schemas import StreamUsage
 from wire.protocol import PromptLogprobs
 
@@ -148,16 +148,7 @@ def chunk(
     (on a choice's first chunk) where the response returns them; with usage each says ``usage: null``
     and a last one (``envelope(gen, [], usage(...))``) carries the totals, or with continuous usage each
     says the choice's so far (no completion tokens where the answer is the prompt alone)."""
-    choice: dict[str, Any] = {
-        "index": gen.index,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
-    if prompt_token_ids is not None:
-        choice["prompt_token_ids"] = list(prompt_token_ids)
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
+    choice = stream_choice(gen.index, {"text": text}, logprobs, finish_reason, token_ids, prompt_token_ids)
     return stream_envelope(envelope(gen, [choice], None), gen, stream_usage, 0 if echo_only else None)
 
 

@@ -3,6 +3,7 @@ usage, built from the accumulated ``Generation`` of each of a request's choices 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from app.api.outputs import Generation, usage_counts
@@ -86,15 +87,26 @@ def chunk(
     """A ``chat.completion.chunk`` of one choice (``token_ids``: the answer's it adds, where the response
     returns them); with usage every chunk says ``usage: null`` and a final one (``final_usage_chunk``)
     carries the totals, as OpenAI streams do, or with continuous usage each says the choice's so far."""
-    choice: dict[str, Any] = {
-        "index": gen.index,
-        "delta": delta,
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+    choice = stream_choice(gen.index, {"delta": delta}, logprobs, finish_reason, token_ids)
+    return stream_envelope(_envelope(gen, "chat.completion.chunk", [choice], None), gen, stream_usage)
+
+
+def stream_choice(
+    index: int,
+    content: dict[str, Any],
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    token_ids: list[int] | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+) -> dict[str, Any]:
+    """A stream chunk's choice (chat's or a legacy completion's, by its ``content``: ``delta`` or
+    ``text``), with the token ids it carries where the response returns them."""
+    choice: dict[str, Any] = {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = list(prompt_token_ids)
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return stream_envelope(_envelope(gen, "chat.completion.chunk", [choice], None), gen, stream_usage)
+    return choice
 
 
 def stream_envelope(

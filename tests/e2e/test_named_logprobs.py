@@ -22,6 +22,14 @@ TEXT = "Is there a red square in this picture? Answer Yes, No or Maybe."
 IMAGE = make_image(41, (320, 240))
 NUM_TOKENS = 6
 ATOL = 1e-4  # fp32 on both sides
+# greedy, every answer's ids returned and its tokens spelt as ids
+GREEDY = {
+    "max_tokens": NUM_TOKENS,
+    "temperature": 0,
+    "ignore_eos": True,
+    "return_token_ids": True,
+    "return_tokens_as_token_ids": True,
+}
 
 
 def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -40,14 +48,10 @@ def test_chat_lists_the_named_ids_with_transformers_logprobs(server: Server, ora
     body = {
         "model": "tiny-llava",
         "messages": [user_message(TEXT, IMAGE)],
-        "max_tokens": NUM_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
         "logprobs": True,
         "top_logprobs": 2,  # (the named ids take the place of the top ones)
         "logprob_token_ids": named,
-        "return_token_ids": True,
-        "return_tokens_as_token_ids": True,
+        **GREEDY,
     }
     resp = post(server, "/v1/chat/completions", body)
     assert resp.status_code == 200, resp.text
@@ -75,17 +79,7 @@ def test_chat_lists_the_named_ids_with_transformers_logprobs(server: Server, ora
 def test_completions_list_them_in_the_legacy_dict(server: Server, oracle: Oracle) -> None:
     named = label_ids(oracle)
     ids = oracle.processor.tokenizer(TEXT)["input_ids"]
-    body = {
-        "model": "tiny-llava",
-        "prompt": ids,
-        "max_tokens": NUM_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "logprobs": 0,
-        "logprob_token_ids": named,
-        "return_tokens_as_token_ids": True,
-        "return_token_ids": True,
-    }
+    body = {"model": "tiny-llava", "prompt": ids, "logprobs": 0, "logprob_token_ids": named, **GREEDY}
     resp = post(server, "/v1/completions", body)
     assert resp.status_code == 200, resp.text
     [choice] = resp.json()["choices"]
