@@ -47,12 +47,14 @@ def sequences(tokenizer: Any, words: list[str]) -> list[list[int]]:
 
 
 def banned_greedy(
-    oracle: Oracle, inputs: Any, bad_words_ids: list[list[int]]
+    oracle: Oracle, inputs: Any, bad_words_ids: list[list[int]], num_tokens: int = NUM_TOKENS
 ) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy answer under ``bad_words_ids``, EOS ignored, and its processed logprobs."""
+    """transformers' greedy answer under ``bad_words_ids``, EOS ignored, and its processed logprobs (on
+    the oracle's device: the CUDA tier's too)."""
+    inputs = {k: v.to(oracle.model.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
     config = GenerationConfig(
         do_sample=False,
-        max_new_tokens=NUM_TOKENS,
+        max_new_tokens=num_tokens,
         eos_token_id=None,
         pad_token_id=oracle.processor.tokenizer.pad_token_id,
         bad_words_ids=bad_words_ids,
@@ -62,7 +64,7 @@ def banned_greedy(
             **inputs, generation_config=config, output_scores=True, return_dict_in_generate=True
         )
     ids = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-    return ids, torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1)
+    return ids, torch.log_softmax(torch.stack(out.scores)[:, 0].float(), dim=-1).cpu()
 
 
 def words_of(tokenizer: Any, ids: list[int]) -> list[str]:

@@ -5,6 +5,7 @@ the same GPU, by the near-tie rule of every tier (tests/near_tie.py; the bf16 bo
 - images, cold and again from every cache (processor, IPC, encoder and prefix caches hit);
 - a prompt's logprobs (vLLM's ``prompt_logprobs``) with an image: transformers' bf16 forward over it,
   each within twice the near-tie bound (a token's logprob from a neighbouring position is off by nats);
+- the sampler's device paths for named ids' logprobs (``logprob_token_ids``) and ``bad_words``;
 - every cache off, in 128-token prefill steps that cut through the images;
 - the shm store, with a KV pool so small that concurrent requests are preempted and resumed;
 - videos (the Qwen families), cold, warm, chunked and uncached;
@@ -31,8 +32,10 @@ from tests.e2e.conftest import Oracle, greedy_body, make_image, user_message
 from tests.e2e.metrics import delta
 from tests.e2e.parity import NUM_TOKENS, assert_matches_greedy, taken_together
 from tests.e2e.server import Server, role_pid, seconds_until_health, stream_chunks
+from tests.e2e.test_bad_words import banned_greedy, sequences
 from tests.e2e.video_oracle import Case, Expected, body, expected_answers
 from tests.gpu.conftest import Tier, cuda_missing, tier
+from tests.near_tie import accept_near_tie, first_divergence
 from tests.video_clips import make_clip
 
 pytestmark = [
@@ -116,6 +119,37 @@ def test_prompt_logprobs_with_an_image(
         abs(positions[t][str(ids[t])]["logprob"] - float(expected[t - 1, ids[t]])) for t in range(1, len(ids))
     ]
     assert max(gaps) <= 2 * gpu_tier.near_tie, (family, max(gaps), gaps.index(max(gaps)) + 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_named_logprobs_and_bad_words_on_the_device(
+    family: str, gpu_tier: Tier, tier_servers: Servers, tier_oracle: Callable[[str], Oracle]
+) -> None:
+    """The sampler's gather of named ids' logprobs and its masked fill of banned words, on the device:
+    the named ids' logprobs at the first step are transformers', and a word of the greedy answer, banned,
+    gives transformers' answer under its ``bad_words_ids``."""
+    oracle, server = tier_oracle(family), tier_servers[family, "cached"]
+    tokenizer = oracle.processor.tokenizer
+    text, images = IMAGE_CASES["one"]
+    hf_ids, hf_logprobs = oracle.greedy(text, list(images), NUM_TOKENS)
+    named = list(dict.fromkeys([hf_ids[0], 3, len(tokenizer) - 1]))
+    body = image_body(family, text, images) | {"logprob_token_ids": named, "return_token_ids": True}
+    first = ask(server, body)["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    gaps = [abs(alt["logprob"] - float(hf_logprobs[0, t])) for alt, t in zip(first, named, strict=True)]
+    assert max(gaps) <= 2 * gpu_tier.near_tie, (family, gaps)
+    word = next(
+        w
+        for w in (tokenizer.decode([t]).strip() for t in hf_ids)
+        if w.isalpha() and len(sequences(tokenizer, [w])[0]) == 1
+    )
+    banned = sequences(tokenizer, [word])
+    served = ask(server, image_body(family, text, images) | {"bad_words": [word], "return_token_ids": True})
+    ids = served["choices"][0]["token_ids"]
+    assert not {seq[0] for seq in banned} & set(ids), (family, word)
+    want = banned_greedy(oracle, oracle.inputs(text, list(images)), banned, NUM_TOKENS)
+    pos = first_divergence(ids, want[0])
+    if pos is not None:
+        accept_near_tie(pos, ids[pos], want[0][pos], want[1][pos], gpu_tier.near_tie, int, gpu_tier.quantized)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
