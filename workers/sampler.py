@@ -256,11 +256,13 @@ def _mask_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         if not row.params.bad_words:
             continue
         history = row.history
-        outputs = history.token_ids[history.num_prompt_tokens :] if history is not None else []
-        assert len(outputs) == row.num_output_tokens, "bad words read an output not appended yet"
+        assert history is not None  # (the runner gives every request one)
+        token_ids = history.token_ids  # read in place: only each word's prefix length of its tail
+        num_outputs = len(token_ids) - history.num_prompt_tokens
+        assert num_outputs == row.num_output_tokens, "bad words read an output not appended yet"
         for ids in row.params.bad_words:
             *prefix, last = ids
-            if prefix and (len(outputs) < len(prefix) or outputs[len(outputs) - len(prefix) :] != prefix):
+            if prefix and (num_outputs < len(prefix) or token_ids[len(token_ids) - len(prefix) :] != prefix):
                 continue
             if last < vocab_size:
                 row_idx.append(i)

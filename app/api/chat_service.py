@@ -171,6 +171,7 @@ class ChatService:
         if tools.constraint is not None:
             constraint = RequestedConstraint(tools.constraint, "tools")
         alone_with_allowed_tokens(body, constraint)
+        bad_words = self.bad_words(body)
         scope = self.inputs.cache_scope(request_tenant(raw.scope), body.cache_salt)
         base_id = f"chatcmpl-{uuid.uuid4().hex}"
         return RequestSpec(
@@ -185,7 +186,9 @@ class ChatService:
                 body.documents_json,
             ),
             req_ids=[base_id, *(f"{base_id}-{index}" for index in range(1, body.n))],
-            sampling=lambda num_prompt_tokens, index: self.sampling(body, num_prompt_tokens, index),
+            sampling=lambda num_prompt_tokens, index: self.sampling(
+                body, num_prompt_tokens, index, bad_words
+            ),
             constraint=constraint.constraint if constraint is not None else None,
             constraint_param=constraint.param if constraint is not None else None,
             priority=body.priority,
@@ -219,8 +222,22 @@ class ChatService:
             )
         return RequestTools(rendered, tool_cons)
 
-    def sampling(self, body: SamplingRequest, num_prompt_tokens: int, index: int) -> SamplingParams:
-        """Choice ``index``'s parameters for a prompt of ``num_prompt_tokens``."""
+    def bad_words(self, body: SamplingRequest) -> tuple[tuple[int, ...], ...] | None:
+        """The request's ``bad_words`` as token sequences, tokenized once per request (a 400 now, before
+        any work, for an id outside the vocabulary)."""
+        if not body.bad_words:
+            return None
+        return bad_words_token_ids(body.bad_words, self.tokenizer, self.inputs.family.vocab_size)
+
+    def sampling(
+        self,
+        body: SamplingRequest,
+        num_prompt_tokens: int,
+        index: int,
+        bad_words: tuple[tuple[int, ...], ...] | None = None,
+    ) -> SamplingParams:
+        """Choice ``index``'s parameters for a prompt of ``num_prompt_tokens`` (``bad_words``: the
+        request's, from ``bad_words``)."""
         family = self.inputs.family
         first = sampling_params(
             body,
@@ -231,8 +248,7 @@ class ChatService:
             family.vocab_size,
         )
         params = choice_sampling(first, index)
-        if body.bad_words:
-            bad_words = bad_words_token_ids(body.bad_words, self.tokenizer, family.vocab_size)
+        if bad_words is not None:
             params = msgspec.structs.replace(params, bad_words=bad_words)
         if index == 0 and body.num_prompt_logprobs() is not None:  # (the others echo the first's)
             params = msgspec.structs.replace(params, num_prompt_logprobs=body.num_prompt_logprobs())

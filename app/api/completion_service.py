@@ -97,6 +97,7 @@ class CompletionService:
         alone_with_allowed_tokens(body, constraint)
         scope = chat.inputs.cache_scope(request_tenant(raw.scope), body.cache_salt)
         truncation = prompt_truncation(body, chat.max_model_len)
+        bad_words = chat.bad_words(body)
         specs = []
         for i, prompt in enumerate(prompts):
             prompt_id = base_id if i == 0 else f"{base_id}-p{i}"
@@ -107,7 +108,9 @@ class CompletionService:
                     scope=scope,
                     template=TemplateOptions(),
                     req_ids=[prompt_id, *(f"{prompt_id}-{j}" for j in range(1, body.n))],
-                    sampling=lambda num_prompt_tokens, index: chat.sampling(body, num_prompt_tokens, index),
+                    sampling=lambda num_prompt_tokens, index: chat.sampling(
+                        body, num_prompt_tokens, index, bad_words
+                    ),
                     constraint=constraint.constraint if constraint is not None else None,
                     constraint_param=constraint.param if constraint is not None else None,
                     raw_prompt=RawPrompt(
